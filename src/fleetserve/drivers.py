@@ -1,0 +1,132 @@
+"""The driver table: the single source of every fact that varies by device stack.
+
+A driver is named as Kubernetes DRA names it. Adding a device type is adding a row to
+``DRIVERS``; no other module branches on a vendor. Pool label and taint are derived from the
+driver by one rule (``pool_label``/``pool_taint``), never spelled per vendor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from types import MappingProxyType
+
+
+class Driver(StrEnum):
+    """A device stack, named as its Kubernetes DRA driver."""
+
+    NVIDIA = "gpu.nvidia.com"
+    AMD = "gpu.amd.com"
+    CPU = "dra.cpu"
+
+
+class RuntimeVariant(StrEnum):
+    """The build of an engine: which device API it computes with."""
+
+    CPU = "cpu"
+    CUDA = "cuda"
+    ROCM = "rocm"
+    VULKAN = "vulkan"
+
+
+@dataclass(frozen=True)
+class Taint:
+    """A Kubernetes-style node taint: only workloads that tolerate it land on the node."""
+
+    key: str
+    value: str
+    effect: str = "NoSchedule"
+
+    def __str__(self) -> str:
+        return f"{self.key}={self.value}:{self.effect}"
+
+
+@dataclass(frozen=True)
+class DriverSpec:
+    """Every per-driver fact: vendor, pool role, env, device-plugin resource, metrics, stack."""
+
+    vendor: str
+    pool_role: str
+    # Which environment variables restrict an engine to its devices, per runtime variant.
+    visible_devices_env: Mapping[RuntimeVariant, tuple[str, ...]]
+    # The Kubernetes device-plugin resource, per runtime variant (Vulkan uses the DRI render node).
+    device_plugin_resource: Mapping[RuntimeVariant, str]
+    gpu_metrics_source: str
+    stack_components: tuple[str, ...]
+    is_accelerator: bool
+
+
+POOL_LABEL_KEY = "fleetserve.io/pool"
+TAINT_PREFIX = "fleetserve.io/"
+
+
+def _frozen(d: dict[RuntimeVariant, tuple[str, ...]]) -> Mapping[RuntimeVariant, tuple[str, ...]]:
+    return MappingProxyType(d)
+
+
+DRIVERS: Mapping[Driver, DriverSpec] = MappingProxyType(
+    {
+        Driver.NVIDIA: DriverSpec(
+            vendor="nvidia",
+            pool_role="nvidia-gpu",
+            visible_devices_env=_frozen({RuntimeVariant.CUDA: ("CUDA_VISIBLE_DEVICES",)}),
+            device_plugin_resource=MappingProxyType({RuntimeVariant.CUDA: "nvidia.com/gpu"}),
+            gpu_metrics_source="DCGM exporter, or NVML in the agent",
+            stack_components=("nvidia-dra-driver-gpu", "nvidia-gpu-operator", "dcgm-exporter", "nfd"),
+            is_accelerator=True,
+        ),
+        Driver.AMD: DriverSpec(
+            vendor="amd",
+            pool_role="amd-gpu",
+            visible_devices_env=_frozen(
+                {
+                    RuntimeVariant.ROCM: ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"),
+                    RuntimeVariant.VULKAN: ("GGML_VK_VISIBLE_DEVICES",),
+                }
+            ),
+            device_plugin_resource=MappingProxyType(
+                {RuntimeVariant.ROCM: "amd.com/gpu", RuntimeVariant.VULKAN: "squat.ai/dri"}
+            ),
+            gpu_metrics_source="AMD device-metrics-exporter, or sysfs/amdsmi in the agent",
+            stack_components=("amd-gpu-operator", "amd-device-metrics-exporter", "nfd"),
+            is_accelerator=True,
+        ),
+        Driver.CPU: DriverSpec(
+            vendor="cpu",
+            pool_role="cpu",
+            visible_devices_env=_frozen({RuntimeVariant.CPU: ()}),
+            device_plugin_resource=MappingProxyType({RuntimeVariant.CPU: "cpu"}),
+            gpu_metrics_source="none",
+            stack_components=("dra-driver-cpu",),
+            is_accelerator=False,
+        ),
+    }
+)
+
+
+def parse_driver(name: str) -> Driver | None:
+    """Return the Driver named ``name``, or None if no row of the table has that name."""
+    try:
+        return Driver(name)
+    except ValueError:
+        return None
+
+
+def pool_label(driver: Driver) -> tuple[str, str]:
+    """The node label (key, value) of the pool that serves ``driver``."""
+    return (POOL_LABEL_KEY, DRIVERS[driver].pool_role)
+
+
+def pool_taint(driver: Driver) -> Taint:
+    """The taint every node of ``driver``'s pool carries; only that driver's workloads tolerate it."""
+    return Taint(key=TAINT_PREFIX + driver.value, value="present")
+
+
+def stack_for(drivers: list[Driver]) -> tuple[str, ...]:
+    """The serving-stack components for a list of claimed drivers (empty list, empty stack)."""
+    seen: dict[str, None] = {}
+    for driver in drivers:
+        for component in DRIVERS[driver].stack_components:
+            seen.setdefault(component, None)
+    return tuple(seen)

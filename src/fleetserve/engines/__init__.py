@@ -1,0 +1,1 @@
+"""Inference engines: what each can do (capabilities) and, later, how to launch it (adapters)."""

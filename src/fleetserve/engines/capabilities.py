@@ -1,0 +1,96 @@
+"""Engine capability rules as data: one row per engine, keyed by ``EngineKind``.
+
+Why the refusals (design.md, Engines): for vLLM an omitted device class would turn a typo into
+a replica placed on a machine with no hardware; llama.cpp splits across local GPUs by its own
+mechanism, which the adapter does not drive, so tensor parallel and multi-node are refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from types import MappingProxyType
+
+from fleetserve.drivers import Driver, RuntimeVariant
+
+
+class EngineKind(StrEnum):
+    """An inference engine fleetserve can run."""
+
+    VLLM = "vllm"
+    LLAMACPP = "llama.cpp"
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What one engine can serve: its runtime variants and the shapes it accepts."""
+
+    # Runtime variant → the driver whose devices it computes on.
+    variants: Mapping[RuntimeVariant, Driver]
+    # The variant a profile gets when it names a device class but no runtime.
+    default_variant: Mapping[Driver, RuntimeVariant]
+    # Whether a profile may omit its device class, meaning "run on the CPU".
+    cpu_without_class: bool
+    tensor_parallel: bool
+    multi_node: bool
+    why_no_cpu: str = ""
+    why_no_split: str = ""
+
+    def drivers(self) -> frozenset[Driver]:
+        """Every driver this engine has a variant for."""
+        return frozenset(self.variants.values())
+
+
+ENGINES: Mapping[EngineKind, EngineCapabilities] = MappingProxyType(
+    {
+        EngineKind.VLLM: EngineCapabilities(
+            variants=MappingProxyType({RuntimeVariant.CUDA: Driver.NVIDIA, RuntimeVariant.ROCM: Driver.AMD}),
+            default_variant=MappingProxyType(
+                {Driver.NVIDIA: RuntimeVariant.CUDA, Driver.AMD: RuntimeVariant.ROCM}
+            ),
+            cpu_without_class=False,
+            tensor_parallel=True,
+            multi_node=True,
+            why_no_cpu=(
+                "vllm needs a deviceClass: an omitted class would place the replica on a "
+                "machine with no GPU and fail minutes later while loading; name a GPU class, "
+                "or use engine llama.cpp to serve on the CPU"
+            ),
+        ),
+        EngineKind.LLAMACPP: EngineCapabilities(
+            variants=MappingProxyType(
+                {
+                    RuntimeVariant.CPU: Driver.CPU,
+                    RuntimeVariant.CUDA: Driver.NVIDIA,
+                    RuntimeVariant.VULKAN: Driver.AMD,
+                    RuntimeVariant.ROCM: Driver.AMD,
+                }
+            ),
+            # Vulkan is the AMD default; ROCm is a per-profile opt-in (runtime: rocm).
+            default_variant=MappingProxyType(
+                {
+                    Driver.CPU: RuntimeVariant.CPU,
+                    Driver.NVIDIA: RuntimeVariant.CUDA,
+                    Driver.AMD: RuntimeVariant.VULKAN,
+                }
+            ),
+            cpu_without_class=True,
+            tensor_parallel=False,
+            multi_node=False,
+            why_no_split=(
+                "llama.cpp splits across local GPUs by its own mechanism, which fleetserve does "
+                "not drive; the replica would serve from one device while the catalog believed "
+                "it had several. Use devicesPerNode: 1 and nodes: 1, or engine vllm"
+            ),
+        ),
+    }
+)
+
+
+def serving_drivers() -> frozenset[Driver]:
+    """Every driver at least one engine has a runtime variant for."""
+    out: set[Driver] = set()
+    for caps in ENGINES.values():
+        out |= caps.drivers()
+    return frozenset(out)

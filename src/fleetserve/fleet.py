@@ -1,0 +1,103 @@
+"""From loaded documents to a checked ``ClusterSnapshot``: references resolved, facts read.
+
+This is an edge: it reads model files (GGUF headers). Everything it produces is immutable and
+handed to the pure core.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from types import MappingProxyType
+
+from fleetserve.errors import ConfigError, Problem
+from fleetserve.modelfacts import ModelFacts, model_facts
+from fleetserve.snapshot import ClusterSnapshot
+from fleetserve.spec.loader import Documents
+from fleetserve.validation import validate_deployment
+
+
+def _duplicates(kind: str, names: Iterable[str]) -> list[Problem]:
+    seen: set[str] = set()
+    out = []
+    for name in names:
+        if name in seen:
+            out.append(
+                Problem(
+                    f"{kind} {name}", "name", f"two {kind} documents are named {name!r}; names must be unique"
+                )
+            )
+        seen.add(name)
+    return out
+
+
+def check_documents(docs: Documents) -> list[Problem]:
+    """Every broken reference and engine refusal across the documents."""
+    problems: list[Problem] = []
+    problems += _duplicates("DeviceClass", (c.name for c in docs.classes))
+    problems += _duplicates("Fabric", (f.name for f in docs.fabrics))
+    problems += _duplicates("Node", (n.name for n in docs.nodes))
+    problems += _duplicates("Model", (m.name for m in docs.models))
+    problems += _duplicates("Deployment", (d.name for d in docs.deployments))
+    problems += _duplicates("Replica", (r.name for r in docs.replicas))
+    classes = {c.name: c for c in docs.classes}
+    fabrics = {f.name for f in docs.fabrics}
+    models = {m.name for m in docs.models}
+    deployments = {d.name for d in docs.deployments}
+    for node in docs.nodes:
+        for device in node.devices:
+            if device.device_class not in classes:
+                problems.append(
+                    Problem(
+                        f"Node {node.name}",
+                        f"devices[{device.index}].class",
+                        f"unknown device class {device.device_class!r}; known: "
+                        f"{', '.join(sorted(classes)) or 'none defined'}",
+                    )
+                )
+        for hca in node.hcas:
+            if hca.fabric not in fabrics:
+                problems.append(
+                    Problem(
+                        f"Node {node.name}",
+                        f"hcas.{hca.name}.fabric",
+                        f"unknown fabric {hca.fabric!r}; known: "
+                        f"{', '.join(sorted(fabrics)) or 'none defined'}",
+                    )
+                )
+    for dep in docs.deployments:
+        if dep.model not in models:
+            problems.append(
+                Problem(
+                    f"Deployment {dep.name}",
+                    "model",
+                    f"unknown model {dep.model!r}; known: {', '.join(sorted(models)) or 'none defined'}",
+                )
+            )
+        problems += validate_deployment(dep, classes)
+    for replica in docs.replicas:
+        if replica.deployment not in deployments:
+            problems.append(
+                Problem(f"Replica {replica.name}", "deployment", f"unknown deployment {replica.deployment!r}")
+            )
+    return problems
+
+
+def snapshot_from(docs: Documents, base_dir: Path | None = None) -> ClusterSnapshot:
+    """Check the documents and build the snapshot placement decides from."""
+    problems = check_documents(docs)
+    facts: dict[str, ModelFacts] = {}
+    for model in docs.models:
+        try:
+            facts[model.name] = model_facts(model, base_dir)
+        except ConfigError as err:
+            problems += err.problems
+    if problems:
+        raise ConfigError(problems)
+    return ClusterSnapshot(
+        classes=MappingProxyType({c.name: c for c in docs.classes}),
+        nodes=tuple(docs.nodes),
+        fabrics=MappingProxyType({f.name: f for f in docs.fabrics}),
+        replicas=tuple(docs.replicas),
+        models=MappingProxyType(facts),
+    )

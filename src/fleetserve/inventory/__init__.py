@@ -1,0 +1,1 @@
+"""The inventory of nodes, devices and allocations, behind one interface the stores implement."""

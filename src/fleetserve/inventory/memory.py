@@ -1,0 +1,90 @@
+"""An in-memory inventory: the reference implementation of ``Inventory`` (and the tests' fake)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from fleetserve.errors import UnknownNode, UnknownReplica
+from fleetserve.inventory.base import Registration
+from fleetserve.modelfacts import ModelFacts
+from fleetserve.placement.state import WorkingState
+from fleetserve.snapshot import ClusterSnapshot
+from fleetserve.spec.resources import Cordon, DeviceClass, Fabric, Node, NodeState, Replica
+
+
+class InMemoryInventory:
+    """Holds the inventory in dicts; every operation is all-or-nothing."""
+
+    def __init__(self) -> None:
+        self._classes: dict[str, DeviceClass] = {}
+        self._fabrics: dict[str, Fabric] = {}
+        self._nodes: dict[str, Node] = {}
+        self._epochs: dict[str, int] = {}
+        self._replicas: dict[str, Replica] = {}
+
+    def put_class(self, cls: DeviceClass) -> None:
+        self._classes[cls.name] = cls
+
+    def put_fabric(self, fabric: Fabric) -> None:
+        self._fabrics[fabric.name] = fabric
+
+    def register(self, node: Node) -> Registration:
+        existing = self._nodes.get(node.name)
+        # Hardware facts come from the agent; the cordon is the operator's and survives.
+        cordon = existing.cordon if existing is not None else node.cordon
+        stored = node.model_copy(update={"cordon": cordon, "state": NodeState.READY})
+        self._nodes[node.name] = stored
+        self._epochs[node.name] = self._epochs.get(node.name, 0) + 1
+        return Registration(stored, self._epochs[node.name], existing is None)
+
+    def get_node(self, name: str) -> Node:
+        try:
+            return self._nodes[name]
+        except KeyError:
+            raise UnknownNode(f"no node named {name!r} is registered") from None
+
+    def nodes(self) -> list[Node]:
+        return [self._nodes[n] for n in sorted(self._nodes)]
+
+    def epoch(self, name: str) -> int:
+        """The node's registration epoch (0 if never registered)."""
+        return self._epochs.get(name, 0)
+
+    def cordon(self, name: str, reason: str, by: str = "operator") -> Node:
+        node = self.get_node(name).model_copy(update={"cordon": Cordon(reason=reason, by=by)})
+        self._nodes[name] = node
+        return node
+
+    def uncordon(self, name: str) -> Node:
+        node = self.get_node(name).model_copy(update={"cordon": None})
+        self._nodes[name] = node
+        return node
+
+    def set_state(self, name: str, state: NodeState) -> Node:
+        node = self.get_node(name).model_copy(update={"state": state})
+        self._nodes[name] = node
+        return node
+
+    def allocate(self, replica: Replica) -> None:
+        # Check against the current free capacity; raises AllocationConflict before any change.
+        WorkingState(self.snapshot()).check(replica)
+        self._replicas[replica.name] = replica
+
+    def release(self, name: str) -> Replica:
+        try:
+            return self._replicas.pop(name)
+        except KeyError:
+            raise UnknownReplica(f"no replica named {name!r} is allocated") from None
+
+    def replicas(self) -> list[Replica]:
+        return [self._replicas[n] for n in sorted(self._replicas)]
+
+    def snapshot(self, models: Mapping[str, ModelFacts] | None = None) -> ClusterSnapshot:
+        return ClusterSnapshot(
+            classes=MappingProxyType(dict(self._classes)),
+            nodes=tuple(self.nodes()),
+            fabrics=MappingProxyType(dict(self._fabrics)),
+            replicas=tuple(self.replicas()),
+            models=MappingProxyType(dict(models or {})),
+        )

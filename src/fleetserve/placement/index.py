@@ -1,0 +1,282 @@
+"""The indexed search: free capacity bucketed per device class, so a decision never scans the fleet.
+
+Per class, eligible nodes (Ready, not cordoned, tolerating the class's driver taint) sit in
+buckets by how many devices of the class they have free — and again per fabric for multi-node
+replicas. Bin packing is "the lowest non-empty bucket at or above k"; the emptiest machines are
+the highest buckets. CPU nodes sit in one list sorted by free cores. Explanations are computed
+from counters kept beside the buckets, so a "does not fit" costs no scan either; they agree
+exactly with the full scan in ``naive.py`` (a property the tests check).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import MappingProxyType
+
+from sortedcontainers import SortedList
+
+from fleetserve.drivers import Driver, parse_driver
+from fleetserve.placement.choose import Found, found_group, found_single, group_score
+from fleetserve.placement.demand import Demand
+from fleetserve.placement.filters import free_cores, free_memory
+from fleetserve.placement.report import ProfileReport, Reason, sort_counts
+from fleetserve.placement.state import NodeWork, WorkingState
+from fleetserve.spec.resources import Replica
+
+Counts = dict[tuple[Reason, int | None], int]
+
+
+class _ClassIndex:
+    """Buckets of eligible nodes by free-device count for one device class."""
+
+    def __init__(self, max_devices: int) -> None:
+        self.all: list[SortedList] = [SortedList() for _ in range(max_devices + 1)]
+        self.attached: list[SortedList] = [SortedList() for _ in range(max_devices + 1)]
+        self.fabric: dict[str, list[SortedList]] = {}
+        self.present = 0  # Ready, uncordoned nodes with this class, before the taint check
+        self.eligible = 0
+        self.no_fabric = 0
+
+    def buckets_for(self, fabric: str) -> list[SortedList]:
+        if fabric not in self.fabric:
+            self.fabric[fabric] = [SortedList() for _ in range(len(self.all))]
+        return self.fabric[fabric]
+
+    def place(self, node: NodeWork, j: int, add: bool) -> None:
+        """Add ``node`` to (or remove it from) every bucket list it belongs in at count ``j``."""
+        op = SortedList.add if add else SortedList.remove
+        op(self.all[j], node.name)
+        if node.fabrics:
+            op(self.attached[j], node.name)
+            for fabric in node.fabrics:
+                op(self.buckets_for(fabric)[j], node.name)
+
+
+class IndexedSearch:
+    """Finds a place for a demand from per-class free-capacity indexes."""
+
+    def __init__(self, state: WorkingState) -> None:
+        self.state = state
+        self.not_ready = 0
+        self.cordoned = 0
+        self.classes: dict[str, _ClassIndex] = {}
+        self.cpu = SortedList()  # (-free cores, name) of nodes a CPU replica may use
+        self.cpu_taint = 0  # Ready, uncordoned nodes in a GPU pool
+        self.cache: dict[str, set[str]] = {}
+        self._count: dict[tuple[str, str], int] = {}  # (class, node) → indexed free count
+        self._cores: dict[str, int] = {}
+        drivers = {c: parse_driver(d.driver) for c, d in state.snapshot.classes.items()}
+        for node in state.nodes:
+            for model in node.cache:
+                self.cache.setdefault(model, set()).add(node.name)
+            if not node.ready:
+                self.not_ready += 1
+                continue
+            if node.cordoned:
+                self.cordoned += 1
+                continue
+            if node.tolerates(Driver.CPU):
+                self._cores[node.name] = node.free_cores
+                self.cpu.add((-node.free_cores, node.name))
+            else:
+                self.cpu_taint += 1
+            for cls, _indices in node.devices_of.items():
+                index = self.classes.get(cls)
+                if index is None:
+                    size = max(len(n.devices_of.get(cls, ())) for n in state.nodes)
+                    index = self.classes[cls] = _ClassIndex(size)
+                index.present += 1
+                driver = drivers.get(cls)
+                if driver is None or not node.tolerates(driver):
+                    continue
+                index.eligible += 1
+                index.no_fabric += 0 if node.fabrics else 1
+                j = node.free_count(cls)
+                self._count[(cls, node.name)] = j
+                index.place(node, j, add=True)
+
+    # --- changes -------------------------------------------------------------------------
+
+    def _refresh(self, nodes: list[NodeWork]) -> None:
+        for node in nodes:
+            for cls in node.devices_of:
+                old = self._count.get((cls, node.name))
+                if old is None:
+                    continue
+                new = node.free_count(cls)
+                if new != old:
+                    index = self.classes[cls]
+                    index.place(node, old, add=False)
+                    index.place(node, new, add=True)
+                    self._count[(cls, node.name)] = new
+            old_cores = self._cores.get(node.name)
+            if old_cores is not None and old_cores != node.free_cores:
+                self.cpu.remove((-old_cores, node.name))
+                self.cpu.add((-node.free_cores, node.name))
+                self._cores[node.name] = node.free_cores
+
+    def commit(self, replica: Replica) -> None:
+        """Allocate a replica found by ``find`` and update the indexes."""
+        self._refresh(self.state.allocate(replica))
+
+    def release(self, name: str) -> None:
+        """Give back a replica's every shard and update the indexes."""
+        self._refresh(self.state.release(name))
+
+    # --- search ----------------------------------------------------------------------------
+
+    def find(self, demand: Demand) -> Found | ProfileReport:
+        """Where ``demand`` fits, or a report of why no node does."""
+        if demand.device_class is None:
+            return self._find_cpu(demand)
+        index = self.classes.get(demand.device_class)
+        if index is None or demand.device_memory > demand.class_memory:
+            return self._gpu_report(demand, index, {}, 0, {})
+        if demand.nodes == 1:
+            return self._find_single(demand, index)
+        return self._find_group(demand, index)
+
+    def _fits_host(self, node: NodeWork, demand: Demand, counts: Counts) -> bool:
+        for check in (free_cores, free_memory):
+            rejection = check(node, demand)
+            if rejection is not None:
+                counts[rejection] = counts.get(rejection, 0) + 1
+                return False
+        return True
+
+    def _find_single(self, demand: Demand, index: _ClassIndex) -> Found | ProfileReport:
+        by_name = self.state.by_name
+        k = demand.devices_per_node
+        claims_host = demand.cpu_cores > 0 or demand.host_memory > 0
+        holders = self.cache.get(demand.model, set())
+        counts: Counts = {}
+        for j in range(k, len(index.all)):
+            bucket = index.all[j]
+            if not bucket:
+                continue
+            if not claims_host:
+                # Among equals (same free count), a node already holding the model.
+                if holders and len(holders) <= len(bucket):
+                    cached = sorted(h for h in holders if h in bucket)
+                    pick = cached[0] if cached else bucket[0]
+                else:
+                    pick = next((n for n in bucket if n in holders), bucket[0])
+                return found_single(by_name[pick], demand)
+            first: NodeWork | None = None
+            for name in bucket:
+                node = by_name[name]
+                if not self._fits_host(node, demand, counts):
+                    continue
+                if name in holders:
+                    first = node
+                    break
+                first = first or node
+            if first is not None:
+                return found_single(first, demand)
+        return self._gpu_report(demand, index, counts, 0, {})
+
+    def _members(self, buckets: list[SortedList], demand: Demand, counts: Counts) -> Iterator[NodeWork]:
+        """Nodes of a fabric that fit alone, emptiest first."""
+        by_name = self.state.by_name
+        for j in range(len(buckets) - 1, demand.devices_per_node - 1, -1):
+            for name in buckets[j]:
+                node = by_name[name]
+                if self._fits_host(node, demand, counts):
+                    yield node
+
+    def _find_group(self, demand: Demand, index: _ClassIndex) -> Found | ProfileReport:
+        best: tuple[tuple[int, str], list[NodeWork], str] | None = None
+        for fabric, buckets in index.fabric.items():
+            chosen: list[NodeWork] = []
+            for node in self._members(buckets, demand, {}):
+                chosen.append(node)
+                if len(chosen) == demand.nodes:
+                    break
+            if len(chosen) == demand.nodes:
+                score = group_score(chosen, demand, fabric)
+                if best is None or score < best[0]:
+                    best = (score, chosen, fabric)
+        if best is not None:
+            return found_group(best[1], demand, best[2])
+        counts: Counts = {}
+        n_fit = sum(1 for _ in self._members(index.attached, demand, counts))
+        fabric_fit = {
+            f: n for f, b in index.fabric.items() if (n := sum(1 for _ in self._members(b, demand, {})))
+        }
+        return self._gpu_report(demand, index, counts, n_fit, fabric_fit)
+
+    def _find_cpu(self, demand: Demand) -> Found | ProfileReport:
+        by_name = self.state.by_name
+        holders = self.cache.get(demand.model, set())
+        best: NodeWork | None = None
+        memory_short = 0
+        for neg_cores, name in self.cpu:
+            if -neg_cores < demand.cpu_cores:
+                break
+            if best is not None and -neg_cores != best.free_cores:
+                break
+            node = by_name[name]
+            if node.free_memory < demand.host_memory:
+                memory_short += 1
+                continue
+            if name in holders:
+                best = node
+                break
+            best = best or node
+        if best is not None:
+            return found_single(best, demand)
+        cpu_short = len(self.cpu) - self.cpu.bisect_left((-demand.cpu_cores + 1, ""))
+        counts: Counts = self._base_counts()
+        rest = len(self.state.nodes) - self.not_ready - self.cordoned
+        counts[(Reason.TAINT_NOT_TOLERATED, None)] = rest - len(self.cpu)
+        counts[(Reason.INSUFFICIENT_CPU, None)] = cpu_short
+        counts[(Reason.INSUFFICIENT_MEMORY, None)] = memory_short
+        return self._report(demand, counts, 0, {})
+
+    # --- explanations from counters ------------------------------------------------------------
+
+    def _base_counts(self) -> Counts:
+        return {(Reason.NOT_READY, None): self.not_ready, (Reason.CORDONED, None): self.cordoned}
+
+    def _gpu_report(
+        self,
+        demand: Demand,
+        index: _ClassIndex | None,
+        host_counts: Counts,
+        n_fit: int,
+        fabric_fit: dict[str, int],
+    ) -> ProfileReport:
+        counts = self._base_counts()
+        rest = len(self.state.nodes) - self.not_ready - self.cordoned
+        present = index.present if index else 0
+        counts[(Reason.NO_DEVICE_OF_CLASS, None)] = rest - present
+        if index is not None:
+            counts[(Reason.TAINT_NOT_TOLERATED, None)] = present - index.eligible
+            if demand.device_memory > demand.class_memory:
+                counts[(Reason.DEVICE_MEMORY_TOO_SMALL, None)] = index.eligible
+            else:
+                buckets = index.all
+                if demand.nodes > 1:
+                    counts[(Reason.NO_FABRIC, None)] = index.no_fabric
+                    buckets = index.attached
+                for j in range(min(demand.devices_per_node, len(buckets))):
+                    counts[(Reason.INSUFFICIENT_FREE_DEVICES, j)] = len(buckets[j])
+                for key, n in host_counts.items():
+                    counts[key] = counts.get(key, 0) + n
+                if n_fit:
+                    counts[(Reason.FABRIC_TOO_SMALL, None)] = n_fit
+        return self._report(demand, counts, n_fit, fabric_fit)
+
+    def _report(
+        self, demand: Demand, counts: Counts, n_fit: int, fabric_fit: dict[str, int]
+    ) -> ProfileReport:
+        return ProfileReport(
+            profile=demand.profile,
+            device_class=demand.device_class,
+            needed=demand.devices_per_node,
+            nodes_needed=demand.nodes,
+            nodes_evaluated=len(self.state.nodes),
+            nodes_fit=n_fit,
+            reasons=sort_counts(counts),
+            fabric_fit=MappingProxyType(fabric_fit),
+        )

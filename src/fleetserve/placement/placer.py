@@ -1,0 +1,228 @@
+"""Placement decisions for deployments: a pure function of (deployments, snapshot).
+
+For each deployment: the gate decides which profiles may be used; replicas that already run
+stay where they are; replicas on Lost nodes are replaced under new names (a replica never runs
+twice under one identity); missing replicas are placed one at a time, each trying profiles in
+priority order — the highest that fits wins — and every profile that did not fit says why.
+No I/O, no clock, no randomness: the same inputs give the same decision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Protocol
+
+from fleetserve.placement.choose import Found
+from fleetserve.placement.demand import Demand, demand_for
+from fleetserve.placement.index import IndexedSearch
+from fleetserve.placement.naive import NaiveSearch
+from fleetserve.placement.report import ProfileReport, render_report
+from fleetserve.placement.state import WorkingState
+from fleetserve.snapshot import ClusterSnapshot
+from fleetserve.spec.resources import Deployment, NodeState, Replica, ReplicaState
+from fleetserve.validation import Condition, gate
+
+
+class Search(Protocol):
+    """A strategy that finds where a demand fits and keeps its view of free capacity current."""
+
+    def find(self, demand: Demand) -> Found | ProfileReport: ...
+    def commit(self, replica: Replica) -> None: ...
+    def release(self, name: str) -> None: ...
+
+
+class SearchKind(StrEnum):
+    """Which search a Placer uses: the indexed one, or the full-scan baseline."""
+
+    INDEXED = "indexed"
+    NAIVE = "naive"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A new replica and why it went there: its scores, and the profiles tried before it."""
+
+    replica: Replica
+    scores: Mapping[str, float]
+    skipped: tuple[ProfileReport, ...] = ()
+
+
+@dataclass(frozen=True)
+class Unplaced:
+    """A replica that fits nowhere, with every profile's explanation."""
+
+    name: str
+    reports: tuple[ProfileReport, ...]
+
+
+@dataclass(frozen=True)
+class DeploymentDecision:
+    """Everything placement decided for one deployment in one cycle."""
+
+    deployment: str
+    desired: int
+    accepted: Condition
+    kept: tuple[str, ...] = ()
+    placed: tuple[Placement, ...] = ()
+    unplaced: tuple[Unplaced, ...] = ()
+    lost: tuple[str, ...] = ()  # replicas on Lost nodes, replaced by new identities
+    surplus: tuple[str, ...] = ()  # running replicas beyond the desired count, to stop
+    conditions: tuple[Condition, ...] = field(default=())
+
+    @property
+    def schedulable(self) -> bool:
+        return not self.unplaced
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for JSON output and storage."""
+
+        def cond(c: Condition) -> dict[str, Any]:
+            return {"type": c.type, "status": c.status, "reason": c.reason, "message": c.message}
+
+        return {
+            "deployment": self.deployment,
+            "desired": self.desired,
+            "conditions": [cond(c) for c in (self.accepted, *self.conditions)],
+            "kept": list(self.kept),
+            "lost": list(self.lost),
+            "surplus": list(self.surplus),
+            "placed": [
+                {
+                    "replica": p.replica.name,
+                    "profile": p.replica.profile,
+                    "deviceClass": p.replica.device_class,
+                    "fabric": p.replica.fabric,
+                    "shards": [s.model_dump(by_alias=True) for s in p.replica.shards],
+                    "scores": dict(p.scores),
+                    "skipped": [r.to_dict() for r in p.skipped],
+                }
+                for p in self.placed
+            ],
+            "unplaced": [
+                {"replica": u.name, "reports": [r.to_dict() for r in u.reports]} for u in self.unplaced
+            ],
+        }
+
+
+def _ordinal_names(dep: str, taken: set[str]) -> Iterable[str]:
+    i = 0
+    while True:
+        name = f"{dep}-{i}"
+        if name not in taken:
+            yield name
+        i += 1
+
+
+class Placer:
+    """Places deployments against one snapshot, keeping free capacity current across them."""
+
+    def __init__(self, snapshot: ClusterSnapshot, search: SearchKind = SearchKind.INDEXED) -> None:
+        self.snapshot = snapshot
+        self.state = WorkingState(snapshot)
+        self.search: Search = (
+            IndexedSearch(self.state) if search is SearchKind.INDEXED else NaiveSearch(self.state)
+        )
+        self._served = snapshot.served_drivers()
+        self._node_state = {n.name: n.state for n in snapshot.nodes}
+
+    def place_one(self, name: str, deployment: str, demands: Iterable[Demand]) -> Placement | Unplaced:
+        """Place one replica: the first demand (profile) that fits wins; commit it."""
+        reports: list[ProfileReport] = []
+        for demand in demands:
+            found = self.search.find(demand)
+            if isinstance(found, ProfileReport):
+                reports.append(found)
+                continue
+            replica = Replica(
+                name=name,
+                deployment=deployment,
+                profile=demand.profile,
+                device_class=demand.device_class,
+                shards=found.shards,
+                state=ReplicaState.PENDING,
+                fabric=found.fabric,
+            )
+            self.search.commit(replica)
+            return Placement(replica, found.scores, tuple(reports))
+        return Unplaced(name, tuple(reports))
+
+    def release(self, name: str) -> None:
+        """Give a replica's capacity back within this cycle (a scale-down, a stop)."""
+        self.search.release(name)
+
+    def _is_lost(self, replica: Replica) -> bool:
+        return any(self._node_state.get(s.node, NodeState.LOST) is NodeState.LOST for s in replica.shards)
+
+    def plan(self, dep: Deployment) -> DeploymentDecision:
+        """Decide placement for one deployment against the capacity left in this cycle."""
+        result = gate(dep, self.snapshot.classes, self._served)
+        existing = [r for r in self.snapshot.replicas if r.deployment == dep.name]
+        lost = tuple(r.name for r in existing if self._is_lost(r))
+        alive = [r for r in existing if r.name not in lost and r.state is not ReplicaState.FAILED]
+        desired = dep.desired_replicas
+        # Keep the lowest ordinals; stop the rest (a scale-down removes the newest).
+        alive.sort(key=lambda r: (len(r.name), r.name))
+        kept, surplus = alive[:desired], alive[desired:]
+        facts = self.snapshot.models.get(dep.model)
+        extra: list[Condition] = []
+        if facts is None:
+            extra.append(
+                Condition(
+                    "ModelKnown",
+                    False,
+                    "UnknownModel",
+                    f"model {dep.model} is not defined or its size is unknown",
+                )
+            )
+        missing = desired - len(kept)
+        placed: list[Placement] = []
+        unplaced: list[Unplaced] = []
+        if missing > 0:
+            demands = []
+            if facts is not None:
+                demands = [
+                    demand_for(p, facts, self.snapshot.classes.get(p.device_class or ""))
+                    for p in result.usable
+                ]
+            names = _ordinal_names(dep.name, {r.name for r in existing} | set(self.state.names()))
+            for _ in range(missing):
+                outcome = self.place_one(next(names), dep.name, demands)
+                if isinstance(outcome, Placement):
+                    placed.append(outcome)
+                else:
+                    unplaced.append(outcome)
+        if missing > 0 or not kept:
+            ok = not unplaced
+            extra.append(
+                Condition(
+                    "Scheduled",
+                    ok,
+                    "Placed" if ok else "Unschedulable",
+                    ""
+                    if ok
+                    else "; ".join(render_report(r) for r in (unplaced[0].reports if unplaced else ())),
+                )
+            )
+        return DeploymentDecision(
+            deployment=dep.name,
+            desired=desired,
+            accepted=result.accepted,
+            kept=tuple(r.name for r in kept),
+            placed=tuple(placed),
+            unplaced=tuple(unplaced),
+            lost=lost,
+            surplus=tuple(r.name for r in surplus),
+            conditions=tuple(extra),
+        )
+
+
+def plan(
+    deployments: Iterable[Deployment],
+    snapshot: ClusterSnapshot,
+    search: SearchKind = SearchKind.INDEXED,
+) -> list[DeploymentDecision]:
+    """Place every deployment, in order, against one snapshot."""
+    placer = Placer(snapshot, search)
+    return [placer.plan(d) for d in deployments]

@@ -1,0 +1,162 @@
+"""The working state of one placement cycle: per node, what is free right now.
+
+Built once from a ``ClusterSnapshot`` (existing replicas applied), then changed only by
+``allocate`` and ``release`` — whole replicas, every shard at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from fleetserve.drivers import Driver
+from fleetserve.errors import AllocationConflict, UnknownReplica
+from fleetserve.snapshot import ClusterSnapshot
+from fleetserve.spec.resources import Node, NodeState, Replica
+
+
+@dataclass(eq=False)
+class NodeWork:
+    """One node's static facts and its free capacity in this cycle."""
+
+    name: str
+    ready: bool
+    cordoned: bool
+    taints: frozenset[Driver]
+    # class → every device index of that class on the node, healthy or not
+    devices_of: dict[str, tuple[int, ...]]
+    # class → healthy, unallocated device indices
+    free: dict[str, set[int]]
+    # fabric → this node's HCAs on it
+    fabrics: dict[str, tuple[str, ...]]
+    domains: tuple[frozenset[int], ...]
+    cores: int
+    memory: int
+    cache: frozenset[str]
+    used_cores: int = 0
+    used_memory: int = 0
+    class_of: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def free_cores(self) -> int:
+        return self.cores - self.used_cores
+
+    @property
+    def free_memory(self) -> int:
+        return self.memory - self.used_memory
+
+    def free_count(self, device_class: str) -> int:
+        """Free devices of a class on this node."""
+        free = self.free.get(device_class)
+        return len(free) if free else 0
+
+    def tolerates(self, driver: Driver) -> bool:
+        """Whether a workload of ``driver`` tolerates every taint this node carries."""
+        return self.taints <= {driver}
+
+
+def node_work(node: Node, snapshot: ClusterSnapshot) -> NodeWork:
+    """The starting working state of one node: every healthy device free."""
+    devices_of: dict[str, list[int]] = {}
+    free: dict[str, set[int]] = {}
+    class_of: dict[int, str] = {}
+    for device in node.devices:
+        devices_of.setdefault(device.device_class, []).append(device.index)
+        class_of[device.index] = device.device_class
+        if device.health.healthy:
+            free.setdefault(device.device_class, set()).add(device.index)
+    fabrics: dict[str, list[str]] = {}
+    for hca in node.hcas:
+        fabrics.setdefault(hca.fabric, []).append(hca.name)
+    return NodeWork(
+        name=node.name,
+        ready=node.state is NodeState.READY,
+        cordoned=node.cordon is not None,
+        taints=snapshot.node_drivers(node),
+        devices_of={c: tuple(sorted(ix)) for c, ix in devices_of.items()},
+        free=free,
+        fabrics={f: tuple(h) for f, h in fabrics.items()},
+        domains=tuple(frozenset(d) for d in node.nvlink_domains),
+        cores=node.cpu.cores,
+        memory=node.cpu.memory,
+        cache=frozenset(node.model_cache),
+        class_of=class_of,
+    )
+
+
+class WorkingState:
+    """Every node's free capacity for one cycle, with whole-replica allocate and release."""
+
+    def __init__(self, snapshot: ClusterSnapshot) -> None:
+        self.snapshot = snapshot
+        self.nodes: list[NodeWork] = [node_work(n, snapshot) for n in snapshot.nodes]
+        self.by_name: dict[str, NodeWork] = {n.name: n for n in self.nodes}
+        self.replicas: dict[str, Replica] = {}
+        self.skipped: list[str] = []  # existing replicas that could not be applied (stale)
+        for replica in snapshot.replicas:
+            try:
+                self.allocate(replica)
+            except AllocationConflict:
+                self.skipped.append(replica.name)
+
+    def check(self, replica: Replica) -> None:
+        """Raise AllocationConflict unless every shard of ``replica`` is free now."""
+        if replica.name in self.replicas:
+            raise AllocationConflict(f"replica {replica.name} is already allocated")
+        seen: set[tuple[str, int]] = set()
+        for shard in replica.shards:
+            node = self.by_name.get(shard.node)
+            if node is None:
+                raise AllocationConflict(f"replica {replica.name}: node {shard.node} does not exist")
+            for index in shard.devices:
+                cls = node.class_of.get(index)
+                if cls is None or index not in node.free.get(cls, ()) or (shard.node, index) in seen:
+                    raise AllocationConflict(
+                        f"replica {replica.name}: device {shard.node}/{index} is not free"
+                    )
+                seen.add((shard.node, index))
+            if shard.cpu_cores > node.free_cores or shard.memory > node.free_memory:
+                raise AllocationConflict(f"replica {replica.name}: node {shard.node} lacks CPU or memory")
+
+    def allocate(self, replica: Replica) -> list[NodeWork]:
+        """Take every shard of ``replica`` at once, or nothing; return the nodes touched."""
+        self.check(replica)
+        touched = []
+        for shard in replica.shards:
+            node = self.by_name[shard.node]
+            for index in shard.devices:
+                node.free[node.class_of[index]].discard(index)
+            node.used_cores += shard.cpu_cores
+            node.used_memory += shard.memory
+            touched.append(node)
+        self.replicas[replica.name] = replica
+        return touched
+
+    def release(self, name: str) -> list[NodeWork]:
+        """Give back every shard of a replica at once; return the nodes touched."""
+        replica = self.replicas.pop(name, None)
+        if replica is None:
+            raise UnknownReplica(f"no replica named {name} is allocated")
+        touched = []
+        for shard in replica.shards:
+            node = self.by_name.get(shard.node)
+            if node is None:
+                continue
+            healthy = self._healthy(shard.node)
+            for index in shard.devices:
+                if index in healthy:
+                    node.free[node.class_of[index]].add(index)
+            node.used_cores -= shard.cpu_cores
+            node.used_memory -= shard.memory
+            touched.append(node)
+        return touched
+
+    def _healthy(self, node_name: str) -> set[int]:
+        for node in self.snapshot.nodes:
+            if node.name == node_name:
+                return {d.index for d in node.devices if d.health.healthy}
+        return set()
+
+    def names(self) -> Iterable[str]:
+        """Names of every replica allocated in this state."""
+        return self.replicas.keys()

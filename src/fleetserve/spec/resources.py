@@ -1,0 +1,364 @@
+"""Resource documents: device classes, fabrics, nodes, models, deployments and replicas.
+
+Every document is immutable once parsed. Field names are camelCase in YAML and JSON
+(``devicesPerNode``) and snake_case in Python. Cross-document rules (a profile's class exists,
+its runtime matches the class's driver) live in ``fleetserve.validation``.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+
+from fleetserve.drivers import RuntimeVariant
+from fleetserve.engines.capabilities import EngineKind
+from fleetserve.units import parse_bytes
+
+_NAME = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?$")
+
+
+def _check_name(value: str) -> str:
+    if not _NAME.match(value):
+        raise ValueError(
+            f"{value!r} is not a valid name: use 1-63 lower-case letters, digits, '-' or '.', "
+            "starting and ending with a letter or digit"
+        )
+    return value
+
+
+Name = Annotated[str, BeforeValidator(lambda v: _check_name(v) if isinstance(v, str) else v)]
+Bytes = Annotated[int, BeforeValidator(parse_bytes), Field(ge=0)]
+
+
+class Spec(BaseModel):
+    """Base of every document part: frozen, camelCase aliases, unknown fields refused."""
+
+    model_config = ConfigDict(
+        frozen=True,
+        extra="forbid",
+        alias_generator=to_camel,
+        populate_by_name=True,
+        use_enum_values=False,
+    )
+
+
+# --- hardware -------------------------------------------------------------------------------
+
+
+class DeviceMatch(Spec):
+    """How discovery recognises a device of a class: a product-name regex and/or PCI IDs."""
+
+    product_name: str | None = None
+    pci_vendor_id: str | None = None
+    pci_device_ids: tuple[str, ...] = ()
+    gfx_target: str | None = None
+
+
+class DeviceClass(Spec):
+    """A named kind of device with exactly one driver and a memory size per device."""
+
+    kind: Literal["DeviceClass"] = "DeviceClass"
+    name: Name
+    # A plain string, not the Driver enum: a mistyped driver must load and be gated with
+    # UnsupportedDevices rather than tear down what already runs (design.md, gating).
+    driver: str
+    memory: Bytes
+    match: DeviceMatch = DeviceMatch()
+
+
+class FabricType(StrEnum):
+    """The kind of high-speed network a fabric is."""
+
+    INFINIBAND = "infiniband"
+    ROCE = "roce"
+
+
+class Fabric(Spec):
+    """A high-speed network (InfiniBand or RoCE) that nodes attach to through HCAs."""
+
+    kind: Literal["Fabric"] = "Fabric"
+    name: Name
+    type: FabricType = FabricType.INFINIBAND
+
+
+class DeviceHealth(Spec):
+    """What makes a device not free: uncorrected ECC errors, or processes fleetserve did not start."""
+
+    ecc_uncorrected: int = Field(default=0, ge=0)
+    foreign_processes: tuple[int, ...] = ()
+
+    @property
+    def healthy(self) -> bool:
+        return self.ecc_uncorrected == 0 and not self.foreign_processes
+
+
+class Device(Spec):
+    """One GPU on a node."""
+
+    index: int = Field(ge=0)
+    uuid: str = ""
+    device_class: str = Field(alias="class")
+    health: DeviceHealth = DeviceHealth()
+
+
+class DeviceGroup(Spec):
+    """Shorthand for ``count`` identical healthy devices, numbered after those listed before."""
+
+    device_class: str = Field(alias="class")
+    count: int = Field(ge=1, le=1024)
+
+
+class Hca(Spec):
+    """A host channel adapter attaching the node to one fabric."""
+
+    name: str
+    fabric: Name
+
+
+class CpuCapacity(Spec):
+    """The node's CPU cores and host memory that replicas may claim."""
+
+    cores: int = Field(ge=1)
+    memory: Bytes
+    numa_nodes: int = Field(default=1, ge=1)
+
+
+class NodeState(StrEnum):
+    """Whether the node's agent is heard from."""
+
+    READY = "Ready"
+    NOT_READY = "NotReady"
+    LOST = "Lost"
+
+
+class Cordon(Spec):
+    """An operator's mark that no new replica may land on the node, with the reason."""
+
+    reason: str = Field(min_length=1)
+    by: str = "operator"
+
+
+class Node(Spec):
+    """A machine: labels, devices, CPU capacity, fabric attachments, NVLink domains, state."""
+
+    kind: Literal["Node"] = "Node"
+    name: Name
+    labels: dict[str, str] = Field(default_factory=dict)
+    state: NodeState = NodeState.READY
+    cordon: Cordon | None = None
+    cpu: CpuCapacity
+    devices: tuple[Device, ...] = ()
+    hcas: tuple[Hca, ...] = ()
+    # Groups of device indices joined by NVLink; a tensor-parallel group prefers one domain.
+    nvlink_domains: tuple[tuple[int, ...], ...] = ()
+    # Names of models already held in the node's local model cache.
+    model_cache: tuple[str, ...] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_gpus(cls, data: Any) -> Any:
+        """Expand ``gpus: [{class, count}]`` into explicit devices numbered after ``devices``."""
+        if not isinstance(data, dict) or "gpus" not in data:
+            return data
+        data = dict(data)
+        groups = data.pop("gpus")
+        if not isinstance(groups, list):
+            raise ValueError("gpus must be a list of {class: NAME, count: N}")
+        devices = list(data.get("devices") or [])
+        next_index = 1 + max((int(d.get("index", -1)) for d in devices if isinstance(d, dict)), default=-1)
+        name = data.get("name", "node")
+        for raw in groups:
+            group = DeviceGroup.model_validate(raw)
+            for _ in range(group.count):
+                devices.append(
+                    {"index": next_index, "uuid": f"{name}-gpu-{next_index}", "class": group.device_class}
+                )
+                next_index += 1
+        data["devices"] = devices
+        return data
+
+    @model_validator(mode="after")
+    def _check_devices(self) -> Node:
+        indices = [d.index for d in self.devices]
+        dupes = sorted({i for i in indices if indices.count(i) > 1})
+        if dupes:
+            raise ValueError(f"device indices must be unique on a node; repeated: {dupes}")
+        known = set(indices)
+        seen: set[int] = set()
+        for domain in self.nvlink_domains:
+            unknown = sorted(set(domain) - known)
+            if unknown:
+                raise ValueError(f"nvlinkDomains names device indices the node does not have: {unknown}")
+            if seen & set(domain):
+                raise ValueError("nvlinkDomains must not overlap: a device sits in one NVLink domain")
+            seen |= set(domain)
+        return self
+
+
+# --- workloads ------------------------------------------------------------------------------
+
+
+class Architecture(Spec):
+    """What the KV-cache estimate needs when the weights are not a readable GGUF file."""
+
+    layers: int = Field(ge=1)
+    kv_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+    context_length: int = Field(default=4096, ge=1)
+    kv_dtype_bytes: int = Field(default=2, ge=1, le=8)
+
+
+class ModelFormat(StrEnum):
+    """The on-disk format of a model's weights."""
+
+    GGUF = "gguf"
+    SAFETENSORS = "safetensors"
+
+
+class Model(Spec):
+    """What a client names in ``"model"``: its source, format, size, checksum and shape."""
+
+    kind: Literal["Model"] = "Model"
+    name: Name
+    source: str = ""
+    format: ModelFormat = ModelFormat.GGUF
+    # Weight bytes; optional when ``source`` is a local GGUF file whose header can be read.
+    size: Bytes | None = None
+    sha256: str | None = None
+    architecture: Architecture | None = None
+
+    @field_validator("sha256")
+    @classmethod
+    def _check_sha(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[0-9a-f]{64}", v):
+            raise ValueError("sha256 must be 64 lower-case hex digits")
+        return v
+
+
+class CpuRequest(Spec):
+    """CPU cores and host memory one replica claims on each of its nodes."""
+
+    cores: int = Field(ge=1)
+    memory: Bytes | None = None
+
+
+class Profile(Spec):
+    """One way to serve a model: engine, runtime variant, device class, shape, priority."""
+
+    name: Name
+    engine: EngineKind
+    runtime: RuntimeVariant | None = None
+    # Omitted means the CPU; only engines that can serve without a card may omit it.
+    device_class: str | None = None
+    devices_per_node: int = Field(default=1, ge=1, le=64)
+    nodes: int = Field(default=1, ge=1, le=256)
+    priority: int = 0
+    engine_args: tuple[str, ...] = ()
+    cpu: CpuRequest | None = None
+    context: int | None = Field(default=None, ge=1)
+
+
+class ReplicaRange(Spec):
+    """Autoscaled replica bounds."""
+
+    min: int = Field(ge=0)
+    max: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ReplicaRange:
+        if self.min > self.max:
+            raise ValueError(f"replicas.min ({self.min}) must not exceed replicas.max ({self.max})")
+        return self
+
+
+class RoutingPolicy(Spec):
+    """How the gateway picks a replica for a request."""
+
+    prefix_affinity: bool = False
+
+
+class AdmissionPolicy(Spec):
+    """The bounded queue in front of a deployment."""
+
+    max_waiting: int = Field(default=64, ge=0)
+    max_wait_seconds: float = Field(default=30.0, gt=0)
+
+
+class Deployment(Spec):
+    """A model, its ordered profiles, replica count, routing and admission policy."""
+
+    kind: Literal["Deployment"] = "Deployment"
+    name: Name
+    model: Name
+    replicas: int | ReplicaRange = 1
+    profiles: tuple[Profile, ...] = Field(min_length=1)
+    routing: RoutingPolicy = RoutingPolicy()
+    admission: AdmissionPolicy = AdmissionPolicy()
+
+    @field_validator("replicas")
+    @classmethod
+    def _non_negative(cls, v: int | ReplicaRange) -> int | ReplicaRange:
+        if isinstance(v, int) and v < 0:
+            raise ValueError("replicas must be 0 or more")
+        return v
+
+    @model_validator(mode="after")
+    def _unique_profiles(self) -> Deployment:
+        names = [p.name for p in self.profiles]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"profile names must be unique within a deployment; repeated: {dupes}")
+        return self
+
+    @property
+    def desired_replicas(self) -> int:
+        """Replicas to place now: the fixed count, or the autoscaler's minimum."""
+        return self.replicas if isinstance(self.replicas, int) else self.replicas.min
+
+    def profiles_by_priority(self) -> tuple[Profile, ...]:
+        """Profiles in the order placement tries them: higher priority first, then as written."""
+        order = sorted(enumerate(self.profiles), key=lambda ip: (-ip[1].priority, ip[0]))
+        return tuple(p for _, p in order)
+
+
+class Shard(Spec):
+    """The part of a replica on one node: its devices (or CPU claim) and fabric HCAs."""
+
+    node: Name
+    devices: tuple[int, ...] = ()
+    hcas: tuple[str, ...] = ()
+    cpu_cores: int = 0
+    memory: int = 0
+
+
+class ReplicaState(StrEnum):
+    """Where a replica is in its life."""
+
+    PENDING = "Pending"
+    STARTING = "Starting"
+    RUNNING = "Running"
+    FAILED = "Failed"
+
+
+class Replica(Spec):
+    """One running copy of a deployment placed under one profile, whole across its shards."""
+
+    kind: Literal["Replica"] = "Replica"
+    name: Name
+    deployment: Name
+    profile: Name
+    device_class: str | None = None
+    shards: tuple[Shard, ...] = Field(min_length=1)
+    state: ReplicaState = ReplicaState.RUNNING
+    fabric: str | None = None

@@ -1,0 +1,223 @@
+"""Cross-document rules: engine capabilities against device classes, and the multi-accelerator gate.
+
+Two kinds of outcome, kept apart on purpose:
+
+- a *refusal* (``validate_deployment``) is a structural mistake in the deployment itself — vLLM
+  without a device class, llama.cpp asked to split, a runtime that computes on another driver
+  than its class. It is an error at apply time, before anything starts.
+- the *gate* (``gate``) sets ``Accepted=False, reason UnsupportedDevices`` when a profile's class
+  claims a driver that no engine variant or no node serves. It never stops or deletes what runs:
+  it only keeps new replicas off the profiles it names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from fleetserve.drivers import Driver, RuntimeVariant, parse_driver
+from fleetserve.engines.capabilities import ENGINES, EngineKind
+from fleetserve.errors import Problem
+from fleetserve.spec.resources import CpuRequest, Deployment, DeviceClass, Profile
+
+# CPU cores a CPU profile claims when it does not say.
+DEFAULT_CPU_CORES = 4
+
+
+@dataclass(frozen=True)
+class Condition:
+    """A status condition in the Kubernetes style: type, status, machine reason, human message."""
+
+    type: str
+    status: bool
+    reason: str
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class ResolvedProfile:
+    """A profile with its engine variant and driver worked out; what placement consumes."""
+
+    name: str
+    engine: EngineKind
+    variant: RuntimeVariant
+    driver: Driver
+    device_class: str | None
+    devices_per_node: int
+    nodes: int
+    cpu: CpuRequest | None  # always set for CPU profiles; GPU profiles claim CPU only if asked
+    context: int | None
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.device_class is None
+
+
+def _variants_text(engine: EngineKind) -> str:
+    return ", ".join(f"{v.value} ({d.value})" for v, d in ENGINES[engine].variants.items())
+
+
+def profile_problems(profile: Profile, classes: Mapping[str, DeviceClass], location: str) -> list[Problem]:
+    """Every refusal for one profile, each saying why and what would be valid."""
+    caps = ENGINES[profile.engine]
+    field = f"profiles.{profile.name}"
+    out: list[Problem] = []
+    if profile.runtime is not None and profile.runtime not in caps.variants:
+        out.append(
+            Problem(
+                location,
+                f"{field}.runtime",
+                f"engine {profile.engine.value} has no runtime {profile.runtime.value!r}; "
+                f"valid: {_variants_text(profile.engine)}",
+            )
+        )
+    if not caps.tensor_parallel and profile.devices_per_node > 1:
+        out.append(
+            Problem(
+                location,
+                f"{field}.devicesPerNode",
+                f"engine {profile.engine.value} refuses tensor parallel "
+                f"(devicesPerNode={profile.devices_per_node}): {caps.why_no_split}",
+            )
+        )
+    if not caps.multi_node and profile.nodes > 1:
+        out.append(
+            Problem(
+                location,
+                f"{field}.nodes",
+                f"engine {profile.engine.value} refuses multi-node "
+                f"(nodes={profile.nodes}): {caps.why_no_split}",
+            )
+        )
+    if profile.device_class is None:
+        if not caps.cpu_without_class:
+            out.append(Problem(location, f"{field}.deviceClass", caps.why_no_cpu))
+        elif profile.runtime is not None and caps.variants.get(profile.runtime) not in (None, Driver.CPU):
+            out.append(
+                Problem(
+                    location,
+                    f"{field}.runtime",
+                    f"runtime {profile.runtime.value} computes on "
+                    f"{caps.variants[profile.runtime].value}, but a profile without a "
+                    "deviceClass runs on the CPU; name a deviceClass or use runtime cpu",
+                )
+            )
+        return out
+    cls = classes.get(profile.device_class)
+    if cls is None:
+        known = ", ".join(sorted(classes)) or "none defined"
+        out.append(
+            Problem(
+                location,
+                f"{field}.deviceClass",
+                f"unknown device class {profile.device_class!r}; known classes: {known}",
+            )
+        )
+        return out
+    driver = parse_driver(cls.driver)
+    if driver is None or driver not in caps.drivers():
+        return out  # the gate reports it as UnsupportedDevices, not a refusal
+    if profile.runtime is not None and profile.runtime in caps.variants:
+        runtime_driver = caps.variants[profile.runtime]
+        if runtime_driver != driver:
+            fits = [v.value for v, d in caps.variants.items() if d == driver]
+            out.append(
+                Problem(
+                    location,
+                    f"{field}.runtime",
+                    f"runtime {profile.runtime.value} computes on {runtime_driver.value}, "
+                    f"but class {cls.name} is driven by {driver.value}; "
+                    f"use runtime {' or '.join(fits)}",
+                )
+            )
+    return out
+
+
+def validate_deployment(
+    dep: Deployment, classes: Mapping[str, DeviceClass], location: str = ""
+) -> list[Problem]:
+    """Every refusal in a deployment; empty when it may be applied."""
+    where = location or f"Deployment {dep.name}"
+    out: list[Problem] = []
+    for profile in dep.profiles:
+        out.extend(profile_problems(profile, classes, where))
+    return out
+
+
+def unsupported_driver(
+    profile: Profile, classes: Mapping[str, DeviceClass], served: frozenset[Driver]
+) -> str | None:
+    """The driver name that makes this profile unsupported, or None when it is supported."""
+    caps = ENGINES[profile.engine]
+    if profile.device_class is None:
+        return None if Driver.CPU in served else Driver.CPU.value
+    cls = classes.get(profile.device_class)
+    if cls is None:
+        return None
+    driver = parse_driver(cls.driver)
+    if driver is None or driver not in caps.drivers() or driver not in served:
+        return cls.driver
+    return None
+
+
+def resolve_profile(profile: Profile, classes: Mapping[str, DeviceClass]) -> ResolvedProfile:
+    """Work out variant and driver for a profile that passed ``validate_deployment`` and the gate."""
+    caps = ENGINES[profile.engine]
+    if profile.device_class is None:
+        driver = Driver.CPU
+    else:
+        parsed = parse_driver(classes[profile.device_class].driver)
+        assert parsed is not None, "resolve_profile needs a gated profile"
+        driver = parsed
+    variant = profile.runtime or caps.default_variant[driver]
+    cpu = profile.cpu
+    if cpu is None and driver is Driver.CPU:
+        cpu = CpuRequest(cores=DEFAULT_CPU_CORES)
+    return ResolvedProfile(
+        name=profile.name,
+        engine=profile.engine,
+        variant=variant,
+        driver=driver,
+        device_class=profile.device_class,
+        devices_per_node=profile.devices_per_node,
+        nodes=profile.nodes,
+        cpu=cpu,
+        context=profile.context,
+    )
+
+
+@dataclass(frozen=True)
+class GateResult:
+    """The gate's verdict: the Accepted condition and the profiles placement may use."""
+
+    accepted: Condition
+    usable: tuple[ResolvedProfile, ...]
+    unsupported: Mapping[str, str]  # profile name → driver it claims
+
+
+def gate(dep: Deployment, classes: Mapping[str, DeviceClass], served: Iterable[Driver]) -> GateResult:
+    """Set Accepted / UnsupportedDevices for a deployment; never touches what already runs.
+
+    ``served`` is the list of drivers some node (or cluster stack) serves; absent means empty.
+    """
+    served_set = frozenset(served)
+    problems = validate_deployment(dep, classes)
+    if problems:
+        return GateResult(
+            Condition("Accepted", False, "InvalidProfile", "; ".join(str(p) for p in problems)),
+            (),
+            {},
+        )
+    unsupported: dict[str, str] = {}
+    usable: list[ResolvedProfile] = []
+    for profile in dep.profiles_by_priority():
+        bad = unsupported_driver(profile, classes, served_set)
+        if bad is None:
+            usable.append(resolve_profile(profile, classes))
+        else:
+            unsupported[profile.name] = bad
+    if unsupported:
+        parts = [f"profile {p} claims driver {d}" for p, d in unsupported.items()]
+        msg = "; ".join(parts) + " which no engine variant or node serves; replicas already running are kept"
+        return GateResult(Condition("Accepted", False, "UnsupportedDevices", msg), tuple(usable), unsupported)
+    return GateResult(Condition("Accepted", True, "Accepted", "every profile is servable"), tuple(usable), {})
