@@ -9,7 +9,7 @@ No I/O, no clock, no randomness: the same inputs give the same decision.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
@@ -106,7 +106,7 @@ class DeploymentDecision:
         }
 
 
-def _ordinal_names(dep: str, taken: set[str]) -> Iterable[str]:
+def _ordinal_names(dep: str, taken: set[str]) -> Iterator[str]:
     i = 0
     while True:
         name = f"{dep}-{i}"

@@ -41,15 +41,15 @@ class Documents:
 
     def add(self, resource: BaseModel) -> None:
         """Append one parsed resource to the list of its kind."""
-        bucket = {
+        buckets: dict[type[BaseModel], list[Any]] = {
             DeviceClass: self.classes,
             Fabric: self.fabrics,
             Node: self.nodes,
             Model: self.models,
             Deployment: self.deployments,
             Replica: self.replicas,
-        }[type(resource)]
-        bucket.append(resource)  # type: ignore[arg-type]
+        }
+        buckets[type(resource)].append(resource)
 
     def merge(self, other: Documents) -> Documents:
         """A new Documents holding this one's resources followed by ``other``'s."""
@@ -128,7 +128,7 @@ def parse_document(raw: Any, location: str) -> BaseModel:
     if not isinstance(raw, dict):
         raise ConfigError([Problem(location, "", "a document must be a mapping with a 'kind' field")])
     kind = raw.get("kind")
-    if kind not in KINDS:
+    if not isinstance(kind, str) or kind not in KINDS:
         raise ConfigError([Problem(location, "kind", f"got {kind!r}; valid kinds: {', '.join(KINDS)}")])
     model = KINDS[kind]
     name = raw.get("name")
@@ -146,9 +146,11 @@ def load_text(text: str, filename: str = "<string>") -> Documents:
     try:
         raws = [d for d in yaml.safe_load_all(text)]
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
+        # Point at where the broken construct starts (context), else where parsing stopped.
+        mark = getattr(exc, "context_mark", None) or getattr(exc, "problem_mark", None)
         where = f"{filename}:{mark.line + 1}:{mark.column + 1}" if mark else filename
-        raise ConfigError([Problem(where, "", f"not valid YAML: {exc}")]) from exc
+        what = " ".join(str(x) for x in (getattr(exc, "context", None), getattr(exc, "problem", None)) if x)
+        raise ConfigError([Problem(where, "", f"not valid YAML: {what or exc}")]) from exc
     for i, raw in enumerate(raws, start=1):
         if raw is None:
             continue

@@ -1,0 +1,1 @@
+"""The ``fleetserve`` command line."""

@@ -1,0 +1,89 @@
+"""The ``fleetserve`` console script: one typer app, one sub-module per command."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from fleetserve import __version__
+from fleetserve.cli.plan import Output, run_plan
+from fleetserve.errors import ConfigError
+
+app = typer.Typer(
+    name="fleetserve",
+    help=(
+        "Serve open-weight LLMs on a fleet of NVIDIA, AMD and CPU machines behind one "
+        "OpenAI-compatible endpoint.\n\n"
+        "Today: `plan` places deployments on a fleet described in YAML and explains every "
+        "decision. The control plane, node agent and gateway arrive in later releases."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"fleetserve {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """fleetserve command line."""
+
+
+PLAN_HELP = (
+    "Place deployments on a fleet and explain every decision.\n\n"
+    "Profiles are tried in priority order (the highest that fits wins); replicas that already run "
+    "stay where they are. Every profile that did not fit is explained per reason, e.g. "
+    '"profile h100-tp8: 0/17 nodes fit: 9 no device of class nvidia-h100-80gb, 1 cordoned, '
+    '6 have 0 of 8 devices free".\n\n'
+    "Nothing is started: this is a dry run over files. Exit status 2 means the input is invalid "
+    "(every problem is listed with its file, document and field); with --strict, 1 means a replica "
+    "is unschedulable."
+)
+
+
+@app.command("plan", help=PLAN_HELP)
+def plan_command(
+    fleet: Annotated[
+        list[Path],
+        typer.Option(
+            "--fleet",
+            "-f",
+            help="YAML with DeviceClass, Fabric and Node documents (and Replica documents for what "
+            "already runs). Repeat for several files.",
+        ),
+    ],
+    deployments: Annotated[
+        list[Path],
+        typer.Option("--deployments", "-d", help="YAML with Model and Deployment documents. Repeatable."),
+    ],
+    output: Annotated[Output, typer.Option("--output", "-o", help="table for people, json for programs.")] = (
+        Output.TABLE
+    ),
+    strict: Annotated[
+        bool, typer.Option("--strict", help="Exit with status 1 if any replica is unschedulable.")
+    ] = False,
+) -> None:
+    """Place deployments on a fleet and explain every decision (a dry run over files)."""
+    console = Console(soft_wrap=True)
+    try:
+        decisions = run_plan(fleet, deployments, output, console)
+    except ConfigError as err:
+        err_console = Console(stderr=True, soft_wrap=True)
+        err_console.print(f"[red]error:[/] {len(err.problems)} problem(s) in the input:")
+        for problem in err.problems:
+            err_console.print(f"  {problem}", markup=False)
+        raise typer.Exit(2) from None
+    if strict and any(d.unplaced for d in decisions):
+        raise typer.Exit(1)

@@ -1,0 +1,285 @@
+"""Placement rules from design.md, one table-driven case per rule, run by both searches.
+
+Hardware fixtures are named after their shape, e.g. ``hgx_h100_8`` is an 8-GPU H100 node.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any
+
+import pytest
+
+from fleetserve.modelfacts import ModelFacts
+from fleetserve.placement.placer import DeploymentDecision, SearchKind, plan
+from fleetserve.placement.report import Reason, render_report
+from fleetserve.snapshot import ClusterSnapshot
+from fleetserve.spec.resources import Deployment, DeviceClass, Fabric, Node, Replica, Shard
+
+GiB = 1 << 30
+CLASSES = {
+    "h100": DeviceClass(name="h100", driver="gpu.nvidia.com", memory=80 * GiB),
+    "mi325x": DeviceClass(name="mi325x", driver="gpu.amd.com", memory=256 * GiB),
+}
+FABRICS = {"ib-a": Fabric(name="ib-a"), "ib-b": Fabric(name="ib-b")}
+SMALL = ModelFacts("small", weight_bytes=2 * GiB, kv_bytes_per_token=0, context_length=4096)
+BIG = ModelFacts("big", weight_bytes=100 * GiB, kv_bytes_per_token=0, context_length=4096)
+
+
+def gpu_node(
+    name: str,
+    count: int = 8,
+    cls: str = "h100",
+    *,
+    ecc: tuple[int, ...] = (),
+    foreign: tuple[int, ...] = (),
+    domains: tuple[tuple[int, ...], ...] = (),
+    fabrics: tuple[str, ...] = (),
+    **extra: Any,
+) -> Node:
+    devices = [
+        {
+            "index": i,
+            "class": cls,
+            "health": {
+                "eccUncorrected": 1 if i in ecc else 0,
+                "foreignProcesses": [4242] if i in foreign else [],
+            },
+        }
+        for i in range(count)
+    ]
+    hcas = [{"name": f"hca-{f}-{j}", "fabric": f} for f in fabrics for j in range(2)]
+    return Node.model_validate(
+        {
+            "name": name,
+            "cpu": {"cores": 64, "memory": "512GiB"},
+            "devices": devices,
+            "nvlinkDomains": [list(d) for d in domains],
+            "hcas": hcas,
+            **extra,
+        }
+    )
+
+
+def cpu_node(name: str, cores: int = 32, memory: str = "128GiB", **extra: Any) -> Node:
+    return Node.model_validate({"name": name, "cpu": {"cores": cores, "memory": memory}, **extra})
+
+
+def hgx_h100_8(name: str, **kw: Any) -> Node:
+    return gpu_node(name, 8, "h100", domains=((0, 1, 2, 3, 4, 5, 6, 7),), **kw)
+
+
+def running(name: str, dep: str, *shards: tuple[str, tuple[int, ...]]) -> Replica:
+    return Replica(
+        name=name,
+        deployment=dep,
+        profile="p",
+        device_class="h100",
+        shards=tuple(Shard(node=n, devices=d) for n, d in shards),
+    )
+
+
+def deployment(
+    name: str = "d", replicas: int = 1, *profiles: dict[str, Any], model: str = "small"
+) -> Deployment:
+    profs = list(profiles) or [{"name": "p", "engine": "vllm", "deviceClass": "h100"}]
+    return Deployment.model_validate({"name": name, "model": model, "replicas": replicas, "profiles": profs})
+
+
+def decide(
+    nodes: list[Node], deps: list[Deployment], kind: SearchKind, replicas: tuple[Replica, ...] = ()
+) -> list[DeploymentDecision]:
+    snap = ClusterSnapshot(
+        classes=MappingProxyType(CLASSES),
+        nodes=tuple(nodes),
+        fabrics=MappingProxyType(FABRICS),
+        replicas=replicas,
+        models=MappingProxyType({"small": SMALL, "big": BIG}),
+    )
+    return plan(deps, snap, kind)
+
+
+def where(decision: DeploymentDecision) -> list[list[tuple[str, tuple[int, ...]]]]:
+    return [[(s.node, s.devices) for s in p.replica.shards] for p in decision.placed]
+
+
+both = pytest.mark.parametrize("kind", list(SearchKind))
+
+
+@both
+def test_gpus_are_bin_packed_onto_partly_used_nodes_first(kind):
+    nodes = [hgx_h100_8("a"), hgx_h100_8("b")]
+    used = running("x-0", "x", ("b", (0, 1, 2, 3)))
+    [d] = decide(nodes, [deployment()], kind, (used,))
+    assert where(d) == [[("b", (4,))]]
+
+
+@both
+def test_a_multi_node_replica_takes_the_emptiest_machines_on_one_fabric_and_only_its_hcas(kind):
+    nodes = [
+        hgx_h100_8("a1", fabrics=("ib-a",)),
+        hgx_h100_8("a2", fabrics=("ib-a", "ib-b")),
+        hgx_h100_8("a3", fabrics=("ib-a",)),
+        hgx_h100_8("b1", fabrics=("ib-b",)),
+    ]
+    used = running("x-0", "x", ("a1", (0, 1, 2, 3)))
+    prof = {"name": "p", "engine": "vllm", "deviceClass": "h100", "devicesPerNode": 4, "nodes": 2}
+    [d] = decide(nodes, [deployment("d", 1, prof)], kind, (used,))
+    [placed] = d.placed
+    assert placed.replica.fabric == "ib-a"
+    assert [s.node for s in placed.replica.shards] == ["a2", "a3"]
+    assert all(set(s.hcas) == {"hca-ib-a-0", "hca-ib-a-1"} for s in placed.replica.shards)
+
+
+@both
+def test_multi_node_shards_never_straddle_fabrics_and_the_report_says_per_fabric(kind):
+    nodes = [hgx_h100_8("a1", fabrics=("ib-a",)), hgx_h100_8("b1", fabrics=("ib-b",)), hgx_h100_8("none")]
+    prof = {"name": "p", "engine": "vllm", "deviceClass": "h100", "devicesPerNode": 8, "nodes": 2}
+    [d] = decide(nodes, [deployment("d", 1, prof)], kind)
+    [report] = d.unplaced[0].reports
+    assert report.counts() == {(Reason.FABRIC_TOO_SMALL, None): 2, (Reason.NO_FABRIC, None): 1}
+    assert dict(report.fabric_fit) == {"ib-a": 1, "ib-b": 1}
+
+
+@both
+def test_cpu_replicas_spread_across_nodes(kind):
+    prof = {"name": "cpu", "engine": "llama.cpp", "cpu": {"cores": 4, "memory": "4GiB"}}
+    [d] = decide([cpu_node("c1"), cpu_node("c2"), cpu_node("c3")], [deployment("d", 3, prof)], kind)
+    assert sorted(s[0][0] for s in where(d)) == ["c1", "c2", "c3"]
+
+
+@pytest.mark.parametrize(
+    ("taken", "k", "expected"),
+    [
+        pytest.param((0, 1), 4, (4, 5, 6, 7), id="tp4-goes-to-the-whole-domain"),
+        pytest.param((0, 1), 2, (2, 3), id="tp2-takes-the-tightest-domain-that-fits"),
+        pytest.param((0, 4), 4, (1, 2, 3, 5), id="no-domain-fits-so-lowest-free-indices"),
+    ],
+)
+@both
+def test_a_tensor_parallel_group_stays_inside_one_nvlink_domain(kind, taken, k, expected):
+    node = gpu_node("pcie", 8, domains=((0, 1, 2, 3), (4, 5, 6, 7)))
+    prof = {"name": "p", "engine": "vllm", "deviceClass": "h100", "devicesPerNode": k}
+    [d] = decide([node], [deployment("d", 1, prof)], kind, (running("x-0", "x", ("pcie", taken)),))
+    assert where(d) == [[("pcie", expected)]]
+
+
+@both
+def test_without_topology_the_lowest_free_indices_are_used(kind):
+    prof = {"name": "p", "engine": "vllm", "deviceClass": "h100", "devicesPerNode": 2}
+    [d] = decide([gpu_node("n", 4)], [deployment("d", 1, prof)], kind, (running("x-0", "x", ("n", (1,))),))
+    assert where(d) == [[("n", (0, 2))]]
+
+
+@both
+def test_among_equal_nodes_the_one_caching_the_model_wins(kind):
+    nodes = [hgx_h100_8("a"), hgx_h100_8("b", modelCache=["small"]), hgx_h100_8("c")]
+    [d] = decide(nodes, [deployment()], kind)
+    assert where(d) == [[("b", (0,))]]
+    assert d.placed[0].scores["cache"] == 1.0
+
+
+@both
+def test_a_device_with_an_ecc_fault_or_a_foreign_process_is_never_used(kind):
+    [d] = decide([gpu_node("n", 3, ecc=(0,), foreign=(1,))], [deployment("d", 2)], kind)
+    assert where(d) == [[("n", (2,))]]
+    [report] = d.unplaced[0].reports
+    assert report.counts() == {(Reason.INSUFFICIENT_FREE_DEVICES, 0): 1}
+
+
+@both
+def test_every_rejected_node_is_counted_once_by_its_first_failed_constraint(kind):
+    nodes = (
+        [cpu_node(f"cpu-{i}") for i in range(4)]
+        + [gpu_node(f"amd-{i}", 8, "mi325x") for i in range(1)]
+        + [hgx_h100_8(f"cord-{i}", cordon={"reason": "bad NVSwitch"}) for i in range(3)]
+        + [hgx_h100_8("gone", state="NotReady")]
+        + [hgx_h100_8(f"busy-{i}", ecc=(0, 1, 2, 3, 4)) for i in range(2)]
+    )
+    prof = {"name": "h100-tp8", "engine": "vllm", "deviceClass": "h100", "devicesPerNode": 8}
+    [d] = decide(nodes, [deployment("d", 1, prof)], kind)
+    [report] = d.unplaced[0].reports
+    assert report.counts() == {
+        (Reason.NO_DEVICE_OF_CLASS, None): 5,
+        (Reason.CORDONED, None): 3,
+        (Reason.NOT_READY, None): 1,
+        (Reason.INSUFFICIENT_FREE_DEVICES, 3): 2,
+    }
+    assert sum(r.count for r in report.reasons) == report.nodes_evaluated == 11
+    assert render_report(report) == (
+        "profile h100-tp8: 0/11 nodes fit: 5 no device of class h100, 3 cordoned, "
+        "2 have 3 of 8 devices free, 1 not ready"
+    )
+    assert report.to_dict()["reasons"][2] == {
+        "reason": "InsufficientFreeDevices",
+        "count": 2,
+        "have": 3,
+        "exhausted": True,
+    }
+
+
+@pytest.mark.parametrize(
+    ("per_node", "fits"),
+    [
+        pytest.param(1, False, id="100GB-on-one-80GiB-device-does-not-fit"),
+        pytest.param(2, True, id="split-over-two-devices-fits"),
+    ],
+)
+@both
+def test_weights_must_fit_device_memory(kind, per_node, fits):
+    prof = {"name": "p", "engine": "vllm", "deviceClass": "h100", "devicesPerNode": per_node}
+    [d] = decide([hgx_h100_8("n")], [deployment("d", 1, prof, model="big")], kind)
+    assert bool(d.placed) is fits
+    if not fits:
+        assert d.unplaced[0].reports[0].counts() == {(Reason.DEVICE_MEMORY_TOO_SMALL, None): 1}
+
+
+@both
+def test_cpu_replicas_need_host_memory_and_gpu_pools_are_tainted(kind):
+    prof = {"name": "cpu", "engine": "llama.cpp", "cpu": {"cores": 2}}
+    [d] = decide([cpu_node("tiny", memory="1GiB"), hgx_h100_8("gpu")], [deployment("d", 1, prof)], kind)
+    assert d.unplaced[0].reports[0].counts() == {
+        (Reason.INSUFFICIENT_MEMORY, None): 1,
+        (Reason.TAINT_NOT_TOLERATED, None): 1,
+    }
+
+
+@both
+def test_the_highest_priority_profile_that_fits_wins_and_the_others_explain(kind):
+    amd = {"name": "amd", "engine": "vllm", "deviceClass": "mi325x", "priority": 1}
+    nv = {"name": "nv", "engine": "vllm", "deviceClass": "h100", "priority": 9}
+    [d] = decide([gpu_node("m", 8, "mi325x"), hgx_h100_8("h")], [deployment("d", 1, amd, nv)], kind)
+    assert d.placed[0].replica.profile == "nv" and not d.placed[0].skipped
+    [d] = decide(
+        [gpu_node("m", 8, "mi325x"), hgx_h100_8("h", cordon={"reason": "x"})],
+        [deployment("d", 1, amd, nv)],
+        kind,
+    )
+    assert d.placed[0].replica.profile == "amd"
+    assert [r.profile for r in d.placed[0].skipped] == ["nv"]
+
+
+@both
+def test_running_replicas_stay_lost_ones_are_replaced_under_new_names(kind):
+    nodes = [hgx_h100_8("a"), hgx_h100_8("lost", state="Lost"), hgx_h100_8("b")]
+    existing = (running("d-0", "d", ("b", (5,))), running("d-1", "d", ("lost", (0,))))
+    [d] = decide(nodes, [deployment("d", 2)], kind, existing)
+    assert d.kept == ("d-0",)
+    assert d.lost == ("d-1",)
+    assert [p.replica.name for p in d.placed] == ["d-2"], "a lost identity is never reused"
+    assert where(d) == [[("b", (0,))]]
+
+
+@both
+def test_replicas_beyond_the_desired_count_are_surplus(kind):
+    existing = tuple(running(f"d-{i}", "d", ("a", (i,))) for i in range(3))
+    [d] = decide([hgx_h100_8("a")], [deployment("d", 1)], kind, existing)
+    assert (d.kept, d.surplus, d.placed) == (("d-0",), ("d-1", "d-2"), ())
+
+
+@both
+def test_replicas_of_one_cycle_never_share_a_device(kind):
+    [d1, d2] = decide([gpu_node("n", 2)], [deployment("a"), deployment("b", 2)], kind)
+    assert where(d1) == [[("n", (0,))]]
+    assert where(d2) == [[("n", (1,))]]
+    assert len(d2.unplaced) == 1
