@@ -41,6 +41,16 @@ class SearchKind(StrEnum):
 
 
 @dataclass(frozen=True)
+class Existing:
+    """A deployment's replicas before this cycle places anything."""
+
+    names: frozenset[str]
+    kept: tuple[str, ...]
+    lost: tuple[str, ...]
+    surplus: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Placement:
     """A new replica and why it went there: its scores, and the profiles tried before it."""
 
@@ -106,6 +116,12 @@ class DeploymentDecision:
         }
 
 
+def _unplaced_message(unplaced: Unplaced) -> str:
+    if not unplaced.reports:
+        return "no profile may be used: see the Accepted condition"
+    return "; ".join(render_report(r) for r in unplaced.reports)
+
+
 def _ordinal_names(dep: str, taken: set[str]) -> Iterator[str]:
     i = 0
     while True:
@@ -148,23 +164,38 @@ class Placer:
             return Placement(replica, found.scores, tuple(reports))
         return Unplaced(name, tuple(reports))
 
-    def release(self, name: str) -> None:
-        """Give a replica's capacity back within this cycle (a scale-down, a stop)."""
-        self.search.release(name)
-
     def _is_lost(self, replica: Replica) -> bool:
         return any(self._node_state.get(s.node, NodeState.LOST) is NodeState.LOST for s in replica.shards)
+
+    def preview(self, dep: Deployment) -> Existing:
+        """How a deployment's existing replicas stand: kept, on Lost nodes, or surplus."""
+        existing = [r for r in self.snapshot.replicas if r.deployment == dep.name]
+        lost = tuple(r.name for r in existing if self._is_lost(r))
+        alive = [r for r in existing if r.name not in lost and r.state is not ReplicaState.FAILED]
+        # Keep the lowest ordinals; stop the rest (a scale-down removes the newest).
+        alive.sort(key=lambda r: (len(r.name), r.name))
+        desired = dep.desired_replicas
+        return Existing(
+            names=frozenset(r.name for r in existing),
+            kept=tuple(r.name for r in alive[:desired]),
+            lost=lost,
+            surplus=tuple(r.name for r in alive[desired:]),
+        )
+
+    def release(self, name: str) -> None:
+        """Give a replica's capacity back within this cycle (a scale-down, a stop, a lost node).
+
+        A replica this cycle never allocated (its devices were already taken) has nothing to give.
+        """
+        if name in self.state.replicas:
+            self.search.release(name)
 
     def plan(self, dep: Deployment) -> DeploymentDecision:
         """Decide placement for one deployment against the capacity left in this cycle."""
         result = gate(dep, self.snapshot.classes, self._served)
-        existing = [r for r in self.snapshot.replicas if r.deployment == dep.name]
-        lost = tuple(r.name for r in existing if self._is_lost(r))
-        alive = [r for r in existing if r.name not in lost and r.state is not ReplicaState.FAILED]
+        pre = self.preview(dep)
         desired = dep.desired_replicas
-        # Keep the lowest ordinals; stop the rest (a scale-down removes the newest).
-        alive.sort(key=lambda r: (len(r.name), r.name))
-        kept, surplus = alive[:desired], alive[desired:]
+        kept, lost, surplus = pre.kept, pre.lost, pre.surplus
         facts = self.snapshot.models.get(dep.model)
         extra: list[Condition] = []
         if facts is None:
@@ -186,7 +217,7 @@ class Placer:
                     demand_for(p, facts, self.snapshot.classes.get(p.device_class or ""))
                     for p in result.usable
                 ]
-            names = _ordinal_names(dep.name, {r.name for r in existing} | set(self.state.names()))
+            names = _ordinal_names(dep.name, set(pre.names) | set(self.state.names()))
             for _ in range(missing):
                 outcome = self.place_one(next(names), dep.name, demands)
                 if isinstance(outcome, Placement):
@@ -200,20 +231,18 @@ class Placer:
                     "Scheduled",
                     ok,
                     "Placed" if ok else "Unschedulable",
-                    ""
-                    if ok
-                    else "; ".join(render_report(r) for r in (unplaced[0].reports if unplaced else ())),
+                    "" if ok else _unplaced_message(unplaced[0]),
                 )
             )
         return DeploymentDecision(
             deployment=dep.name,
             desired=desired,
             accepted=result.accepted,
-            kept=tuple(r.name for r in kept),
+            kept=kept,
             placed=tuple(placed),
             unplaced=tuple(unplaced),
             lost=lost,
-            surplus=tuple(r.name for r in surplus),
+            surplus=surplus,
             conditions=tuple(extra),
         )
 

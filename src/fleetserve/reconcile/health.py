@@ -1,0 +1,64 @@
+"""Node liveness from heartbeats: Ready, then NotReady after a deadline, then Lost after a longer one.
+
+A pure function of (last heartbeat, now, policy): the caller passes the clock in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from fleetserve.spec.resources import NodeState
+
+
+@dataclass(frozen=True)
+class HeartbeatPolicy:
+    """How long a node may stay silent before it is NotReady, and before it is Lost."""
+
+    not_ready_after: timedelta = timedelta(seconds=40)
+    lost_after: timedelta = timedelta(minutes=5)
+
+    def __post_init__(self) -> None:
+        if self.lost_after <= self.not_ready_after:
+            raise ValueError("lost_after must be longer than not_ready_after")
+
+
+def classify(last_heartbeat: datetime | None, now: datetime, policy: HeartbeatPolicy) -> NodeState:
+    """The state a node's silence puts it in; a node never heard from is NotReady, not Lost."""
+    if last_heartbeat is None:
+        return NodeState.NOT_READY
+    silent = now - last_heartbeat
+    if silent >= policy.lost_after:
+        return NodeState.LOST
+    if silent >= policy.not_ready_after:
+        return NodeState.NOT_READY
+    return NodeState.READY
+
+
+@dataclass(frozen=True)
+class Transition:
+    """A node whose state changes in this cycle."""
+
+    node: str
+    old: NodeState
+    new: NodeState
+
+
+def transitions(
+    nodes: Iterable[tuple[str, NodeState, datetime | None]], now: datetime, policy: HeartbeatPolicy
+) -> list[Transition]:
+    """Every node whose heartbeat age moves it to another state.
+
+    Only silence is judged here: a NotReady node comes back to Ready through its agent's
+    registration (which bumps its epoch), not through this function, so a heartbeat from a
+    fenced agent cannot revive the node on its own.
+    """
+    out = []
+    for name, state, last in nodes:
+        new = classify(last, now, policy)
+        if state is NodeState.READY and new is not NodeState.READY:
+            out.append(Transition(name, state, new))
+        elif state is NodeState.NOT_READY and new is NodeState.LOST:
+            out.append(Transition(name, state, new))
+    return out
