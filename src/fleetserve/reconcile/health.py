@@ -36,6 +36,9 @@ def classify(last_heartbeat: datetime | None, now: datetime, policy: HeartbeatPo
     return NodeState.READY
 
 
+_RANK = {NodeState.READY: 0, NodeState.NOT_READY: 1, NodeState.LOST: 2}
+
+
 @dataclass(frozen=True)
 class Transition:
     """A node whose state changes in this cycle."""
@@ -57,8 +60,7 @@ def transitions(
     out = []
     for name, state, last in nodes:
         new = classify(last, now, policy)
-        if state is NodeState.READY and new is not NodeState.READY:
-            out.append(Transition(name, state, new))
-        elif state is NodeState.NOT_READY and new is NodeState.LOST:
+        # Silence only ever worsens a state: Ready → NotReady/Lost, NotReady → Lost.
+        if _RANK[new] > _RANK[state]:
             out.append(Transition(name, state, new))
     return out
