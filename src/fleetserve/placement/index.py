@@ -2,15 +2,20 @@
 
 Per class, eligible nodes (Ready, not cordoned, tolerating the class's driver taint) sit in
 buckets by how many devices of the class they have free — and again per fabric for multi-node
-replicas. Bin packing is "the lowest non-empty bucket at or above k"; the emptiest machines are
-the highest buckets. CPU nodes sit in one list sorted by free cores. Explanations are computed
-from counters kept beside the buckets, so a "does not fit" costs no scan either; they agree
-exactly with the full scan in ``naive.py`` (a property the tests check).
+replicas, and again per cached model, so "among equals, a node holding the model" is a lookup,
+not a scan. Bin packing is "the lowest non-empty bucket at or above k"; the emptiest machines are
+the highest buckets. CPU nodes sit in one list sorted by free cores (and again per cached model).
+Explanations are computed from counters kept beside the buckets, so a "does not fit" costs no
+scan either; they agree exactly with the full scan in ``naive.py`` (a property the tests check).
+
+A report depends only on the nodes of its demand's class index (or on the CPU list), so it is
+kept per demand until a commit or release touches one of those nodes: when a deployment's
+replicas do not fit, the first one is explained and the rest reuse that explanation.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from types import MappingProxyType
 
 from sortedcontainers import SortedList
@@ -24,32 +29,48 @@ from fleetserve.placement.state import NodeWork, WorkingState
 from fleetserve.spec.resources import Replica
 
 Counts = dict[tuple[Reason, int | None], int]
+Buckets = list[SortedList]  # index j: names of nodes with j free devices of the class, sorted
+
+
+def _buckets(max_devices: int) -> Buckets:
+    return [SortedList() for _ in range(max_devices + 1)]
 
 
 class _ClassIndex:
     """Buckets of eligible nodes by free-device count for one device class."""
 
     def __init__(self, max_devices: int) -> None:
-        self.all: list[SortedList] = [SortedList() for _ in range(max_devices + 1)]
-        self.attached: list[SortedList] = [SortedList() for _ in range(max_devices + 1)]
-        self.fabric: dict[str, list[SortedList]] = {}
+        self.size = max_devices
+        self.all: Buckets = _buckets(max_devices)
+        self.attached: Buckets = _buckets(max_devices)  # nodes on at least one fabric
+        self.fabric: dict[str, Buckets] = {}
+        self.held: dict[str, Buckets] = {}  # model → nodes whose cache holds it
         self.present = 0  # Ready, uncordoned nodes with this class, before the taint check
         self.eligible = 0
         self.no_fabric = 0
+        # Bumped whenever a member node's free devices, cores or memory may have changed: a
+        # memoised report for this class is current while the version it was made at is.
+        self.version = 0
 
-    def buckets_for(self, fabric: str) -> list[SortedList]:
+    def buckets_for(self, fabric: str) -> Buckets:
         if fabric not in self.fabric:
-            self.fabric[fabric] = [SortedList() for _ in range(len(self.all))]
+            self.fabric[fabric] = _buckets(self.size)
         return self.fabric[fabric]
 
     def place(self, node: NodeWork, j: int, add: bool) -> None:
         """Add ``node`` to (or remove it from) every bucket list it belongs in at count ``j``."""
         op = SortedList.add if add else SortedList.remove
-        op(self.all[j], node.name)
+        name = node.name
+        op(self.all[j], name)
         if node.fabrics:
-            op(self.attached[j], node.name)
+            op(self.attached[j], name)
             for fabric in node.fabrics:
-                op(self.buckets_for(fabric)[j], node.name)
+                op(self.buckets_for(fabric)[j], name)
+        for model in node.cache:
+            held = self.held.get(model)
+            if held is None:
+                held = self.held[model] = _buckets(self.size)
+            op(held[j], name)
 
 
 class IndexedSearch:
@@ -61,14 +82,14 @@ class IndexedSearch:
         self.cordoned = 0
         self.classes: dict[str, _ClassIndex] = {}
         self.cpu = SortedList()  # (-free cores, name) of nodes a CPU replica may use
+        self.cpu_held: dict[str, SortedList] = {}  # model → the same, for nodes caching it
         self.cpu_taint = 0  # Ready, uncordoned nodes in a GPU pool
-        self.cache: dict[str, set[str]] = {}
+        self.cpu_version = 0  # as _ClassIndex.version, for the CPU list
         self._count: dict[tuple[str, str], int] = {}  # (class, node) → indexed free count
         self._cores: dict[str, int] = {}
+        self._reports: dict[Demand, tuple[int, ProfileReport]] = {}  # demand → (version, report)
         drivers = {c: parse_driver(d.driver) for c, d in state.snapshot.classes.items()}
         for node in state.nodes:
-            for model in node.cache:
-                self.cache.setdefault(model, set()).add(node.name)
             if not node.ready:
                 self.not_ready += 1
                 continue
@@ -77,10 +98,10 @@ class IndexedSearch:
                 continue
             if node.tolerates(Driver.CPU):
                 self._cores[node.name] = node.free_cores
-                self.cpu.add((-node.free_cores, node.name))
+                self._cpu_place(node, node.free_cores, add=True)
             else:
                 self.cpu_taint += 1
-            for cls, _indices in node.devices_of.items():
+            for cls in node.devices_of:
                 index = self.classes.get(cls)
                 if index is None:
                     size = max(len(n.devices_of.get(cls, ())) for n in state.nodes)
@@ -97,23 +118,36 @@ class IndexedSearch:
 
     # --- changes -------------------------------------------------------------------------
 
+    def _cpu_place(self, node: NodeWork, cores: int, add: bool) -> None:
+        op = SortedList.add if add else SortedList.remove
+        entry = (-cores, node.name)
+        op(self.cpu, entry)
+        for model in node.cache:
+            held = self.cpu_held.get(model)
+            if held is None:
+                held = self.cpu_held[model] = SortedList()
+            op(held, entry)
+
     def _refresh(self, nodes: list[NodeWork]) -> None:
         for node in nodes:
             for cls in node.devices_of:
                 old = self._count.get((cls, node.name))
                 if old is None:
                     continue
+                index = self.classes[cls]
+                index.version += 1  # host cores or memory may have changed even if devices did not
                 new = node.free_count(cls)
                 if new != old:
-                    index = self.classes[cls]
                     index.place(node, old, add=False)
                     index.place(node, new, add=True)
                     self._count[(cls, node.name)] = new
             old_cores = self._cores.get(node.name)
-            if old_cores is not None and old_cores != node.free_cores:
-                self.cpu.remove((-old_cores, node.name))
-                self.cpu.add((-node.free_cores, node.name))
-                self._cores[node.name] = node.free_cores
+            if old_cores is not None:
+                self.cpu_version += 1  # free memory may have changed even if cores did not
+                if old_cores != node.free_cores:
+                    self._cpu_place(node, old_cores, add=False)
+                    self._cpu_place(node, node.free_cores, add=True)
+                    self._cores[node.name] = node.free_cores
 
     def commit(self, replica: Replica) -> None:
         """Allocate a replica found by ``find`` and update the indexes."""
@@ -128,54 +162,71 @@ class IndexedSearch:
     def find(self, demand: Demand) -> Found | ProfileReport:
         """Where ``demand`` fits, or a report of why no node does."""
         if demand.device_class is None:
+            index = None
+            version = self.cpu_version
+        else:
+            index = self.classes.get(demand.device_class)
+            version = index.version if index is not None else 0
+        memo = self._reports.get(demand)
+        if memo is not None and memo[0] == version:
+            return memo[1]
+        found = self._find(demand, index)
+        if isinstance(found, ProfileReport):
+            self._reports[demand] = (version, found)
+        return found
+
+    def _find(self, demand: Demand, index: _ClassIndex | None) -> Found | ProfileReport:
+        if demand.device_class is None:
             return self._find_cpu(demand)
-        index = self.classes.get(demand.device_class)
         if index is None or demand.device_memory > demand.class_memory:
             return self._gpu_report(demand, index, {}, 0, {})
         if demand.nodes == 1:
             return self._find_single(demand, index)
         return self._find_group(demand, index)
 
-    def _fits_host(self, node: NodeWork, demand: Demand, counts: Counts) -> bool:
-        for check in (free_cores, free_memory):
-            rejection = check(node, demand)
-            if rejection is not None:
-                counts[rejection] = counts.get(rejection, 0) + 1
-                return False
-        return True
+    def _fits_host(self, node: NodeWork, demand: Demand, counts: Counts | None) -> bool:
+        """Whether ``node`` has the cores and memory ``demand`` claims; count the rejection if not."""
+        rejection = free_cores(node, demand) or free_memory(node, demand)
+        if rejection is None:
+            return True
+        if counts is not None:
+            counts[rejection] = counts.get(rejection, 0) + 1
+        return False
+
+    def _first_fit(self, names: Iterable[str], demand: Demand, counts: Counts | None) -> NodeWork | None:
+        """The first of ``names`` whose host fits ``demand``, counting every rejection before it."""
+        by_name = self.state.by_name
+        for name in names:
+            node = by_name[name]
+            if self._fits_host(node, demand, counts):
+                return node
+        return None
 
     def _find_single(self, demand: Demand, index: _ClassIndex) -> Found | ProfileReport:
         by_name = self.state.by_name
         k = demand.devices_per_node
         claims_host = demand.cpu_cores > 0 or demand.host_memory > 0
-        holders = self.cache.get(demand.model, set())
+        held = index.held.get(demand.model)
         counts: Counts = {}
         for j in range(k, len(index.all)):
             bucket = index.all[j]
             if not bucket:
                 continue
+            holders = held[j] if held is not None else None  # of this bucket, by name
             if not claims_host:
-                # Among equals (same free count), a node already holding the model.
-                if holders and len(holders) <= len(bucket):
-                    cached = sorted(h for h in holders if h in bucket)
-                    pick = cached[0] if cached else bucket[0]
-                else:
-                    pick = next((n for n in bucket if n in holders), bucket[0])
-                return found_single(by_name[pick], demand)
-            first: NodeWork | None = None
-            for name in bucket:
-                node = by_name[name]
-                if not self._fits_host(node, demand, counts):
-                    continue
-                if name in holders:
-                    first = node
-                    break
-                first = first or node
-            if first is not None:
-                return found_single(first, demand)
+                # Every node in the bucket fits: among equals, the first holding the model.
+                return found_single(by_name[holders[0] if holders else bucket[0]], demand)
+            # A holder that fits, else the first node that fits. Only the scan of the whole
+            # bucket counts rejections (the holders are in it too); they matter only when no
+            # bucket has a fit, and then every bucket was scanned whole.
+            node = self._first_fit(holders, demand, None) if holders else None
+            if node is None:
+                node = self._first_fit(bucket, demand, counts)
+            if node is not None:
+                return found_single(node, demand)
         return self._gpu_report(demand, index, counts, 0, {})
 
-    def _members(self, buckets: list[SortedList], demand: Demand, counts: Counts) -> Iterator[NodeWork]:
+    def _members(self, buckets: Buckets, demand: Demand, counts: Counts) -> Iterator[NodeWork]:
         """Nodes of a fabric that fit alone, emptiest first."""
         by_name = self.state.by_name
         for j in range(len(buckets) - 1, demand.devices_per_node - 1, -1):
@@ -207,23 +258,29 @@ class IndexedSearch:
 
     def _find_cpu(self, demand: Demand) -> Found | ProfileReport:
         by_name = self.state.by_name
-        holders = self.cache.get(demand.model, set())
         best: NodeWork | None = None
         memory_short = 0
+        # Most free cores first; the first node whose memory also fits sets the best core count.
         for neg_cores, name in self.cpu:
             if -neg_cores < demand.cpu_cores:
-                break
-            if best is not None and -neg_cores != best.free_cores:
                 break
             node = by_name[name]
             if node.free_memory < demand.host_memory:
                 memory_short += 1
                 continue
-            if name in holders:
-                best = node
-                break
-            best = best or node
+            best = node
+            break
         if best is not None:
+            # Among equals (the same free cores), the first node by name holding the model.
+            held = self.cpu_held.get(demand.model)
+            if held:
+                top = -best.free_cores
+                for neg_cores, name in held.islice(held.bisect_left((top, ""))):
+                    if neg_cores != top:
+                        break
+                    node = by_name[name]
+                    if node.free_memory >= demand.host_memory:
+                        return found_single(node, demand)
             return found_single(best, demand)
         cpu_short = len(self.cpu) - self.cpu.bisect_left((-demand.cpu_cores + 1, ""))
         counts: Counts = self._base_counts()
