@@ -25,20 +25,19 @@ class ClusterSnapshot:
     replicas: tuple[Replica, ...] = ()
     models: Mapping[str, ModelFacts] = field(default_factory=_empty)  # type: ignore[arg-type]
 
-    def node_drivers(self, node: Node) -> frozenset[Driver]:
-        """The known drivers of a node's devices; a node with no accelerator is a CPU node."""
-        out = set()
-        for device in node.devices:
-            cls = self.classes.get(device.device_class)
-            driver = parse_driver(cls.driver) if cls else None
-            if driver is not None:
-                out.add(driver)
-        return frozenset(out) if out else frozenset({Driver.CPU})
+    def node_taints(self, node: Node) -> frozenset[str]:
+        """The driver names whose pools the node is in: its devices' drivers, known or not.
+
+        A node with no device is a CPU node. A device whose class claims a driver outside the
+        table still taints its node, so a GPU box never passes for a CPU node.
+        """
+        out = {cls.driver for d in node.devices if (cls := self.classes.get(d.device_class)) is not None}
+        return frozenset(out) if out else frozenset({Driver.CPU.value})
 
     def served_drivers(self) -> frozenset[Driver]:
-        """Drivers some node that is not Lost can serve (CPU included wherever a CPU node is)."""
+        """Drivers of the table some node that is not Lost can serve (CPU wherever a CPU node is)."""
         out: set[Driver] = set()
         for node in self.nodes:
             if node.state is not NodeState.LOST:
-                out |= self.node_drivers(node)
+                out |= {d for name in self.node_taints(node) if (d := parse_driver(name)) is not None}
         return frozenset(out)

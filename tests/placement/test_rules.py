@@ -283,3 +283,44 @@ def test_replicas_of_one_cycle_never_share_a_device(kind):
     assert where(d1) == [[("n", (0,))]]
     assert where(d2) == [[("n", (1,))]]
     assert len(d2.unplaced) == 1
+
+
+@both
+def test_a_gpu_box_whose_class_claims_an_unknown_driver_never_passes_for_a_cpu_node(kind):
+    CLASSES["gaudi"] = DeviceClass(name="gaudi", driver="gaudi.intel.com", memory=128 * GiB)
+    try:
+        prof = {"name": "cpu", "engine": "llama.cpp", "cpu": {"cores": 2, "memory": "1GiB"}}
+        [d] = decide(
+            [gpu_node("g", 8, "gaudi"), cpu_node("small", cores=1)], [deployment("d", 1, prof)], kind
+        )
+    finally:
+        del CLASSES["gaudi"]
+    assert d.unplaced[0].reports[0].counts() == {
+        (Reason.TAINT_NOT_TOLERATED, None): 1,
+        (Reason.INSUFFICIENT_CPU, None): 1,
+    }
+
+
+@both
+def test_too_few_cores_renders_without_an_amount(kind):
+    prof = {"name": "cpu", "engine": "llama.cpp", "cpu": {"cores": 64, "memory": "1GiB"}}
+    [d] = decide([cpu_node("c", cores=8)], [deployment("d", 1, prof)], kind)
+    assert (
+        render_report(d.unplaced[0].reports[0]) == "profile cpu: 0/1 nodes fit: 1 have too few free CPU cores"
+    )
+
+
+def test_two_shards_on_one_node_add_up_against_its_cpu():
+    from fleetserve.errors import AllocationConflict
+    from fleetserve.placement.state import WorkingState
+
+    snap = ClusterSnapshot(classes=MappingProxyType(CLASSES), nodes=(cpu_node("c", cores=8),))
+    state = WorkingState(snap)
+    double = Replica(
+        name="r",
+        deployment="d",
+        profile="p",
+        shards=(Shard(node="c", cpu_cores=5), Shard(node="c", cpu_cores=5)),
+    )
+    with pytest.raises(AllocationConflict, match="lacks CPU"):
+        state.allocate(double)

@@ -53,6 +53,10 @@ def model_bytes(facts: ModelFacts, context: int | None) -> int:
 def demand_for(profile: ResolvedProfile, facts: ModelFacts, cls: DeviceClass | None) -> Demand:
     """The demand of one replica of ``profile`` serving the model ``facts`` describes."""
     total = model_bytes(facts, profile.context)
+    if not profile.on_cpu and cls is None:
+        raise ValueError(
+            f"profile {profile.name}: device class {profile.device_class} is not in the snapshot"
+        )
     if profile.on_cpu or cls is None:
         assert profile.cpu is not None, "a resolved CPU profile always has a CPU request"
         host = profile.cpu.memory if profile.cpu.memory is not None else total + CPU_RUNTIME_OVERHEAD

@@ -118,7 +118,7 @@ def _phrase(rc: ReasonCount, report: ProfileReport) -> str:
         case Reason.INSUFFICIENT_FREE_DEVICES:
             return f"have {rc.have} of {report.needed} devices free"
         case Reason.INSUFFICIENT_CPU:
-            return f"have {rc.have} free CPU cores, too few"
+            return "have too few free CPU cores"
         case Reason.INSUFFICIENT_MEMORY:
             return "too little free host memory"
         case Reason.FABRIC_TOO_SMALL:

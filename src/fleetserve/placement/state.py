@@ -22,7 +22,7 @@ class NodeWork:
     name: str
     ready: bool
     cordoned: bool
-    taints: frozenset[Driver]
+    taints: frozenset[str]  # driver names of the pools the node is in
     # class → every device index of that class on the node, healthy or not
     devices_of: dict[str, tuple[int, ...]]
     # class → healthy, unallocated device indices
@@ -52,7 +52,7 @@ class NodeWork:
 
     def tolerates(self, driver: Driver) -> bool:
         """Whether a workload of ``driver`` tolerates every taint this node carries."""
-        return self.taints <= {driver}
+        return self.taints <= {driver.value}
 
 
 def node_work(node: Node, snapshot: ClusterSnapshot) -> NodeWork:
@@ -72,7 +72,7 @@ def node_work(node: Node, snapshot: ClusterSnapshot) -> NodeWork:
         name=node.name,
         ready=node.state is NodeState.READY,
         cordoned=node.cordon is not None,
-        taints=snapshot.node_drivers(node),
+        taints=snapshot.node_taints(node),
         devices_of={c: tuple(sorted(ix)) for c, ix in devices_of.items()},
         free=free,
         fabrics={f: tuple(h) for f, h in fabrics.items()},
@@ -93,6 +93,9 @@ class WorkingState:
         self.by_name: dict[str, NodeWork] = {n.name: n for n in self.nodes}
         self.replicas: dict[str, Replica] = {}
         self.skipped: list[str] = []  # existing replicas that could not be applied (stale)
+        self._healthy = {
+            n.name: frozenset(d.index for d in n.devices if d.health.healthy) for n in snapshot.nodes
+        }
         for replica in snapshot.replicas:
             try:
                 self.allocate(replica)
@@ -104,6 +107,8 @@ class WorkingState:
         if replica.name in self.replicas:
             raise AllocationConflict(f"replica {replica.name} is already allocated")
         seen: set[tuple[str, int]] = set()
+        cores: dict[str, int] = {}
+        memory: dict[str, int] = {}
         for shard in replica.shards:
             node = self.by_name.get(shard.node)
             if node is None:
@@ -115,7 +120,10 @@ class WorkingState:
                         f"replica {replica.name}: device {shard.node}/{index} is not free"
                     )
                 seen.add((shard.node, index))
-            if shard.cpu_cores > node.free_cores or shard.memory > node.free_memory:
+            # Two shards on one node add up.
+            cores[shard.node] = cores.get(shard.node, 0) + shard.cpu_cores
+            memory[shard.node] = memory.get(shard.node, 0) + shard.memory
+            if cores[shard.node] > node.free_cores or memory[shard.node] > node.free_memory:
                 raise AllocationConflict(f"replica {replica.name}: node {shard.node} lacks CPU or memory")
 
     def allocate(self, replica: Replica) -> list[NodeWork]:
@@ -142,7 +150,7 @@ class WorkingState:
             node = self.by_name.get(shard.node)
             if node is None:
                 continue
-            healthy = self._healthy(shard.node)
+            healthy = self._healthy.get(shard.node, frozenset())
             for index in shard.devices:
                 if index in healthy:
                     node.free[node.class_of[index]].add(index)
@@ -150,12 +158,6 @@ class WorkingState:
             node.used_memory -= shard.memory
             touched.append(node)
         return touched
-
-    def _healthy(self, node_name: str) -> set[int]:
-        for node in self.snapshot.nodes:
-            if node.name == node_name:
-                return {d.index for d in node.devices if d.health.healthy}
-        return set()
 
     def names(self) -> Iterable[str]:
         """Names of every replica allocated in this state."""
