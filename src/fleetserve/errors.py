@@ -3,10 +3,12 @@
     FleetserveError
     ├── ConfigError              a YAML or API document is invalid (names file, document, field)
     ├── ValidationError          a deployment breaks an engine or device rule (names profile, why)
-    └── InventoryError           the inventory refused an operation
-        ├── UnknownNode          the node is not registered
-        ├── UnknownReplica       no replica of that identity is allocated
-        └── AllocationConflict   a device or capacity the replica needs is already taken
+    ├── InventoryError           the inventory refused an operation
+    │   ├── UnknownNode          the node is not registered
+    │   ├── UnknownReplica       no replica of that identity is allocated
+    │   └── AllocationConflict   a device or capacity the replica needs is already taken
+    └── StoreError               the state store's database failed (the driver's error is chained)
+        └── NotFound             no model, deployment or token of that identity is stored
 
 Expected placement outcomes (a replica that does not fit) are values, not exceptions: see
 ``fleetserve.placement.report``. Third-party exceptions are converted at the boundary and
@@ -63,3 +65,11 @@ class UnknownReplica(InventoryError):
 
 class AllocationConflict(InventoryError):
     """A device or capacity the replica needs is already taken or does not exist."""
+
+
+class StoreError(FleetserveError):
+    """The state store's database failed or refused an operation; the driver error is the cause."""
+
+
+class NotFound(StoreError):
+    """No stored object (model, deployment, token) of that identity exists."""

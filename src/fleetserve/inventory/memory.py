@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from fleetserve.errors import UnknownNode, UnknownReplica
+from pydantic import ValidationError as PydanticValidationError
+
+from fleetserve.errors import ConfigError, Problem, UnknownNode, UnknownReplica
 from fleetserve.inventory.base import Registration
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.placement.state import WorkingState
@@ -52,7 +54,13 @@ class InMemoryInventory:
         return self._epochs.get(name, 0)
 
     def cordon(self, name: str, reason: str, by: str = "operator") -> Node:
-        node = self.get_node(name).model_copy(update={"cordon": Cordon(reason=reason, by=by)})
+        try:
+            cordon = Cordon(reason=reason, by=by)
+        except PydanticValidationError as exc:
+            raise ConfigError(
+                [Problem(f"Node {name}", "cordon.reason", "give a reason for the cordon")]
+            ) from exc
+        node = self.get_node(name).model_copy(update={"cordon": cordon})
         self._nodes[name] = node
         return node
 

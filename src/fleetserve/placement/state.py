@@ -92,15 +92,29 @@ class WorkingState:
         self.nodes: list[NodeWork] = [node_work(n, snapshot) for n in snapshot.nodes]
         self.by_name: dict[str, NodeWork] = {n.name: n for n in self.nodes}
         self.replicas: dict[str, Replica] = {}
-        self.skipped: list[str] = []  # existing replicas that could not be applied (stale)
         self._healthy = {
             n.name: frozenset(d.index for d in n.devices if d.health.healthy) for n in snapshot.nodes
         }
         for replica in snapshot.replicas:
-            try:
-                self.allocate(replica)
-            except AllocationConflict:
-                self.skipped.append(replica.name)
+            self._hold(replica)
+
+    def _hold(self, replica: Replica) -> None:
+        """Count what an existing replica holds, whether or not it would fit today.
+
+        A replica keeps its devices, cores and memory even after a device under it faulted or
+        its node was cordoned: they are not free until the replica is released.
+        """
+        for shard in replica.shards:
+            node = self.by_name.get(shard.node)
+            if node is None:
+                continue
+            for index in shard.devices:
+                cls = node.class_of.get(index)
+                if cls is not None and cls in node.free:
+                    node.free[cls].discard(index)
+            node.used_cores += shard.cpu_cores
+            node.used_memory += shard.memory
+        self.replicas[replica.name] = replica
 
     def check(self, replica: Replica) -> None:
         """Raise AllocationConflict unless every shard of ``replica`` is free now."""
@@ -113,6 +127,11 @@ class WorkingState:
             node = self.by_name.get(shard.node)
             if node is None:
                 raise AllocationConflict(f"replica {replica.name}: node {shard.node} does not exist")
+            # A plan made before a cordon or a missed heartbeat must not land there.
+            if node.cordoned or not node.ready:
+                raise AllocationConflict(
+                    f"replica {replica.name}: node {shard.node} is cordoned or not Ready"
+                )
             for index in shard.devices:
                 cls = node.class_of.get(index)
                 if cls is None or index not in node.free.get(cls, ()) or (shard.node, index) in seen:

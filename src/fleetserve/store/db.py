@@ -1,0 +1,131 @@
+"""Engines for the state store: a SQLite file by default, PostgreSQL for several servers.
+
+SQLite connections get WAL journaling (readers never block the writer), foreign keys, a busy
+timeout, and ``BEGIN IMMEDIATE`` for every transaction not marked read-only, so writers from
+several processes serialise instead of failing half-way with "database is locked". PostgreSQL
+URLs are mapped to the psycopg 3 driver. Database errors become ``StoreError`` here, at the
+boundary, with the driver's exception chained.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import URL, Connection, make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
+
+from fleetserve.errors import StoreError
+
+# Execution option that makes a SQLite transaction start with a plain (deferred) BEGIN.
+READ_ONLY = "fleetserve_read_only"
+DEFAULT_BUSY_TIMEOUT = 30.0
+
+
+def default_database_path() -> Path:
+    """``$XDG_DATA_HOME/fleetserve/state.db`` (``~/.local/share/fleetserve/state.db``)."""
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "fleetserve" / "state.db"
+
+
+def database_url(url: str | os.PathLike[str] | None) -> URL:
+    """The SQLAlchemy URL for a database URL, a SQLite file path, or None (the default file)."""
+    if url is None:
+        url = default_database_path()
+    if isinstance(url, os.PathLike) or "://" not in url:
+        return URL.create("sqlite", database=str(Path(url)))
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError) as exc:
+        raise StoreError(f"not a database URL: {url!r}") from exc
+    if parsed.drivername in ("postgresql", "postgres", "postgresql+psycopg"):
+        return parsed.set(drivername="postgresql+psycopg")
+    if parsed.drivername in ("sqlite", "sqlite+pysqlite"):
+        if parsed.database in (None, "", ":memory:"):
+            raise StoreError(
+                "an in-memory SQLite database is not supported: every connection would see its own "
+                "empty database; give a file path"
+            )
+        return parsed
+    raise StoreError(
+        f"unsupported database {parsed.drivername!r}: use a SQLite file path, sqlite:///PATH "
+        "or postgresql://USER@HOST/DB"
+    )
+
+
+def make_engine(
+    url: str | os.PathLike[str] | None = None,
+    *,
+    connect_args: Mapping[str, Any] | None = None,
+    busy_timeout: float = DEFAULT_BUSY_TIMEOUT,
+) -> Engine:
+    """An engine for ``url``: a SQLite file path or ``sqlite:///PATH`` (None: the default file),
+    or ``postgresql://…`` (run through psycopg 3). ``connect_args`` go to the driver."""
+    target = database_url(url)
+    args = dict(connect_args or {})
+    try:
+        if target.get_backend_name() == "sqlite":
+            assert target.database is not None
+            Path(target.database).parent.mkdir(parents=True, exist_ok=True)
+            engine = create_engine(target, connect_args=args)
+            _configure_sqlite(engine, busy_timeout)
+        else:
+            args.setdefault("connect_timeout", 10)
+            engine = create_engine(target, connect_args=args, pool_pre_ping=True)
+    except (SQLAlchemyError, ImportError) as exc:
+        raise StoreError(f"cannot create a database engine for {target!r}: {exc}") from exc
+    return engine
+
+
+def _configure_sqlite(engine: Engine, busy_timeout: float) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # SQLAlchemy emits BEGIN itself (below); sqlite3 must not open transactions on its own.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
+            cursor.execute("PRAGMA journal_mode = WAL")
+            cursor.execute("PRAGMA synchronous = NORMAL")
+            cursor.execute("PRAGMA foreign_keys = ON")
+        finally:
+            cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection: Connection) -> None:
+        # IMMEDIATE takes the write lock up front (waiting up to the busy timeout), so two writers
+        # never both read, then both fail to upgrade. Read-only transactions need no lock.
+        read_only = connection.get_execution_options().get(READ_ONLY, False)
+        connection.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
+
+
+def read_only(engine: Engine) -> Engine:
+    """An engine sharing ``engine``'s pool whose transactions only read: a consistent snapshot
+    (REPEATABLE READ on PostgreSQL, a deferred transaction on SQLite)."""
+    if engine.dialect.name == "postgresql":
+        return engine.execution_options(isolation_level="REPEATABLE READ", **{READ_ONLY: True})
+    return engine.execution_options(**{READ_ONLY: True})
+
+
+def describe(exc: BaseException) -> str:
+    """A short, one-line account of a database error: the driver's class and first line."""
+    cause = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
+    lines = str(cause).strip().splitlines()
+    text = lines[0] if lines else ""
+    hint = ""
+    if "no such table" in text or ("relation" in text and "does not exist" in text):
+        hint = " (is the schema migrated? run fleetserve.store.migrate)"
+    return f"{type(cause).__name__}: {text}{hint}"
+
+
+@contextmanager
+def converted(action: str) -> Iterator[None]:
+    """Turn SQLAlchemy and driver errors raised inside into ``StoreError``, chained."""
+    try:
+        yield
+    except SQLAlchemyError as exc:
+        raise StoreError(f"state store: {action} failed: {describe(exc)}") from exc

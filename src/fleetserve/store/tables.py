@@ -1,0 +1,181 @@
+"""The state store's tables (SQLAlchemy 2 declarative). The migrations create exactly these.
+
+Documents are stored whole as JSON (``model_dump(mode="json", by_alias=True)``), restored with
+``model_validate``. What the store itself must decide on — a node's state, cordon and epoch, a
+deployment's generation, a replica's state, which device is whose — lives in columns, and the
+columns win over the same fields inside the JSON.
+
+``device_allocations`` has (node, device_index) as its primary key: the database itself refuses
+to give one device to two replicas, whichever process asks. ``replica_shards`` holds each shard's
+node, CPU claim and the node's epoch when the replica was placed (fencing).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any, ClassVar
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Dialect,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAME = String(63)
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_N_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class UtcDateTime(TypeDecorator[datetime]):
+    """A timezone-aware UTC timestamp on every backend (SQLite keeps it as naive UTC text)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"timestamps must be timezone-aware, got {value!r}")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map: ClassVar[dict[Any, Any]] = {dict[str, Any]: JSON, datetime: UtcDateTime}
+
+
+class DeviceClassRow(Base):
+    __tablename__ = "device_classes"
+
+    name: Mapped[str] = mapped_column(NAME, primary_key=True)
+    spec: Mapped[dict[str, Any]]
+
+
+class FabricRow(Base):
+    __tablename__ = "fabrics"
+
+    name: Mapped[str] = mapped_column(NAME, primary_key=True)
+    spec: Mapped[dict[str, Any]]
+
+
+class NodeRow(Base):
+    __tablename__ = "nodes"
+
+    name: Mapped[str] = mapped_column(NAME, primary_key=True)
+    # The agent's hardware facts; state and cordon below are the store's.
+    spec: Mapped[dict[str, Any]]
+    state: Mapped[str] = mapped_column(String(16))
+    cordon_reason: Mapped[str | None] = mapped_column(Text)
+    cordon_by: Mapped[str | None] = mapped_column(String(255))
+    # Bumped by every registration: a returning agent learns what moved away while it was gone.
+    epoch: Mapped[int] = mapped_column(Integer)
+    last_heartbeat: Mapped[datetime | None]
+
+
+class ModelRow(Base):
+    __tablename__ = "models"
+
+    name: Mapped[str] = mapped_column(NAME, primary_key=True)
+    spec: Mapped[dict[str, Any]]
+
+
+class DeploymentRow(Base):
+    __tablename__ = "deployments"
+
+    name: Mapped[str] = mapped_column(NAME, primary_key=True)
+    spec: Mapped[dict[str, Any]]
+    # Bumped when the spec changes, not when it is re-applied unchanged.
+    generation: Mapped[int] = mapped_column(Integer)
+    status: Mapped[dict[str, Any]]
+
+
+class ReplicaRow(Base):
+    __tablename__ = "replicas"
+
+    name: Mapped[str] = mapped_column(NAME, primary_key=True)
+    deployment: Mapped[str] = mapped_column(NAME, index=True)
+    profile: Mapped[str] = mapped_column(NAME)
+    spec: Mapped[dict[str, Any]]
+    state: Mapped[str] = mapped_column(String(16))
+
+
+class ReplicaShardRow(Base):
+    __tablename__ = "replica_shards"
+
+    replica: Mapped[str] = mapped_column(
+        NAME, ForeignKey("replicas.name", ondelete="CASCADE"), primary_key=True
+    )
+    shard: Mapped[int] = mapped_column(Integer, primary_key=True)
+    node: Mapped[str] = mapped_column(NAME, ForeignKey("nodes.name"), index=True)
+    cpu_cores: Mapped[int] = mapped_column(Integer)
+    memory: Mapped[int] = mapped_column(BigInteger)
+    # The node's epoch when the replica was placed on it.
+    node_epoch: Mapped[int] = mapped_column(Integer)
+
+
+class DeviceAllocationRow(Base):
+    __tablename__ = "device_allocations"
+
+    # The primary key is the uniqueness rule: one device, at most one replica.
+    node: Mapped[str] = mapped_column(NAME, ForeignKey("nodes.name"), primary_key=True)
+    device_index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    replica: Mapped[str] = mapped_column(NAME, ForeignKey("replicas.name", ondelete="CASCADE"), index=True)
+
+
+class DecisionRow(Base):
+    __tablename__ = "decisions"
+    __table_args__ = (Index("ix_decisions_deployment_created_at", "deployment", "created_at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    deployment: Mapped[str] = mapped_column(NAME)
+    created_at: Mapped[datetime]
+    explanation: Mapped[dict[str, Any]]
+
+
+class TokenRow(Base):
+    __tablename__ = "tokens"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    # sha256 of the token, hex; the plaintext is never stored.
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime]
+    revoked: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+class LeaderLeaseRow(Base):
+    __tablename__ = "leader_lease"
+
+    name: Mapped[str] = mapped_column(String(255), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(255))
+    expires_at: Mapped[datetime]
+
+
+def stamp(value: datetime) -> datetime:
+    """Check that a passed-in time is timezone-aware, and return it in UTC."""
+    if value.tzinfo is None:
+        raise ValueError(f"timestamps must be timezone-aware, got {value!r}")
+    return value.astimezone(UTC)

@@ -1,0 +1,303 @@
+"""The SQL store beyond the Inventory: workloads, decisions, tokens, leases, migrations, errors.
+
+Every test runs against SQLite and PostgreSQL (the ``store`` fixture, tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import select, text
+
+from fleetserve.errors import NotFound, StoreError, UnknownNode, UnknownReplica
+from fleetserve.spec.resources import Deployment, Model, Node, NodeState, Replica, ReplicaState
+from fleetserve.store import SqlStore, TokenKind, make_engine, migrate
+from fleetserve.store.schema import MIGRATIONS
+from fleetserve.store.tables import Base, TokenRow
+
+T0 = datetime(2025, 6, 1, 12, 0, tzinfo=UTC)
+
+
+def model(name: str, size: str = "4Gi") -> Model:
+    return Model.model_validate({"name": name, "source": f"/models/{name}.gguf", "size": size})
+
+
+def deployment(name: str = "chat", replicas: int = 1, model_name: str = "llama") -> Deployment:
+    return Deployment.model_validate(
+        {
+            "name": name,
+            "model": model_name,
+            "replicas": replicas,
+            "profiles": [{"name": "cpu", "engine": "llama.cpp", "cpu": {"cores": 4}}],
+        }
+    )
+
+
+def node(name: str) -> Node:
+    return Node.model_validate({"name": name, "cpu": {"cores": 8, "memory": "16Gi"}})
+
+
+# --- models and deployments --------------------------------------------------------------------
+
+
+def test_models_crud(store: SqlStore) -> None:
+    store.put_model(model("qwen"))
+    store.put_model(model("llama"))
+    store.put_model(model("qwen", size="8Gi"))  # replaces
+
+    assert store.get_model("qwen") == model("qwen", size="8Gi")
+    assert [m.name for m in store.list_models()] == ["llama", "qwen"]
+
+    store.delete_model("qwen")
+    assert store.list_models() == [model("llama")]
+    with pytest.raises(NotFound, match="qwen"):
+        store.get_model("qwen")
+    with pytest.raises(NotFound):
+        store.delete_model("qwen")
+
+
+def test_deployment_generation_bumps_only_on_a_spec_change(store: SqlStore) -> None:
+    generations = [
+        store.put_deployment(deployment(replicas=1)),
+        store.put_deployment(deployment(replicas=1)),  # re-applied unchanged
+        store.put_deployment(deployment(replicas=3)),
+        store.put_deployment(deployment(replicas=3)),
+        store.put_deployment(deployment(replicas=1)),  # back again is a change too
+    ]
+    assert generations == [1, 1, 2, 2, 3]
+    assert store.put_deployment(deployment("other")) == 1  # per deployment
+
+    stored = store.get_deployment("chat")
+    assert stored.deployment == deployment(replicas=1)
+    assert stored.generation == 3
+    assert dict(stored.status) == {}
+
+
+def test_deployment_status_list_and_delete(store: SqlStore) -> None:
+    store.put_deployment(deployment("b"))
+    store.put_deployment(deployment("a"))
+    status = {"observedGeneration": 1, "conditions": [{"type": "Accepted", "status": "True"}]}
+    store.set_deployment_status("a", status)
+    store.put_deployment(deployment("a", replicas=2))  # a spec change keeps the status
+
+    assert dict(store.get_deployment("a").status) == status
+    assert [(d.deployment.name, d.generation) for d in store.list_deployments()] == [("a", 2), ("b", 1)]
+
+    store.delete_deployment("a")
+    assert [d.deployment.name for d in store.list_deployments()] == ["b"]
+    for operation in (
+        lambda: store.get_deployment("a"),
+        lambda: store.set_deployment_status("a", {}),
+        lambda: store.delete_deployment("a"),
+    ):
+        with pytest.raises(NotFound, match="'a'"):
+            operation()
+
+
+# --- nodes and replicas ------------------------------------------------------------------------
+
+
+def test_heartbeats(store: SqlStore) -> None:
+    store.register(node("n2"))
+    store.register(node("n1"))
+    assert [(h.name, h.last_heartbeat) for h in store.node_heartbeats()] == [("n1", None), ("n2", None)]
+
+    store.heartbeat("n1", T0.astimezone(timezone(timedelta(hours=2))))  # any zone, stored as UTC
+    store.set_state("n2", NodeState.NOT_READY)
+
+    beats = store.node_heartbeats()
+    assert beats[0].last_heartbeat == T0
+    assert beats[0].last_heartbeat is not None and beats[0].last_heartbeat.tzinfo == UTC
+    assert (beats[1].state, beats[1].epoch, beats[1].last_heartbeat) == (NodeState.NOT_READY, 1, None)
+    with pytest.raises(UnknownNode):
+        store.heartbeat("nope", T0)
+    with pytest.raises(ValueError, match="timezone-aware"):
+        store.heartbeat("n1", datetime(2025, 6, 1, 12, 0))
+
+
+def test_replica_state_and_placement_epochs(store: SqlStore) -> None:
+    store.register(node("n1"))
+    store.register(node("n1"))
+    store.register(node("n2"))
+    r = Replica.model_validate(
+        {
+            "name": "chat-0",
+            "deployment": "chat",
+            "profile": "cpu",
+            "state": "Pending",
+            "shards": [{"node": "n1", "cpuCores": 2}, {"node": "n2", "cpuCores": 2}],
+        }
+    )
+    store.allocate(r)
+    store.allocate(r.model_copy(update={"name": "other-0", "deployment": "other"}))
+
+    assert store.get_replica("chat-0") == r
+    assert store.set_replica_state("chat-0", ReplicaState.RUNNING).state is ReplicaState.RUNNING
+    assert store.get_replica("chat-0").state is ReplicaState.RUNNING
+    assert store.snapshot().replicas[0].state is ReplicaState.RUNNING
+    assert [x.name for x in store.replicas(deployment="chat")] == ["chat-0"]
+    assert store.placement_epochs("chat-0") == {"n1": 2, "n2": 1}
+    assert store.epoch("n1") == 2
+    assert store.epoch("never") == 0
+    for operation in (
+        lambda: store.get_replica("nope"),
+        lambda: store.set_replica_state("nope", ReplicaState.FAILED),
+        lambda: store.placement_epochs("nope"),
+    ):
+        with pytest.raises(UnknownReplica):
+            operation()
+
+
+# --- decisions ---------------------------------------------------------------------------------
+
+
+def test_decisions_newest_first_filtered_limited_and_pruned(store: SqlStore) -> None:
+    for minute, name in [(0, "a"), (1, "b"), (2, "a"), (3, "a")]:
+        store.record_decision(
+            name, {"minute": minute, "profiles": [{"fits": False}]}, T0 + timedelta(minutes=minute)
+        )
+
+    assert [d.explanation["minute"] for d in store.list_decisions()] == [3, 2, 1, 0]
+    latest = store.list_decisions("a", limit=2)
+    assert [(d.deployment, d.created_at) for d in latest] == [
+        ("a", T0 + timedelta(minutes=3)),
+        ("a", T0 + timedelta(minutes=2)),
+    ]
+    assert latest[0].explanation == {"minute": 3, "profiles": [{"fits": False}]}
+
+    assert store.prune_decisions(T0 + timedelta(minutes=2)) == 2
+    assert [d.explanation["minute"] for d in store.list_decisions()] == [3, 2]
+
+
+# --- tokens ------------------------------------------------------------------------------------
+
+
+def test_tokens_store_only_a_hash(store: SqlStore) -> None:
+    admin = store.create_token(TokenKind.ADMIN, T0)
+    join = store.create_token(TokenKind.JOIN, T0)
+
+    assert store.verify_token(admin.plaintext, TokenKind.ADMIN)
+    assert store.verify_token(join.plaintext, TokenKind.JOIN)
+    assert not store.verify_token(join.plaintext, TokenKind.ADMIN)  # a join token is not an admin one
+    assert not store.verify_token(admin.plaintext + "x", TokenKind.ADMIN)
+    assert not store.verify_token("", TokenKind.ADMIN)
+
+    with store.engine.connect() as conn:
+        rows = conn.execute(select(TokenRow.__table__)).all()
+        dump = " ".join(str(v) for row in rows for v in row)
+    assert {row.token_hash for row in rows} == {
+        hashlib.sha256(t.plaintext.encode()).hexdigest() for t in (admin, join)
+    }
+    assert admin.plaintext not in dump and join.plaintext not in dump
+
+    store.revoke_token(admin.id)
+    assert not store.verify_token(admin.plaintext, TokenKind.ADMIN)
+    assert store.verify_token(join.plaintext, TokenKind.JOIN)
+    assert [(t.kind, t.revoked, t.created_at) for t in store.list_tokens()] == [
+        (TokenKind.ADMIN, True, T0),
+        (TokenKind.JOIN, False, T0),
+    ]
+    with pytest.raises(NotFound):
+        store.revoke_token(9999)
+
+
+# --- leadership --------------------------------------------------------------------------------
+
+
+def test_leadership_lease(store: SqlStore) -> None:
+    ttl = timedelta(seconds=10)
+
+    def at(seconds: float) -> datetime:
+        return T0 + timedelta(seconds=seconds)
+
+    assert store.try_acquire_leadership("reconciler", "a", at(0), ttl)
+    assert not store.try_acquire_leadership("reconciler", "b", at(5), ttl)
+    assert store.leader("reconciler", at(5)) == "a"
+    assert store.try_acquire_leadership("reconciler", "a", at(8), ttl)  # renewed until 18
+    assert not store.try_acquire_leadership("reconciler", "b", at(17.9), ttl)
+    assert store.leader("reconciler", at(18)) is None  # expired
+    assert store.try_acquire_leadership("reconciler", "b", at(18), ttl)
+    assert not store.try_acquire_leadership("reconciler", "a", at(19), ttl)
+    assert store.leader("reconciler", at(19)) == "b"
+    assert store.try_acquire_leadership("scraper", "a", at(19), ttl)  # leases are independent
+
+    assert not store.release_leadership("reconciler", "a")  # not a's to give up
+    assert store.release_leadership("reconciler", "b")
+    assert store.leader("reconciler", at(20)) is None
+    assert store.try_acquire_leadership("reconciler", "a", at(20), ttl)
+    with pytest.raises(ValueError, match="positive ttl"):
+        store.try_acquire_leadership("reconciler", "a", at(21), timedelta(0))
+
+
+# --- migrations --------------------------------------------------------------------------------
+
+
+def test_migrations_run_twice_and_match_the_tables(store: SqlStore) -> None:
+    migrate(store.engine)  # the fixture ran them once already
+    migrate(store.engine)
+
+    head = ScriptDirectory(str(MIGRATIONS)).get_current_head()
+    with store.engine.connect() as conn:
+        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalars().all() == [head]
+        assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+    store.put_model(model("still-works"))
+
+
+def test_migrate_and_open_take_a_url_or_a_path(tmp_path: Path) -> None:
+    path = tmp_path / "nested" / "state.db"
+    migrate(f"sqlite:///{path}")
+    migrate(path)
+    with SqlStore.open(path) as store:
+        store.put_model(model("m"))
+        assert [m.name for m in store.list_models()] == ["m"]
+        with store.engine.connect() as conn:
+            pragmas = [conn.exec_driver_sql(f"PRAGMA {p}").scalar() for p in ("journal_mode", "foreign_keys")]
+            assert pragmas == ["wal", 1]
+            assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30000
+
+
+# --- errors at the boundary --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("mysql://root@localhost/x", "unsupported database 'mysql'"),
+        ("sqlite://", "in-memory SQLite"),
+        ("sqlite:///:memory:", "in-memory SQLite"),
+        ("postgresql://no such url::", "not a database URL"),
+    ],
+)
+def test_bad_database_urls(url: str, message: str) -> None:
+    with pytest.raises(StoreError, match=message):
+        make_engine(url)
+
+
+def test_postgres_urls_use_psycopg_3() -> None:
+    for url in ("postgresql://u@h/db", "postgres://u@h/db", "postgresql+psycopg://u@h/db"):
+        engine = make_engine(url)
+        assert (engine.dialect.name, engine.dialect.driver) == ("postgresql", "psycopg")
+        engine.dispose()
+
+
+def test_database_errors_become_store_errors(tmp_path: Path) -> None:
+    unreachable = make_engine("postgresql://postgres@127.0.0.1:1/test")
+    try:
+        with pytest.raises(StoreError, match="listing nodes failed: OperationalError") as caught:
+            SqlStore(unreachable).nodes()
+        assert caught.value.__cause__ is not None
+    finally:
+        unreachable.dispose()
+
+    unmigrated = make_engine(tmp_path / "empty.db")
+    try:
+        with pytest.raises(StoreError, match=r"no such table: nodes \(is the schema migrated"):
+            SqlStore(unmigrated).register(node("n1"))
+    finally:
+        unmigrated.dispose()
