@@ -28,8 +28,8 @@ def test_silence_moves_a_node_from_ready_to_not_ready_to_lost(silent, state):
     assert classify(NOW - silent, NOW, POLICY) is state
 
 
-def test_a_node_never_heard_from_is_not_ready_rather_than_lost():
-    assert classify(None, NOW, POLICY) is NodeState.NOT_READY
+def test_a_node_no_agent_ever_ran_on_keeps_its_declared_state():
+    assert transitions([("static", NodeState.READY, None)], NOW, POLICY) == []
 
 
 def test_only_real_changes_are_reported_and_silence_never_revives_a_node():

@@ -24,10 +24,8 @@ class HeartbeatPolicy:
             raise ValueError("lost_after must be longer than not_ready_after")
 
 
-def classify(last_heartbeat: datetime | None, now: datetime, policy: HeartbeatPolicy) -> NodeState:
-    """The state a node's silence puts it in; a node never heard from is NotReady, not Lost."""
-    if last_heartbeat is None:
-        return NodeState.NOT_READY
+def classify(last_heartbeat: datetime, now: datetime, policy: HeartbeatPolicy) -> NodeState:
+    """The state a node's silence since ``last_heartbeat`` puts it in."""
     silent = now - last_heartbeat
     if silent >= policy.lost_after:
         return NodeState.LOST
@@ -59,6 +57,10 @@ def transitions(
     """
     out = []
     for name, state, last in nodes:
+        if last is None:
+            # Declared by an operator and never run by an agent: there is no heartbeat to miss,
+            # so the declared state stands until an agent registers the node.
+            continue
         new = classify(last, now, policy)
         # Silence only ever worsens a state: Ready → NotReady/Lost, NotReady → Lost.
         if _RANK[new] > _RANK[state]:

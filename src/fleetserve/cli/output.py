@@ -1,0 +1,54 @@
+"""Printing API objects as a table, JSON or YAML."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from enum import StrEnum
+from typing import Any
+
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+
+class Format(StrEnum):
+    """How a command prints what it got."""
+
+    TABLE = "table"
+    JSON = "json"
+    YAML = "yaml"
+
+
+Column = tuple[str, Callable[[dict[str, Any]], Any]]
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, list | tuple):
+        return ", ".join(_cell(v) for v in value)
+    return str(value)
+
+
+def emit(data: Any, fmt: Format, console: Console, columns: Sequence[Column] = ()) -> None:
+    """Print ``data`` (a dict or a list of dicts) in the chosen format."""
+    if fmt is Format.JSON:
+        console.print_json(json.dumps(data))
+        return
+    if fmt is Format.YAML:
+        console.print(yaml.safe_dump(data, sort_keys=False).rstrip(), markup=False, highlight=False)
+        return
+    rows = data if isinstance(data, list) else [data]
+    if not columns:
+        console.print(yaml.safe_dump(data, sort_keys=False).rstrip(), markup=False, highlight=False)
+        return
+    if not console.is_terminal:
+        # Piped output: one row per line rather than cells wrapped at 80 columns.
+        console = Console(width=250, file=console.file)
+    table = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
+    for name, _ in columns:
+        table.add_column(name.upper())
+    for row in rows:
+        table.add_row(*(_cell(get(row)) for _, get in columns))
+    console.print(table)

@@ -1,0 +1,78 @@
+"""``fleetserve server``: the control plane process — admin API, state store, reconciler loop."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import uvicorn
+import yaml
+from rich.console import Console
+
+from fleetserve.reconcile.health import HeartbeatPolicy
+from fleetserve.server.app import create_app
+from fleetserve.server.reconciler import Reconciler
+from fleetserve.store.sql import SqlStore, TokenKind
+
+
+def ensure_tokens(store: SqlStore, token_file: Path | None, console: Console) -> None:
+    """On first start, create the admin and join tokens and show them once (stored hashed)."""
+    existing: set[TokenKind] = {t.kind for t in store.list_tokens() if not t.revoked}
+    created: dict[str, str] = {}
+    now = datetime.now(UTC)
+    for kind in (TokenKind.ADMIN, TokenKind.JOIN):
+        if kind not in existing:
+            created[kind.value] = store.create_token(kind, now).plaintext
+    if not created:
+        return
+    console.print("[bold]fleetserve: new tokens — shown this once, stored only as hashes:[/]")
+    for name, plaintext in created.items():
+        console.print(f"  {name} token: {plaintext}", markup=False, highlight=False)
+    console.print("  use the admin token with `fleetserve login --token ...` or FLEETSERVE_TOKEN;")
+    console.print("  agents join with the join token.")
+    if token_file is not None:
+        token_file.parent.mkdir(parents=True, exist_ok=True)
+        token_file.write_text(yaml.safe_dump(created), encoding="utf-8")
+        token_file.chmod(0o600)
+        console.print(f"  (also written to {token_file}, mode 0600)", markup=False)
+
+
+def run_server(
+    database_url: str,
+    host: str,
+    port: int,
+    reconcile_interval: float,
+    policy: HeartbeatPolicy,
+    token_file: Path | None,
+    log_level: str,
+) -> None:
+    """Open (and migrate) the store, then serve the API and run the reconciler until stopped."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    console = Console(soft_wrap=True)
+    store = SqlStore.open(database_url)
+    try:
+        ensure_tokens(store, token_file, console)
+        app = create_app(store)
+        reconciler = Reconciler(store, policy=policy)
+        stop = threading.Event()
+        loop = threading.Thread(
+            target=reconciler.run_forever, args=(stop, reconcile_interval), name="reconciler", daemon=True
+        )
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False)
+        server = uvicorn.Server(config)
+        console.print(f"fleetserve server: http://{host}:{port} (OpenAPI at /docs), state in {database_url}")
+        loop.start()
+        try:
+            server.run()
+        finally:
+            stop.set()
+            loop.join(timeout=reconcile_interval + 10)
+    finally:
+        store.close()
+
+
+def heartbeat_policy(not_ready_after: float, lost_after: float) -> HeartbeatPolicy:
+    """The liveness deadlines from command-line seconds."""
+    return HeartbeatPolicy(timedelta(seconds=not_ready_after), timedelta(seconds=lost_after))

@@ -1,0 +1,1 @@
+"""The control plane: REST admin API, state store, reconciler loop."""

@@ -1,0 +1,247 @@
+"""The control plane's HTTP API (FastAPI): a versioned admin API and the agents' API.
+
+Admin routes need an admin token; agent routes a join token. Every error is JSON in one shape
+(``fleetserve.server.problems``); bad input is a 4xx naming the field.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, FastAPI, Query
+from pydantic import BaseModel, ConfigDict, Field
+
+from fleetserve import __version__
+from fleetserve.errors import NotFound, UnknownNode
+from fleetserve.server import problems
+from fleetserve.server.apply import apply_batch
+from fleetserve.server.auth import admin, agent
+from fleetserve.spec.resources import Node, Replica
+from fleetserve.store.sql import SqlStore
+
+NameParam = Annotated[str, Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?$")]
+
+
+class ApplyRequest(BaseModel):
+    """A batch of documents (the YAML documents of `fleetserve apply -f`), applied all or nothing."""
+
+    model_config = ConfigDict(extra="forbid")
+    documents: list[dict[str, Any]] = Field(min_length=1, max_length=10_000)
+
+
+class CordonRequest(BaseModel):
+    """Why the node is cordoned; shown to every operator who looks at it."""
+
+    model_config = ConfigDict(extra="forbid")
+    reason: str = Field(min_length=1, max_length=1000)
+
+
+class HeartbeatRequest(BaseModel):
+    """An agent saying its node is alive."""
+
+    model_config = ConfigDict(extra="forbid")
+    node: str = Field(min_length=1, max_length=63)
+
+
+def _doc(resource: BaseModel) -> dict[str, Any]:
+    return resource.model_dump(mode="json", by_alias=True)
+
+
+def _replicas_by_node(replicas: list[Replica]) -> dict[str, list[Replica]]:
+    out: dict[str, list[Replica]] = {}
+    for replica in replicas:
+        for shard in replica.shards:
+            out.setdefault(shard.node, []).append(replica)
+    return out
+
+
+def _node_view(node: Node, store: SqlStore, replicas: list[Replica], beats: dict[str, Any]) -> dict[str, Any]:
+    beat = beats.get(node.name)
+    held = sorted({d for r in replicas for s in r.shards if s.node == node.name for d in s.devices})
+    return {
+        **_doc(node),
+        "status": {
+            "epoch": beat.epoch if beat else 0,
+            "lastHeartbeat": beat.last_heartbeat.isoformat() if beat and beat.last_heartbeat else None,
+            "allocatedDevices": held,
+            "replicas": sorted({r.name for r in replicas}),
+        },
+    }
+
+
+def build_admin_router(store: SqlStore) -> APIRouter:
+    """Every admin route; each needs an admin token."""
+    api = APIRouter(prefix="/api/v1", dependencies=[admin])
+
+    @api.post("/apply", tags=["apply"], summary="Apply documents, all or nothing")
+    def apply(body: ApplyRequest) -> dict[str, Any]:
+        applied = apply_batch(body.documents, store)
+        return {"applied": [{"kind": a.kind, "name": a.name, "result": a.result} for a in applied]}
+
+    @api.get("/classes", tags=["classes"])
+    def list_classes() -> list[dict[str, Any]]:
+        return [_doc(c) for c in sorted(store.snapshot().classes.values(), key=lambda c: c.name)]
+
+    @api.get("/classes/{name}", tags=["classes"])
+    def get_class(name: NameParam) -> dict[str, Any]:
+        cls = store.snapshot().classes.get(name)
+        if cls is None:
+            raise NotFound(f"no device class named {name!r}")
+        return _doc(cls)
+
+    @api.delete("/classes/{name}", tags=["classes"])
+    def delete_class(name: NameParam) -> dict[str, str]:
+        store.delete_class(name)
+        return {"deleted": name}
+
+    @api.get("/fabrics", tags=["fabrics"])
+    def list_fabrics() -> list[dict[str, Any]]:
+        return [_doc(f) for f in sorted(store.snapshot().fabrics.values(), key=lambda f: f.name)]
+
+    @api.get("/nodes", tags=["nodes"])
+    def list_nodes() -> list[dict[str, Any]]:
+        by_node = _replicas_by_node(store.replicas())
+        beats = {h.name: h for h in store.node_heartbeats()}
+        return [_node_view(n, store, by_node.get(n.name, []), beats) for n in store.nodes()]
+
+    @api.get("/nodes/{name}", tags=["nodes"])
+    def get_node(name: NameParam) -> dict[str, Any]:
+        node = store.get_node(name)
+        beats = {h.name: h for h in store.node_heartbeats()}
+        return _node_view(node, store, _replicas_by_node(store.replicas()).get(name, []), beats)
+
+    @api.post("/nodes/{name}/cordon", tags=["nodes"], summary="Keep new replicas off a node")
+    def cordon(name: NameParam, body: CordonRequest) -> dict[str, Any]:
+        return _doc(store.cordon(name, body.reason))
+
+    @api.post("/nodes/{name}/uncordon", tags=["nodes"])
+    def uncordon(name: NameParam) -> dict[str, Any]:
+        return _doc(store.uncordon(name))
+
+    @api.post("/nodes/{name}/drain", tags=["nodes"], summary="Cordon a node and move its replicas away")
+    def drain(name: NameParam, body: CordonRequest) -> dict[str, Any]:
+        node = store.cordon(name, body.reason)
+        moved = [r.name for r in _replicas_by_node(store.replicas()).get(name, [])]
+        for replica in moved:
+            store.release(replica)  # the reconciler places replacements elsewhere
+        return {**_doc(node), "released": moved}
+
+    @api.delete("/nodes/{name}", tags=["nodes"], summary="Forget a node that holds no replica")
+    def delete_node(name: NameParam) -> dict[str, str]:
+        store.delete_node(name)
+        return {"deleted": name}
+
+    @api.get("/models", tags=["models"])
+    def list_models() -> list[dict[str, Any]]:
+        return [_doc(m) for m in store.list_models()]
+
+    @api.get("/models/{name}", tags=["models"])
+    def get_model(name: NameParam) -> dict[str, Any]:
+        return _doc(store.get_model(name))
+
+    @api.delete("/models/{name}", tags=["models"])
+    def delete_model(name: NameParam) -> dict[str, str]:
+        store.delete_model(name)
+        return {"deleted": name}
+
+    @api.get("/deployments", tags=["deployments"])
+    def list_deployments() -> list[dict[str, Any]]:
+        return [
+            {**_doc(d.deployment), "generation": d.generation, "status": dict(d.status)}
+            for d in store.list_deployments()
+        ]
+
+    @api.get("/deployments/{name}", tags=["deployments"])
+    def get_deployment(name: NameParam) -> dict[str, Any]:
+        d = store.get_deployment(name)
+        replicas = [_doc(r) for r in store.replicas(deployment=name)]
+        return {
+            **_doc(d.deployment),
+            "generation": d.generation,
+            "status": dict(d.status),
+            "replicas": replicas,
+        }
+
+    @api.delete("/deployments/{name}", tags=["deployments"], summary="Delete; its replicas are stopped")
+    def delete_deployment(name: NameParam) -> dict[str, str]:
+        store.delete_deployment(name)
+        return {"deleted": name}
+
+    @api.get("/deployments/{name}/explain", tags=["deployments"], summary="The latest placement decision")
+    def explain(name: NameParam) -> dict[str, Any]:
+        d = store.get_deployment(name)
+        latest = store.list_decisions(name, limit=1)
+        return {
+            "deployment": name,
+            "generation": d.generation,
+            "status": dict(d.status),
+            "decision": dict(latest[0].explanation) if latest else None,
+            "decidedAt": latest[0].created_at.isoformat() if latest else None,
+        }
+
+    @api.get("/decisions", tags=["deployments"], summary="Recorded decisions, newest first")
+    def decisions(
+        deployment: Annotated[str | None, Query(max_length=63)] = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+    ) -> list[dict[str, Any]]:
+        return [
+            {
+                "id": d.id,
+                "deployment": d.deployment,
+                "createdAt": d.created_at.isoformat(),
+                "decision": dict(d.explanation),
+            }
+            for d in store.list_decisions(deployment, limit)
+        ]
+
+    @api.get("/replicas", tags=["replicas"])
+    def list_replicas(deployment: Annotated[str | None, Query(max_length=63)] = None) -> list[dict[str, Any]]:
+        return [_doc(r) for r in store.replicas(deployment=deployment)]
+
+    @api.get("/replicas/{name}", tags=["replicas"])
+    def get_replica(name: NameParam) -> dict[str, Any]:
+        return _doc(store.get_replica(name))
+
+    return api
+
+
+def build_agent_router(store: SqlStore) -> APIRouter:
+    """The routes agents use, with a join token."""
+    api = APIRouter(prefix="/api/v1/agent", dependencies=[agent], tags=["agent"])
+
+    @api.post("/register", summary="Register (or re-register) a node; never clears a cordon")
+    def register(node: Annotated[Node, Body()]) -> dict[str, Any]:
+        registration = store.register(node)
+        store.heartbeat(node.name, datetime.now(UTC))
+        return {"node": _doc(registration.node), "epoch": registration.epoch, "created": registration.created}
+
+    @api.post("/heartbeat", summary="Say the node is alive")
+    def heartbeat(body: HeartbeatRequest) -> dict[str, Any]:
+        try:
+            store.heartbeat(body.node, datetime.now(UTC))
+        except UnknownNode as exc:
+            raise NotFound(f"{exc}; register first") from None
+        return {"node": body.node, "epoch": store.epoch(body.node)}
+
+    return api
+
+
+def create_app(store: SqlStore) -> FastAPI:
+    """The control plane's ASGI app over ``store``."""
+    app = FastAPI(
+        title="fleetserve control plane",
+        version=__version__,
+        description="Admin API: device classes, nodes, models, deployments, replicas and placement "
+        "explanations. Authenticate with `Authorization: Bearer <admin token>`.",
+    )
+    app.state.store = store
+    problems.install(app)
+
+    @app.get("/healthz", tags=["health"], summary="Liveness; no credentials needed")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok", "version": __version__}
+
+    app.include_router(build_admin_router(store))
+    app.include_router(build_agent_router(store))
+    return app

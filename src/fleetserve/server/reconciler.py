@@ -1,0 +1,162 @@
+"""The reconciler loop: the edge around the pure ``reconcile`` core.
+
+Each cycle, on the one server that holds the leader lease: judge node liveness from heartbeats,
+take one snapshot, decide (pure), then commit — releases first, then each new replica in its own
+transaction. The store re-checks every allocation against the current state, so a plan built on
+stale state is rejected, never half-applied; the next cycle decides again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from fleetserve.errors import AllocationConflict, ConfigError, FleetserveError, UnknownReplica
+from fleetserve.modelfacts import ModelFacts, model_facts
+from fleetserve.reconcile.core import reconcile
+from fleetserve.reconcile.health import HeartbeatPolicy, transitions
+from fleetserve.spec.resources import Model
+from fleetserve.store.sql import SqlStore
+
+log = logging.getLogger("fleetserve.reconciler")
+
+LEASE = "reconciler"
+
+
+def utcnow() -> datetime:
+    """The wall clock, in UTC; the one place the reconciler reads it."""
+    return datetime.now(UTC)
+
+
+@dataclass
+class CycleResult:
+    """What one cycle did, for logs, metrics and tests."""
+
+    leader: bool
+    transitions: list[tuple[str, str, str]] = field(default_factory=list)
+    allocated: list[str] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)
+    conflicts: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+class Reconciler:
+    """Drives desired state to actual state; only the lease holder acts."""
+
+    def __init__(
+        self,
+        store: SqlStore,
+        policy: HeartbeatPolicy | None = None,
+        lease_ttl: timedelta = timedelta(seconds=15),
+        clock: Callable[[], datetime] = utcnow,
+        holder: str | None = None,
+    ) -> None:
+        self.store = store
+        self.policy = policy or HeartbeatPolicy()
+        self.lease_ttl = lease_ttl
+        self.clock = clock
+        self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._facts: dict[str, tuple[Model, ModelFacts]] = {}
+        self._last_recorded: dict[str, Any] = {}
+
+    def _model_facts(self, models: list[Model]) -> dict[str, ModelFacts]:
+        out = {}
+        for model in models:
+            cached = self._facts.get(model.name)
+            if cached is None or cached[0] != model:
+                try:
+                    cached = (model, model_facts(model))
+                except ConfigError as err:
+                    log.warning("model %s: %s", model.name, err)
+                    continue
+                self._facts[model.name] = cached
+            out[model.name] = cached[1]
+        return out
+
+    def run_once(self) -> CycleResult:
+        """One cycle; a follower only renews its bid for the lease."""
+        started = time.perf_counter()
+        now = self.clock()
+        if not self.store.try_acquire_leadership(LEASE, self.holder, now, self.lease_ttl):
+            return CycleResult(leader=False)
+        result = CycleResult(leader=True)
+        beats = [(h.name, h.state, h.last_heartbeat) for h in self.store.node_heartbeats()]
+        for change in transitions(beats, now, self.policy):
+            self.store.set_state(change.node, change.new)
+            result.transitions.append((change.node, change.old.value, change.new.value))
+            log.info("node %s: %s -> %s", change.node, change.old.value, change.new.value)
+        stored = self.store.list_deployments()
+        snapshot = self.store.snapshot(self._model_facts(self.store.list_models()))
+        plan = reconcile([d.deployment for d in stored], snapshot)
+        for name in plan.release:
+            try:
+                self.store.release(name)
+                result.released.append(name)
+            except UnknownReplica:
+                pass  # released by someone else meanwhile: the goal is reached
+        for replica in plan.allocate:
+            try:
+                self.store.allocate(replica)
+                result.allocated.append(replica.name)
+            except AllocationConflict as exc:
+                result.conflicts.append(replica.name)
+                log.info("plan for %s went stale (%s); the next cycle decides again", replica.name, exc)
+        generations = {d.deployment.name: d.generation for d in stored}
+        for decision in plan.decisions:
+            data = decision.to_dict()
+            status = {
+                "observedGeneration": generations.get(decision.deployment),
+                "conditions": data["conditions"],
+                "desiredReplicas": decision.desired,
+                "replicas": sorted(
+                    [
+                        *decision.kept,
+                        *(p.replica.name for p in decision.placed if p.replica.name in result.allocated),
+                    ]
+                ),
+                "unschedulable": len(decision.unplaced),
+            }
+            try:
+                self.store.set_deployment_status(decision.deployment, status)
+            except FleetserveError:
+                continue  # deleted meanwhile
+            # Keep a decision when it did something or says something new; a cycle that only
+            # kept what runs would bury the decision that placed it.
+            interesting = {k: data[k] for k in ("conditions", "placed", "unplaced", "lost", "surplus")}
+            acted = decision.placed or decision.unplaced or decision.lost or decision.surplus
+            last = self._last_recorded.get(decision.deployment)
+            if (
+                (acted and last != interesting)
+                or (last is not None and last["conditions"] != data["conditions"])
+                or last is None
+            ):
+                self.store.record_decision(decision.deployment, data, now)
+                self._last_recorded[decision.deployment] = interesting
+        result.seconds = time.perf_counter() - started
+        return result
+
+    def run_forever(self, stop: threading.Event, interval: float) -> None:
+        """Cycle every ``interval`` seconds until ``stop`` is set; a failing cycle is logged, not fatal."""
+        while not stop.is_set():
+            try:
+                result = self.run_once()
+                if result.allocated or result.released or result.transitions:
+                    log.info(
+                        "cycle: allocated %s, released %s, %d conflicts, %.1f ms",
+                        result.allocated,
+                        result.released,
+                        len(result.conflicts),
+                        result.seconds * 1000,
+                    )
+            except FleetserveError as exc:
+                log.error("reconcile cycle failed: %s", exc)
+            stop.wait(interval)
+        self.store.release_leadership(LEASE, self.holder)
