@@ -131,13 +131,10 @@ class Reconciler:
             # Keep a decision when it did something or says something new; a cycle that only
             # kept what runs would bury the decision that placed it.
             interesting = {k: data[k] for k in ("conditions", "placed", "unplaced", "lost", "surplus")}
-            acted = decision.placed or decision.unplaced or decision.lost or decision.surplus
+            acted = bool(decision.placed or decision.unplaced or decision.lost or decision.surplus)
             last = self._last_recorded.get(decision.deployment)
-            if (
-                (acted and last != interesting)
-                or (last is not None and last["conditions"] != data["conditions"])
-                or last is None
-            ):
+            new_conditions = last is None or last["conditions"] != data["conditions"]
+            if new_conditions or (acted and last != interesting):
                 self.store.record_decision(decision.deployment, data, now)
                 self._last_recorded[decision.deployment] = interesting
         result.seconds = time.perf_counter() - started
