@@ -15,6 +15,13 @@ def _empty() -> Mapping[str, object]:
     return MappingProxyType({})
 
 
+def replica_ordinal(deployment: str, replica: str) -> int | None:
+    """The ordinal N of a replica named ``{deployment}-{N}``, else None."""
+    prefix = deployment + "-"
+    tail = replica[len(prefix) :] if replica.startswith(prefix) else ""
+    return int(tail) if tail.isdigit() else None
+
+
 @dataclass(frozen=True)
 class ClusterSnapshot:
     """Classes, nodes, fabrics, allocated replicas and model facts, frozen for one cycle."""
@@ -24,6 +31,8 @@ class ClusterSnapshot:
     fabrics: Mapping[str, Fabric] = field(default_factory=_empty)  # type: ignore[arg-type]
     replicas: tuple[Replica, ...] = ()
     models: Mapping[str, ModelFacts] = field(default_factory=_empty)  # type: ignore[arg-type]
+    # Per deployment, the lowest replica ordinal never used: new replicas are named from it.
+    next_ordinals: Mapping[str, int] = field(default_factory=_empty)  # type: ignore[arg-type]
 
     def node_taints(self, node: Node) -> frozenset[str]:
         """The driver names whose pools the node is in: its devices' drivers, known or not.

@@ -398,3 +398,10 @@ def test_snapshot_reflects_everything(inventory: Inventory) -> None:
     assert names(before.replicas) == ["r1", "r2"]
     assert before.nodes[2].cordon is not None
     assert names(inventory.snapshot().replicas) == ["r2"]
+
+
+def test_a_released_replica_name_is_never_handed_out_again(inventory: Inventory) -> None:
+    inventory.register(gpu_node("n1"))
+    inventory.allocate(replica("d-3", ("n1", (0,))).model_copy(update={"deployment": "d"}))
+    inventory.release("d-3")
+    assert inventory.snapshot().next_ordinals.get("d") == 4

@@ -92,3 +92,16 @@ def test_a_class_edited_to_an_unsupported_driver_keeps_its_running_replicas():
     assert "gpu.nvidai.com" in decision.accepted.message
     assert decision.kept == ("d-0",)
     assert plan.release == () and plan.allocate == ()
+
+
+def test_new_replicas_are_named_from_the_deployments_next_ordinal_never_reusing_one():
+    snap = snapshot([node("a")], [])
+    snap = ClusterSnapshot(
+        classes=snap.classes,
+        nodes=snap.nodes,
+        replicas=(),
+        models=FACTS,
+        next_ordinals=MappingProxyType({"d": 7}),
+    )
+    plan = reconcile([deployment(2)], snap)
+    assert [r.name for r in plan.allocate] == ["d-7", "d-8"]

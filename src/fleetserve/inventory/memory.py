@@ -11,7 +11,7 @@ from fleetserve.errors import ConfigError, Problem, UnknownNode, UnknownReplica
 from fleetserve.inventory.base import Registration
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.placement.state import WorkingState
-from fleetserve.snapshot import ClusterSnapshot
+from fleetserve.snapshot import ClusterSnapshot, replica_ordinal
 from fleetserve.spec.resources import Cordon, DeviceClass, Fabric, Node, NodeState, Replica
 
 
@@ -24,6 +24,7 @@ class InMemoryInventory:
         self._nodes: dict[str, Node] = {}
         self._epochs: dict[str, int] = {}
         self._replicas: dict[str, Replica] = {}
+        self._next_ordinals: dict[str, int] = {}
 
     def put_class(self, cls: DeviceClass) -> None:
         self._classes[cls.name] = cls
@@ -78,6 +79,11 @@ class InMemoryInventory:
         # Check against the current free capacity; raises AllocationConflict before any change.
         WorkingState(self.snapshot()).check(replica)
         self._replicas[replica.name] = replica
+        ordinal = replica_ordinal(replica.deployment, replica.name)
+        if ordinal is not None:
+            self._next_ordinals[replica.deployment] = max(
+                self._next_ordinals.get(replica.deployment, 0), ordinal + 1
+            )
 
     def release(self, name: str) -> Replica:
         try:
@@ -95,4 +101,5 @@ class InMemoryInventory:
             fabrics=MappingProxyType(dict(self._fabrics)),
             replicas=tuple(self.replicas()),
             models=MappingProxyType(dict(models or {})),
+            next_ordinals=MappingProxyType(dict(self._next_ordinals)),
         )

@@ -122,8 +122,8 @@ def _unplaced_message(unplaced: Unplaced) -> str:
     return "; ".join(render_report(r) for r in unplaced.reports)
 
 
-def _ordinal_names(dep: str, taken: set[str]) -> Iterator[str]:
-    i = 0
+def _ordinal_names(dep: str, taken: set[str], start: int) -> Iterator[str]:
+    i = start
     while True:
         name = f"{dep}-{i}"
         if name not in taken:
@@ -217,7 +217,11 @@ class Placer:
                     demand_for(p, facts, self.snapshot.classes.get(p.device_class or ""))
                     for p in result.usable
                 ]
-            names = _ordinal_names(dep.name, set(pre.names) | set(self.state.names()))
+            names = _ordinal_names(
+                dep.name,
+                set(pre.names) | set(self.state.names()),
+                self.snapshot.next_ordinals.get(dep.name, 0),
+            )
             for _ in range(missing):
                 outcome = self.place_one(next(names), dep.name, demands)
                 if isinstance(outcome, Placement):

@@ -31,7 +31,7 @@ from fleetserve.errors import AllocationConflict, ConfigError, NotFound, Problem
 from fleetserve.inventory.base import Registration
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.placement.state import WorkingState
-from fleetserve.snapshot import ClusterSnapshot
+from fleetserve.snapshot import ClusterSnapshot, replica_ordinal
 from fleetserve.spec.loader import Documents
 from fleetserve.spec.resources import (
     Cordon,
@@ -56,6 +56,7 @@ from fleetserve.store.tables import (
     LeaderLeaseRow,
     ModelRow,
     NodeRow,
+    ReplicaOrdinalRow,
     ReplicaRow,
     ReplicaShardRow,
     TokenRow,
@@ -340,10 +341,27 @@ class SqlStore:
                 ]
                 if devices:
                     conn.execute(insert(DeviceAllocationRow), devices)
+                ordinal = replica_ordinal(replica.deployment, replica.name)
+                if ordinal is not None:
+                    self._bump_ordinal(s, replica.deployment, ordinal + 1)
             except IntegrityError as exc:
                 raise AllocationConflict(
                     f"replica {replica.name}: taken concurrently by another allocation ({describe(exc)})"
                 ) from exc
+
+    def _bump_ordinal(self, s: Session, deployment: str, at_least: int) -> None:
+        dialect_insert = postgresql.insert if self._postgres else sqlite.insert
+        stmt = dialect_insert(ReplicaOrdinalRow).values(deployment=deployment, next_ordinal=at_least)
+        s.connection().execute(
+            stmt.on_conflict_do_update(
+                index_elements=["deployment"],
+                set_={"next_ordinal": func.max(ReplicaOrdinalRow.next_ordinal, stmt.excluded.next_ordinal)}
+                if not self._postgres
+                else {
+                    "next_ordinal": func.greatest(ReplicaOrdinalRow.next_ordinal, stmt.excluded.next_ordinal)
+                },
+            )
+        )
 
     @staticmethod
     def _free_capacity(session: Session, rows: Sequence[NodeRow]) -> WorkingState:
@@ -403,12 +421,15 @@ class SqlStore:
             replicas = sorted(
                 (_replica(r.spec, r.state) for r in s.scalars(select(ReplicaRow))), key=lambda r: r.name
             )
+            ordinal_rows = s.execute(select(ReplicaOrdinalRow.deployment, ReplicaOrdinalRow.next_ordinal))
+            ordinals = {name: n for name, n in ordinal_rows}
         return ClusterSnapshot(
             classes=MappingProxyType(dict(sorted(classes.items()))),
             nodes=tuple(nodes),
             fabrics=MappingProxyType(dict(sorted(fabrics.items()))),
             replicas=tuple(replicas),
             models=MappingProxyType(dict(models or {})),
+            next_ordinals=MappingProxyType(ordinals),
         )
 
     # --- whole batches and deletions ---------------------------------------------------------

@@ -112,6 +112,17 @@ class DeploymentRow(Base):
     status: Mapped[dict[str, Any]]
 
 
+class ReplicaOrdinalRow(Base):
+    """The next replica ordinal per deployment name. Identities are never reused — not after a
+    release, not after the deployment is deleted and made again — so a replica moved away can
+    never be confused with its replacement (fencing)."""
+
+    __tablename__ = "replica_ordinals"
+
+    deployment: Mapped[str] = mapped_column(NAME, primary_key=True)
+    next_ordinal: Mapped[int] = mapped_column(Integer)
+
+
 class ReplicaRow(Base):
     __tablename__ = "replicas"
 

@@ -49,6 +49,12 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("name", name=op.f("pk_deployments")),
     )
     op.create_table(
+        "replica_ordinals",
+        sa.Column("deployment", NAME, nullable=False),
+        sa.Column("next_ordinal", sa.Integer(), nullable=False),
+        sa.PrimaryKeyConstraint("deployment", name=op.f("pk_replica_ordinals")),
+    )
+    op.create_table(
         "replicas",
         sa.Column("name", NAME, nullable=False),
         sa.Column("deployment", NAME, nullable=False),
@@ -129,6 +135,7 @@ def downgrade() -> None:
         "replica_shards",
         "replicas",
         "deployments",
+        "replica_ordinals",
         "nodes",
         "models",
         "fabrics",
