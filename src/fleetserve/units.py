@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 _UNITS: dict[str, int] = {
@@ -31,8 +32,12 @@ GiB = 2**30
 
 def parse_bytes(value: int | float | str) -> int:
     """Return the number of bytes ``value`` denotes; raise ValueError naming the valid suffixes."""
-    if isinstance(value, bool):
-        raise ValueError("expected a byte quantity such as 80GiB, not a boolean")
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError(
+            f"expected a byte quantity such as 80GiB or a number of bytes, not {type(value).__name__}"
+        )
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError("a byte quantity must be a finite number")
     if isinstance(value, int | float):
         if value < 0:
             raise ValueError("a byte quantity cannot be negative")

@@ -228,16 +228,17 @@ class Placer:
                     placed.append(outcome)
                 else:
                     unplaced.append(outcome)
-        if missing > 0 or not kept:
-            ok = not unplaced
-            extra.append(
-                Condition(
-                    "Scheduled",
-                    ok,
-                    "Placed" if ok else "Unschedulable",
-                    "" if ok else _unplaced_message(unplaced[0]),
-                )
+        ok = not unplaced
+        extra.append(
+            Condition(
+                "Scheduled",
+                ok,
+                "Placed" if ok else "Unschedulable",
+                f"{len(kept) + len(placed)}/{desired} replicas placed"
+                if ok
+                else _unplaced_message(unplaced[0]),
             )
+        )
         return DeploymentDecision(
             deployment=dep.name,
             desired=desired,

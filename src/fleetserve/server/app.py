@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fleetserve import __version__
 from fleetserve.errors import NotFound, UnknownNode
-from fleetserve.server import problems
+from fleetserve.server import auth, problems
 from fleetserve.server.apply import apply_batch
 from fleetserve.server.auth import admin, agent
 from fleetserve.spec.resources import Node, Replica
@@ -237,6 +237,7 @@ def create_app(store: SqlStore) -> FastAPI:
     )
     app.state.store = store
     problems.install(app)
+    auth.install(app)
 
     @app.get("/healthz", tags=["health"], summary="Liveness; no credentials needed")
     def healthz() -> dict[str, str]:

@@ -1,0 +1,570 @@
+"""The reconciler loop over a real store (SQLite and PostgreSQL), with a clock the tests move.
+
+Each test drives ``Reconciler.run_once`` by hand: allocation, node liveness, the multi-accelerator
+gate, leader election, recorded decisions, and plans that went stale before their commit.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from fleetserve.modelfacts import ModelFacts
+from fleetserve.reconcile.core import reconcile
+from fleetserve.reconcile.health import HeartbeatPolicy
+from fleetserve.server.apply import apply_batch
+from fleetserve.server.reconciler import LEASE, CycleResult, Reconciler
+from fleetserve.snapshot import ClusterSnapshot
+from fleetserve.spec.resources import Deployment, DeviceClass, Model, Node, NodeState, Replica
+from fleetserve.store import SqlStore
+
+T0 = datetime(2025, 6, 1, 12, 0, tzinfo=UTC)
+POLICY = HeartbeatPolicy(not_ready_after=timedelta(seconds=40), lost_after=timedelta(seconds=300))
+TTL = timedelta(seconds=15)
+
+H100 = DeviceClass(name="h100", driver="gpu.nvidia.com", memory="80GiB")
+MI300 = DeviceClass(name="mi300x", driver="gpu.amd.com", memory="192GiB")
+MODEL = Model.model_validate(
+    {
+        "name": "m",
+        "source": "hf://org/m",
+        "format": "safetensors",
+        "size": "8GB",
+        "architecture": {"layers": 8, "kvHeads": 4, "headDim": 64, "contextLength": 4096},
+    }
+)
+
+
+class FakeClock:
+    """A clock that only moves when told to."""
+
+    def __init__(self, start: datetime = T0) -> None:
+        self._now = start
+
+    def now(self) -> datetime:
+        return self._now
+
+    def advance(self, seconds: float) -> datetime:
+        self._now += timedelta(seconds=seconds)
+        return self._now
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def reconciler(store: SqlStore, clock: FakeClock, holder: str = "server-1") -> Reconciler:
+    return Reconciler(store, policy=POLICY, lease_ttl=TTL, clock=clock.now, holder=holder)
+
+
+def gpu_node(name: str, count: int = 2, cls: DeviceClass = H100) -> Node:
+    return Node.model_validate(
+        {
+            "name": name,
+            "cpu": {"cores": 32, "memory": "256GiB"},
+            "gpus": [{"class": cls.name, "count": count}],
+        }
+    )
+
+
+def node_doc(name: str, count: int = 2, cls: DeviceClass = H100) -> dict[str, Any]:
+    return {"kind": "Node", **gpu_node(name, count, cls).model_dump(mode="json", by_alias=True)}
+
+
+def deployment(
+    name: str = "chat",
+    replicas: int = 1,
+    cls: DeviceClass = H100,
+    devices: int = 1,
+    runtime: str | None = None,
+) -> Deployment:
+    profile: dict[str, Any] = {
+        "name": "gpu",
+        "engine": "vllm",
+        "deviceClass": cls.name,
+        "devicesPerNode": devices,
+    }
+    if runtime is not None:
+        profile["runtime"] = runtime
+    return Deployment.model_validate(
+        {"name": name, "model": MODEL.name, "replicas": replicas, "profiles": [profile]}
+    )
+
+
+def setup(
+    store: SqlStore,
+    nodes: list[Node],
+    deployments: list[Deployment],
+    classes: tuple[DeviceClass, ...] = (H100,),
+) -> None:
+    for cls in classes:
+        store.put_class(cls)
+    for node in nodes:
+        store.register(node)
+    store.put_model(MODEL)
+    for dep in deployments:
+        store.put_deployment(dep)
+
+
+def placement(store: SqlStore, deployment: str | None = None) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+    """Replica name → its shards as (node, devices): where everything runs."""
+    return {r.name: [(s.node, s.devices) for s in r.shards] for r in store.replicas(deployment)}
+
+
+def shared_devices(store: SqlStore) -> list[tuple[str, int]]:
+    """(node, device) pairs held by more than one replica: must always be empty."""
+    seen: dict[tuple[str, int], int] = {}
+    for replica in store.replicas():
+        for shard in replica.shards:
+            for device in shard.devices:
+                seen[(shard.node, device)] = seen.get((shard.node, device), 0) + 1
+    return sorted(k for k, n in seen.items() if n > 1)
+
+
+def condition(store: SqlStore, deployment: str, kind: str) -> dict[str, Any]:
+    status = store.get_deployment(deployment).status
+    found: dict[str, Any] = next(c for c in status["conditions"] if c["type"] == kind)
+    return found
+
+
+def quiet(result: CycleResult) -> bool:
+    """Whether a cycle led and changed nothing."""
+    return result.leader and not (
+        result.allocated or result.released or result.conflicts or result.transitions
+    )
+
+
+# --- allocation --------------------------------------------------------------------------------
+
+
+def test_desired_replicas_are_allocated_and_a_second_cycle_changes_nothing(
+    store: SqlStore, clock: FakeClock
+) -> None:
+    setup(store, [gpu_node("gpu-a"), gpu_node("gpu-b")], [deployment("chat", replicas=3)])
+    loop = reconciler(store, clock)
+
+    first = loop.run_once()
+
+    assert first.leader and not first.conflicts
+    assert sorted(first.allocated) == ["chat-0", "chat-1", "chat-2"]
+    before = placement(store)
+    assert sorted(before) == ["chat-0", "chat-1", "chat-2"]
+    assert shared_devices(store) == []
+    status = store.get_deployment("chat").status
+    assert (status["desiredReplicas"], status["replicas"], status["unschedulable"]) == (
+        3,
+        ["chat-0", "chat-1", "chat-2"],
+        0,
+    )
+    assert status["observedGeneration"] == 1
+
+    clock.advance(5)
+    second = loop.run_once()
+
+    assert quiet(second), second
+    assert placement(store) == before  # running replicas stay where they are
+
+
+def test_the_datacenter_example_settles_in_one_cycle(
+    store: SqlStore, clock: FakeClock, datacenter: list[dict[str, Any]]
+) -> None:
+    apply_batch(datacenter, store)
+    loop = reconciler(store, clock)
+
+    first = loop.run_once()
+
+    assert first.leader and first.allocated and not first.conflicts
+    before = placement(store)
+    assert shared_devices(store) == []
+    assert all(s[0] != "hgx-08" for shards in before.values() for s in shards)  # cordoned
+    clock.advance(5)
+    assert quiet(loop.run_once())
+    assert placement(store) == before
+
+
+# --- node liveness -----------------------------------------------------------------------------
+
+
+def test_a_silent_node_goes_not_ready_then_lost_and_its_replicas_move_under_new_names(
+    store: SqlStore, clock: FakeClock
+) -> None:
+    setup(store, [gpu_node("gpu-a")], [deployment("chat", replicas=1)])
+    store.heartbeat("gpu-a", clock.now())  # an agent runs on gpu-a
+    loop = reconciler(store, clock)
+    assert loop.run_once().allocated == ["chat-0"]
+    assert placement(store) == {"chat-0": [("gpu-a", (0,))]}
+    # A second node, declared by apply: no agent has ever run on it.
+    apply_batch([node_doc("gpu-b")], store)
+
+    clock.advance(39)
+    assert quiet(loop.run_once())
+
+    clock.advance(1)  # 40 s of silence
+    not_ready = loop.run_once()
+    assert not_ready.transitions == [("gpu-a", "Ready", "NotReady")]
+    assert not (not_ready.allocated or not_ready.released)
+    assert store.get_node("gpu-a").state is NodeState.NOT_READY
+    assert placement(store) == {"chat-0": [("gpu-a", (0,))]}  # a NotReady node keeps its replicas
+
+    clock.advance(100)
+    assert quiet(loop.run_once())
+
+    clock.advance(160)  # 300 s of silence
+    lost = loop.run_once()
+    assert lost.transitions == [("gpu-a", "NotReady", "Lost")]
+    assert lost.released == ["chat-0"]
+    [moved] = lost.allocated
+    assert moved != "chat-0"  # never the old identity: its agent may still run chat-0
+    assert placement(store) == {moved: [("gpu-b", (0,))]}
+    assert store.get_node("gpu-a").state is NodeState.LOST
+    assert store.get_node("gpu-b").state is NodeState.READY  # no heartbeat ever: not judged
+    assert store.get_deployment("chat").status["replicas"] == [moved]
+    [decision] = store.list_decisions("chat", limit=1)
+    assert decision.explanation["lost"] == ["chat-0"]
+
+    clock.advance(5)
+    assert quiet(loop.run_once())
+
+
+def test_a_replica_name_moved_away_from_a_lost_node_is_never_handed_out_again(
+    store: SqlStore, clock: FakeClock
+) -> None:
+    setup(store, [gpu_node("gpu-a"), gpu_node("gpu-b", count=4)], [])
+    store.set_state("gpu-b", NodeState.NOT_READY)  # keep chat-0 on gpu-a
+    store.put_deployment(deployment("chat", replicas=1))
+    store.heartbeat("gpu-a", clock.now())
+    loop = reconciler(store, clock)
+    assert loop.run_once().allocated == ["chat-0"]
+    store.register(gpu_node("gpu-b", count=4))  # gpu-b's agent comes back: Ready again
+
+    clock.advance(300)
+    lost = loop.run_once()
+    assert lost.released == ["chat-0"]
+    assert lost.allocated and "chat-0" not in lost.allocated
+
+    # A later scale-up must not bring chat-0 back either: gpu-a's agent, cut off, may still be
+    # serving under that name until it re-registers and is told to stop.
+    store.put_deployment(deployment("chat", replicas=3))
+    clock.advance(5)
+    scaled = loop.run_once()
+    assert len(scaled.allocated) == 2
+    assert "chat-0" not in placement(store), sorted(placement(store))
+
+
+def test_nodes_declared_by_apply_without_an_agent_keep_their_declared_state(
+    store: SqlStore, clock: FakeClock
+) -> None:
+    store.put_class(H100)
+    store.put_model(MODEL)
+    apply_batch([node_doc("gpu-a"), node_doc("gpu-b")], store)
+    store.put_deployment(deployment("chat", replicas=2))
+    assert all(h.last_heartbeat is None for h in store.node_heartbeats())
+    loop = reconciler(store, clock)
+    loop.run_once()
+    before = placement(store)
+
+    clock.advance(3600)
+    result = loop.run_once()
+
+    assert quiet(result), result
+    assert [(n.name, n.state) for n in store.nodes()] == [
+        ("gpu-a", NodeState.READY),
+        ("gpu-b", NodeState.READY),
+    ]
+    assert placement(store) == before
+
+
+# --- the multi-accelerator gate ----------------------------------------------------------------
+
+
+def test_a_class_edited_to_an_unsupported_driver_is_gated_without_stopping_what_runs(
+    store: SqlStore, clock: FakeClock
+) -> None:
+    setup(
+        store,
+        [gpu_node("gpu-a", count=4), gpu_node("amd-a", count=4, cls=MI300)],
+        [deployment("chat", replicas=1), deployment("batch", replicas=1, cls=MI300, runtime="rocm")],
+        classes=(H100, MI300),
+    )
+    loop = reconciler(store, clock)
+    assert sorted(loop.run_once().allocated) == ["batch-0", "chat-0"]
+    chat_before = placement(store, "chat")
+
+    # A mistyped driver on the class, and more replicas wanted of both deployments.
+    store.put_class(H100.model_copy(update={"driver": "gpu.nvidai.com"}))
+    store.put_deployment(deployment("chat", replicas=2))
+    store.put_deployment(deployment("batch", replicas=2, cls=MI300, runtime="rocm"))
+    clock.advance(5)
+    gated = loop.run_once()
+
+    accepted = condition(store, "chat", "Accepted")
+    assert (accepted["status"], accepted["reason"]) == (False, "UnsupportedDevices")
+    assert "gpu.nvidai.com" in accepted["message"]
+    assert gated.released == []  # nothing stopped or deleted
+    assert placement(store, "chat") == chat_before  # the running replica keeps its shards
+    assert store.get_deployment("chat").status["replicas"] == list(chat_before)
+    # The filter drops something: no new replica on the gated class...
+    assert not [name for name in gated.allocated if name.startswith("chat-")]
+    assert store.get_deployment("chat").status["unschedulable"] == 1
+    # ...while a deployment on a supported class keeps being placed normally.
+    assert [name for name in gated.allocated if name.startswith("batch-")] == ["batch-1"]
+    assert condition(store, "batch", "Accepted")["status"] is True
+    assert {s[0] for shards in placement(store, "batch").values() for s in shards} == {"amd-a"}
+
+    clock.advance(5)
+    again = loop.run_once()
+    assert not again.released and placement(store, "chat") == chat_before
+
+    # Fixing the typo lets the deployment grow again; what ran was never touched.
+    store.put_class(H100)
+    clock.advance(5)
+    fixed = loop.run_once()
+    assert condition(store, "chat", "Accepted")["status"] is True
+    assert [name for name in fixed.allocated if name.startswith("chat-")] == ["chat-1"]
+    assert {k: v for k, v in placement(store, "chat").items() if k in chat_before} == chat_before
+    assert shared_devices(store) == []
+
+
+# --- leader election ---------------------------------------------------------------------------
+
+
+def test_only_the_lease_holder_acts_and_another_takes_over_when_it_stops_renewing(
+    two_stores: tuple[SqlStore, SqlStore], clock: FakeClock
+) -> None:
+    store_a, store_b = two_stores
+    setup(store_a, [gpu_node("gpu-a", count=4)], [deployment("chat", replicas=1)])
+    a = reconciler(store_a, clock, holder="server-a")
+    b = reconciler(store_b, clock, holder="server-b")
+
+    assert a.run_once().allocated == ["chat-0"]
+    follower = b.run_once()
+    assert follower == CycleResult(leader=False)
+
+    # Work for the follower to be tempted by: it must leave it alone.
+    store_b.put_deployment(deployment("chat", replicas=2))
+    clock.advance(5)
+    assert b.run_once() == CycleResult(leader=False)
+    assert sorted(placement(store_a)) == ["chat-0"]
+    assert a.run_once().allocated == ["chat-1"]  # renewed at t=5, until t=20
+
+    # At every tick, whatever the order, exactly one of them leads.
+    for tick in range(6):
+        clock.advance(3)
+        first, second = (a, b) if tick % 2 else (b, a)
+        assert [first.run_once().leader, second.run_once().leader].count(True) == 1
+    assert store_a.leader(LEASE, clock.now()) == "server-a"
+
+    # a stops renewing (its process hangs or dies): once its lease ran out, b takes over.
+    clock.advance(TTL.total_seconds() - 1)
+    assert not b.run_once().leader
+    clock.advance(1)
+    takeover = b.run_once()
+    assert takeover.leader
+    assert store_b.leader(LEASE, clock.now()) == "server-b"
+    assert not a.run_once().leader
+
+    # b acts as the leader now.
+    store_a.put_deployment(deployment("chat", replicas=3))
+    clock.advance(1)
+    assert b.run_once().allocated == ["chat-2"]
+    assert shared_devices(store_a) == []
+
+
+def test_releasing_the_lease_lets_the_other_take_over_at_once(
+    two_stores: tuple[SqlStore, SqlStore], clock: FakeClock
+) -> None:
+    store_a, store_b = two_stores
+    setup(store_a, [gpu_node("gpu-a", count=4)], [deployment("chat", replicas=1)])
+    a = reconciler(store_a, clock, holder="server-a")
+    b = reconciler(store_b, clock, holder="server-b")
+    assert a.run_once().leader
+    assert not b.run_once().leader
+
+    assert store_a.release_leadership(LEASE, a.holder)
+    assert b.run_once().leader  # same instant: no waiting for the ttl
+    assert not a.run_once().leader
+
+    # run_forever gives the lease up when it stops, too.
+    stop = threading.Event()
+    stop.set()
+    b.run_forever(stop, interval=0.0)
+    assert store_a.leader(LEASE, clock.now()) is None
+    assert a.run_once().leader
+
+
+# --- recorded decisions ------------------------------------------------------------------------
+
+
+def test_a_decision_is_recorded_when_replicas_are_placed_or_unschedulable(
+    store: SqlStore, clock: FakeClock
+) -> None:
+    setup(
+        store,
+        [gpu_node("gpu-a"), gpu_node("gpu-b")],
+        [deployment("chat", replicas=2), deployment("huge", replicas=1, devices=4)],  # no node has 4
+    )
+    loop = reconciler(store, clock)
+    loop.run_once()
+
+    [placed] = store.list_decisions("chat")
+    assert placed.created_at == clock.now()
+    assert sorted(p["replica"] for p in placed.explanation["placed"]) == ["chat-0", "chat-1"]
+    [unschedulable] = store.list_decisions("huge")
+    assert [u["replica"] for u in unschedulable.explanation["unplaced"]] == ["huge-0"]
+    [report] = unschedulable.explanation["unplaced"][0]["reports"]
+    # chat filled one node (bin packing); the other has 2 of the 4 devices needed.
+    assert sorted((r["reason"], r["count"], r["have"]) for r in report["reasons"]) == [
+        ("InsufficientFreeDevices", 1, 0),
+        ("InsufficientFreeDevices", 1, 2),
+    ]
+    assert report["message"].startswith("profile gpu: 0/2 nodes fit")
+    scheduled = condition(store, "huge", "Scheduled")
+    assert (scheduled["status"], scheduled["reason"]) == (False, "Unschedulable")
+
+
+def test_steady_state_cycles_do_not_record_a_decision_every_cycle(store: SqlStore, clock: FakeClock) -> None:
+    setup(
+        store,
+        [gpu_node("gpu-a"), gpu_node("gpu-b")],
+        [deployment("chat", replicas=2), deployment("huge", replicas=1, devices=4)],
+    )
+    loop = reconciler(store, clock)
+    loop.run_once()
+    clock.advance(5)
+    loop.run_once()
+    recorded = {d: len(store.list_decisions(d)) for d in ("chat", "huge")}
+
+    for _ in range(5):
+        clock.advance(5)
+        assert quiet(loop.run_once())
+
+    assert {d: len(store.list_decisions(d)) for d in ("chat", "huge")} == recorded
+
+
+def test_the_first_steady_state_cycle_does_not_bury_the_decision_that_placed_the_replicas(
+    store: SqlStore, clock: FakeClock
+) -> None:
+    setup(
+        store,
+        [gpu_node("gpu-a"), gpu_node("gpu-b")],
+        [deployment("chat", replicas=2), deployment("huge", replicas=1, devices=4)],
+    )
+    loop = reconciler(store, clock)
+    loop.run_once()
+    placed_at = clock.now()
+
+    clock.advance(5)
+    assert quiet(loop.run_once())  # everything desired runs: this cycle only keeps it
+
+    # Neither deployment changed, so no new decision: `explain` (the latest decision) must still
+    # say where chat's replicas were placed and why huge does not fit.
+    assert [(d.created_at, d.deployment) for d in store.list_decisions()] == [
+        (placed_at, "huge"),
+        (placed_at, "chat"),
+    ]
+    latest = store.list_decisions("chat", limit=1)[0].explanation
+    assert sorted(p["replica"] for p in latest["placed"]) == ["chat-0", "chat-1"]
+
+
+def test_a_change_records_a_new_decision(store: SqlStore, clock: FakeClock) -> None:
+    setup(store, [gpu_node("gpu-a"), gpu_node("gpu-b")], [deployment("chat", replicas=1)])
+    loop = reconciler(store, clock)
+    loop.run_once()
+    count = len(store.list_decisions("chat"))
+
+    store.put_deployment(deployment("chat", replicas=2))
+    clock.advance(5)
+    loop.run_once()
+
+    decisions = store.list_decisions("chat")
+    assert len(decisions) == count + 1
+    assert [p["replica"] for p in decisions[0].explanation["placed"]] == ["chat-1"]
+    assert decisions[0].created_at == clock.now()
+
+
+# --- stale plans -------------------------------------------------------------------------------
+
+
+def test_devices_taken_directly_through_the_store_are_never_allocated_twice(
+    store: SqlStore, clock: FakeClock
+) -> None:
+    setup(
+        store,
+        [gpu_node("gpu-a"), gpu_node("gpu-b")],
+        [deployment("batch", replicas=1, devices=2), deployment("chat", replicas=3)],
+    )
+    # Someone took gpu-a's two devices for batch before the reconciler ever ran.
+    store.allocate(
+        Replica.model_validate(
+            {
+                "name": "batch-0",
+                "deployment": "batch",
+                "profile": "gpu",
+                "deviceClass": "h100",
+                "shards": [{"node": "gpu-a", "devices": [0, 1]}],
+            }
+        )
+    )
+    result = reconciler(store, clock).run_once()
+
+    assert result.conflicts == [] and result.released == []
+    assert sorted(result.allocated) == ["chat-0", "chat-1"]  # the third does not fit
+    assert shared_devices(store) == []
+    assert placement(store, "batch") == {"batch-0": [("gpu-a", (0, 1))]}
+    assert {s[0] for shards in placement(store, "chat").values() for s in shards} == {"gpu-b"}
+    assert store.get_deployment("chat").status["unschedulable"] == 1
+
+
+class RacingStore(SqlStore):
+    """A store where, right after the reconciler's snapshot, another writer takes exactly the
+    devices the reconciler's plan is about to allocate: its plan is stale before it commits."""
+
+    def __init__(self, store: SqlStore) -> None:
+        super().__init__(store.engine)
+        self.stolen: Replica | None = None
+
+    def snapshot(self, models: Mapping[str, ModelFacts] | None = None) -> ClusterSnapshot:
+        snap = super().snapshot(models)
+        if self.stolen is None:
+            plan = reconcile([d.deployment for d in self.list_deployments()], snap)
+            target = plan.allocate[0]
+            self.stolen = target
+            self.allocate(target.model_copy(update={"name": "intruder-0", "deployment": "intruder"}))
+        return snap
+
+
+def test_a_plan_gone_stale_before_its_commit_is_refused_not_double_allocated(
+    store: SqlStore, clock: FakeClock
+) -> None:
+    setup(store, [gpu_node("gpu-a"), gpu_node("gpu-b")], [deployment("chat", replicas=2)])
+    racing = RacingStore(store)
+    loop = reconciler(racing, clock)
+
+    result = loop.run_once()
+
+    assert racing.stolen is not None
+    assert result.leader
+    assert result.conflicts == [racing.stolen.name]  # counted, not raised
+    assert racing.stolen.name not in result.allocated
+    assert len(result.allocated) == 1
+    assert shared_devices(store) == []
+    assert racing.stolen.name not in store.get_deployment("chat").status["replicas"]
+    intruder = store.get_replica("intruder-0")
+    assert intruder.shards == racing.stolen.shards
+
+    # The next cycle decides again from the real state: the intruder belongs to no deployment
+    # and is stopped, and chat gets its second replica.
+    clock.advance(5)
+    again = loop.run_once()
+    assert again.conflicts == []
+    assert again.released == ["intruder-0"]
+    assert len(again.allocated) == 1
+    assert len(store.replicas("chat")) == 2
+    assert shared_devices(store) == []
+    clock.advance(5)
+    assert quiet(loop.run_once())
