@@ -58,6 +58,16 @@ def problems(text: str) -> list[str]:
             id="nvlink-domain-unknown-device",
         ),
         pytest.param(
+            "kind: Node\nname: n\ncpu: {cores: 1, memory: ~}\n",
+            "fleet.yaml document 1 (Node n): cpu.memory: expected a byte quantity such as 80GiB or a number of bytes, not NoneType",
+            id="null-quantity",
+        ),
+        pytest.param(
+            "kind: Node\nname: n\ncpu: {cores: 1, memory: .inf}\n",
+            "cpu.memory: a byte quantity must be a finite number",
+            id="infinite-quantity",
+        ),
+        pytest.param(
             "kind: Node\nname: [unclosed\n", "fleet.yaml:2:7: not valid YAML", id="yaml-syntax-has-line"
         ),
     ],
