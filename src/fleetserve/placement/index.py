@@ -16,7 +16,6 @@ replicas do not fit, the first one is explained and the rest reuse that explanat
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from types import MappingProxyType
 
 from sortedcontainers import SortedList
 
@@ -24,7 +23,7 @@ from fleetserve.drivers import Driver, parse_driver
 from fleetserve.placement.choose import Found, found_group, found_single, group_score
 from fleetserve.placement.demand import Demand
 from fleetserve.placement.filters import free_cores, free_memory
-from fleetserve.placement.report import ProfileReport, Reason, sort_counts
+from fleetserve.placement.report import ProfileReport, Reason, report_for
 from fleetserve.placement.state import NodeWork, WorkingState
 from fleetserve.spec.resources import Replica
 
@@ -327,13 +326,4 @@ class IndexedSearch:
     def _report(
         self, demand: Demand, counts: Counts, n_fit: int, fabric_fit: dict[str, int]
     ) -> ProfileReport:
-        return ProfileReport(
-            profile=demand.profile,
-            device_class=demand.device_class,
-            needed=demand.devices_per_node,
-            nodes_needed=demand.nodes,
-            nodes_evaluated=len(self.state.nodes),
-            nodes_fit=n_fit,
-            reasons=sort_counts(counts),
-            fabric_fit=MappingProxyType(fabric_fit),
-        )
+        return report_for(demand, len(self.state.nodes), counts, n_fit, fabric_fit)

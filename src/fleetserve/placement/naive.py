@@ -7,7 +7,6 @@ baseline the placement benchmark measures against.
 from __future__ import annotations
 
 from collections import Counter
-from types import MappingProxyType
 
 from fleetserve.placement.choose import (
     Found,
@@ -20,7 +19,7 @@ from fleetserve.placement.choose import (
 )
 from fleetserve.placement.demand import Demand
 from fleetserve.placement.filters import first_failure
-from fleetserve.placement.report import ProfileReport, Reason, sort_counts
+from fleetserve.placement.report import ProfileReport, Reason, report_for
 from fleetserve.placement.state import NodeWork, WorkingState
 from fleetserve.spec.resources import Replica
 
@@ -80,13 +79,4 @@ class NaiveSearch:
         n_fit: int,
         fabric_fit: dict[str, int],
     ) -> ProfileReport:
-        return ProfileReport(
-            profile=demand.profile,
-            device_class=demand.device_class,
-            needed=demand.devices_per_node,
-            nodes_needed=demand.nodes,
-            nodes_evaluated=len(self.state.nodes),
-            nodes_fit=n_fit,
-            reasons=sort_counts(counts),
-            fabric_fit=MappingProxyType(fabric_fit),
-        )
+        return report_for(demand, len(self.state.nodes), counts, n_fit, fabric_fit)

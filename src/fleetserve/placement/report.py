@@ -10,7 +10,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fleetserve.placement.demand import Demand
 
 
 class Reason(StrEnum):
@@ -91,6 +94,26 @@ class ProfileReport:
             "fabricFit": dict(self.fabric_fit),
             "message": render_report(self),
         }
+
+
+def report_for(
+    demand: Demand,
+    nodes_evaluated: int,
+    counts: Mapping[tuple[Reason, int | None], int],
+    nodes_fit: int = 0,
+    fabric_fit: Mapping[str, int] | None = None,
+) -> ProfileReport:
+    """The report of one failed attempt to place ``demand``, from its counted reasons."""
+    return ProfileReport(
+        profile=demand.profile,
+        device_class=demand.device_class,
+        needed=demand.devices_per_node,
+        nodes_needed=demand.nodes,
+        nodes_evaluated=nodes_evaluated,
+        nodes_fit=nodes_fit,
+        reasons=sort_counts(counts),
+        fabric_fit=MappingProxyType(dict(fabric_fit or {})),
+    )
 
 
 def sort_counts(counts: Mapping[tuple[Reason, int | None], int]) -> tuple[ReasonCount, ...]:
