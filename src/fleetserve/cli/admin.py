@@ -1,185 +1,41 @@
-"""Admin commands that talk to a running control plane over HTTP: apply, get, describe, explain,
-cordon, uncordon, drain, delete, login."""
+"""The admin commands, which talk to a running control plane over HTTP: login, apply, get,
+describe, explain, cordon, uncordon, drain, delete."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Annotated
 
-import yaml
+import typer
 from rich.console import Console
 
+from fleetserve.cli import views
 from fleetserve.cli.client import ApiClient, resolve, write_config
-from fleetserve.cli.output import Column, Format, emit
-from fleetserve.errors import ConfigError, Problem
-from fleetserve.units import format_bytes
+from fleetserve.cli.output import Format, emit, fail
+from fleetserve.errors import FleetserveError
 
-
-class Kind(StrEnum):
-    """A kind of object the admin API lists."""
-
-    NODES = "nodes"
-    CLASSES = "classes"
-    FABRICS = "fabrics"
-    MODELS = "models"
-    DEPLOYMENTS = "deployments"
-    REPLICAS = "replicas"
-
-
-ALIASES = {
-    "node": Kind.NODES,
-    "class": Kind.CLASSES,
-    "deviceclass": Kind.CLASSES,
-    "deviceclasses": Kind.CLASSES,
-    "fabric": Kind.FABRICS,
-    "model": Kind.MODELS,
-    "deployment": Kind.DEPLOYMENTS,
-    "deploy": Kind.DEPLOYMENTS,
-    "replica": Kind.REPLICAS,
-}
-
-
-def parse_kind(text: str) -> Kind:
-    """A kind from what an operator types (plural, singular or alias); ValueError names the valid ones."""
-    key = text.lower()
-    try:
-        return ALIASES.get(key) or Kind(key)
-    except ValueError:
-        valid = ", ".join(k.value for k in Kind)
-        raise ValueError(f"unknown kind {text!r}; valid kinds: {valid}") from None
-
-
-def _devices(node: dict[str, Any]) -> str:
-    counts: dict[str, int] = {}
-    for device in node.get("devices", []):
-        counts[device["class"]] = counts.get(device["class"], 0) + 1
-    return ", ".join(f"{n}x {c}" for c, n in counts.items()) or "-"
-
-
-def _accepted(dep: dict[str, Any]) -> str:
-    for cond in dep.get("status", {}).get("conditions", []):
-        if cond["type"] == "Accepted":
-            return "True" if cond["status"] else f"False ({cond['reason']})"
-    return "?"
-
-
-def _shards(replica: dict[str, Any]) -> str:
-    parts = []
-    for shard in replica.get("shards", []):
-        devices = shard.get("devices") or []
-        parts.append(
-            f"{shard['node']}[{','.join(map(str, devices))}]" if devices else f"{shard['node']} (cpu)"
-        )
-    return " + ".join(parts)
-
-
-COLUMNS: dict[Kind, Sequence[Column]] = {
-    Kind.NODES: (
-        ("name", lambda n: n["name"]),
-        ("state", lambda n: n["state"]),
-        ("cordon", lambda n: (n.get("cordon") or {}).get("reason", "")),
-        ("devices", _devices),
-        ("cpu", lambda n: f"{n['cpu']['cores']}c/{format_bytes(n['cpu']['memory'])}"),
-        ("epoch", lambda n: n["status"]["epoch"]),
-        ("heartbeat", lambda n: n["status"]["lastHeartbeat"] or "no agent"),
-        ("replicas", lambda n: n["status"]["replicas"]),
+ServerOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--server",
+        help="Control-plane URL. Default: $FLEETSERVE_SERVER, the config file, or http://127.0.0.1:8080.",
+        show_default=False,
     ),
-    Kind.CLASSES: (
-        ("name", lambda c: c["name"]),
-        ("driver", lambda c: c["driver"]),
-        ("memory", lambda c: format_bytes(c["memory"])),
+]
+TokenOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--token",
+        help="Admin token. Default: $FLEETSERVE_TOKEN or the config file (see `fleetserve login`).",
+        show_default=False,
     ),
-    Kind.FABRICS: (("name", lambda f: f["name"]), ("type", lambda f: f["type"])),
-    Kind.MODELS: (
-        ("name", lambda m: m["name"]),
-        ("format", lambda m: m["format"]),
-        ("size", lambda m: format_bytes(m["size"]) if m.get("size") else ""),
-        ("source", lambda m: m.get("source", "")),
-    ),
-    Kind.DEPLOYMENTS: (
-        ("name", lambda d: d["name"]),
-        ("model", lambda d: d["model"]),
-        ("desired", lambda d: d.get("status", {}).get("desiredReplicas", "")),
-        ("replicas", lambda d: len(d.get("status", {}).get("replicas", []))),
-        ("accepted", _accepted),
-        ("generation", lambda d: d["generation"]),
-    ),
-    Kind.REPLICAS: (
-        ("name", lambda r: r["name"]),
-        ("deployment", lambda r: r["deployment"]),
-        ("profile", lambda r: r["profile"]),
-        ("state", lambda r: r["state"]),
-        ("placement", _shards),
-    ),
-}
+]
+FormatOpt = Annotated[Format, typer.Option("--output", "-o", help="table, json or yaml.")]
 
 
 def client(server: str | None, token: str | None) -> ApiClient:
     """A client of the control plane named by flags, environment or config file."""
     return ApiClient(resolve(server, token))
-
-
-def read_documents(paths: Sequence[Path]) -> list[dict[str, Any]]:
-    """Every YAML document of the files ('-' is standard input), as plain data."""
-    import sys
-
-    docs: list[dict[str, Any]] = []
-    problems: list[Problem] = []
-    for path in paths:
-        name = "<stdin>" if str(path) == "-" else str(path)
-        try:
-            text = sys.stdin.read() if str(path) == "-" else path.read_text(encoding="utf-8")
-            loaded = [d for d in yaml.safe_load_all(text) if d is not None]
-        except OSError as exc:
-            problems.append(Problem(name, "", f"cannot read file: {exc.strerror or exc}"))
-            continue
-        except yaml.YAMLError as exc:
-            problems.append(Problem(name, "", f"not valid YAML: {exc}"))
-            continue
-        for i, doc in enumerate(loaded, start=1):
-            if not isinstance(doc, dict):
-                problems.append(
-                    Problem(f"{name} document {i}", "", "a document must be a mapping with a kind")
-                )
-            else:
-                docs.append(doc)
-    if problems:
-        raise ConfigError(problems)
-    if not docs:
-        raise ConfigError([Problem(", ".join(map(str, paths)), "", "no documents to apply")])
-    return docs
-
-
-def print_decision(data: dict[str, Any], console: Console) -> None:
-    """A stored decision (``DeploymentDecision.to_dict``) as the same lines ``plan`` prints."""
-    decision = data.get("decision")
-    status = data.get("status") or {}
-    console.print(f"[bold]deployment {data['deployment']}[/]  generation {data.get('generation')}")
-    for cond in status.get("conditions", []):
-        console.print(
-            f"  {cond['type']}={cond['status']} {cond['reason']}: {cond.get('message', '')}", markup=False
-        )
-    if decision is None:
-        console.print("  no decision recorded yet: the reconciler has not run for it")
-        return
-    console.print(f"  decided at {data.get('decidedAt')}", markup=False)
-    for key, label in (
-        ("kept", "kept"),
-        ("lost", "on lost nodes, replaced"),
-        ("surplus", "surplus, stopped"),
-    ):
-        if decision.get(key):
-            console.print(f"  {label}: {', '.join(decision[key])}", markup=False)
-    for placed in decision.get("placed", []):
-        console.print(f"  {placed['replica']}  profile {placed['profile']}  {_shards(placed)}", markup=False)
-        for report in placed.get("skipped", []):
-            console.print(f"      first tried {report['message']}", markup=False)
-    for unplaced in decision.get("unplaced", []):
-        console.print(f"  [red]{unplaced['replica']} unschedulable[/]")
-        for report in unplaced.get("reports", []):
-            console.print(f"      {report['message']}", markup=False)
 
 
 def login(server: str, token: str, console: Console) -> None:
@@ -190,6 +46,175 @@ def login(server: str, token: str, console: Console) -> None:
     console.print(f"logged in to {server}; saved to {path}", markup=False)
 
 
-def emit_kind(kind: Kind, data: Any, fmt: Format, console: Console) -> None:
-    """Print objects of one kind in the chosen format."""
-    emit(data, fmt, console, COLUMNS[kind])
+def register(app: typer.Typer) -> None:
+    """Add the admin commands to ``app``."""
+
+    @app.command("login")
+    def login_command(
+        server: Annotated[str, typer.Option("--server", help="Control-plane URL.")],
+        token: Annotated[
+            str, typer.Option("--token", help="The admin token the server printed on first start.")
+        ],
+    ) -> None:
+        """Check an admin token against a server and save both in the config file (0600)."""
+        try:
+            login(server.rstrip("/"), token, Console())
+        except FleetserveError as err:
+            raise fail(err) from None
+
+    @app.command("apply")
+    def apply_command(
+        file: Annotated[
+            list[Path], typer.Option("--file", "-f", help="YAML file(s) of documents; - for stdin.")
+        ],
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+        output: FormatOpt = Format.TABLE,
+    ) -> None:
+        """Create or update classes, fabrics, nodes, models and deployments from YAML, all or nothing.
+
+        Every document is checked against the stored state first (references, engine rules); if any
+        is invalid nothing is written and every problem is listed.
+        """
+        console = Console(soft_wrap=True)
+        try:
+            docs = views.read_documents(file)
+            with client(server, token) as api:
+                result = api.request("POST", "/apply", json={"documents": docs})
+        except FleetserveError as err:
+            raise fail(err) from None
+        if output is Format.TABLE:
+            for row in result["applied"]:
+                console.print(f"{row['kind'].lower()}/{row['name']} {row['result']}", markup=False)
+        else:
+            emit(result, output, console)
+
+    @app.command("get")
+    def get_command(
+        kind: Annotated[
+            str, typer.Argument(help="nodes, classes, fabrics, models, deployments or replicas.")
+        ],
+        name: Annotated[str | None, typer.Argument(help="One object's name; omit to list all.")] = None,
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+        output: FormatOpt = Format.TABLE,
+    ) -> None:
+        """List objects of a kind, or show one."""
+        console = Console(soft_wrap=True)
+        try:
+            k = views.parse_kind(kind)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="KIND") from None
+        try:
+            with client(server, token) as api:
+                data = api.request("GET", f"/{k.value}" + (f"/{name}" if name else ""))
+        except FleetserveError as err:
+            raise fail(err) from None
+        views.emit_kind(k, data, output, console)
+
+    @app.command("describe")
+    def describe_command(
+        kind: Annotated[str, typer.Argument(help="node, class, fabric, model, deployment or replica.")],
+        name: Annotated[str, typer.Argument(help="The object's name.")],
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+        output: Annotated[Format, typer.Option("--output", "-o", help="yaml or json.")] = Format.YAML,
+    ) -> None:
+        """Show everything about one object; for a deployment, its status and latest decision too."""
+        console = Console(soft_wrap=True)
+        try:
+            k = views.parse_kind(kind)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="KIND") from None
+        try:
+            with client(server, token) as api:
+                data = api.request("GET", f"/{k.value}/{name}")
+                if k is views.Kind.DEPLOYMENTS:
+                    data["explanation"] = api.request("GET", f"/deployments/{name}/explain")["decision"]
+        except FleetserveError as err:
+            raise fail(err) from None
+        emit(data, Format.JSON if output is Format.JSON else Format.YAML, console)
+
+    @app.command("explain")
+    def explain_command(
+        deployment: Annotated[str, typer.Argument(help="The deployment's name.")],
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+        output: FormatOpt = Format.TABLE,
+    ) -> None:
+        """Why a deployment's replicas are where they are, or why they fit nowhere."""
+        console = Console(soft_wrap=True)
+        try:
+            with client(server, token) as api:
+                data = api.request("GET", f"/deployments/{deployment}/explain")
+        except FleetserveError as err:
+            raise fail(err) from None
+        if output is Format.TABLE:
+            views.print_decision(data, console)
+        else:
+            emit(data, output, console)
+
+    def _node_action(
+        action: str, node: str, server: str | None, token: str | None, body: dict[str, str] | None
+    ) -> None:
+        console = Console(soft_wrap=True)
+        try:
+            with client(server, token) as api:
+                data = api.request("POST", f"/nodes/{node}/{action}", json=body)
+        except FleetserveError as err:
+            raise fail(err) from None
+        extra = f"; released {', '.join(data['released'])}" if data.get("released") else ""
+        past = {"cordon": "cordoned", "uncordon": "uncordoned", "drain": "drained"}[action]
+        console.print(f"node/{node} {past}{extra}", markup=False)
+
+    @app.command("cordon")
+    def cordon_command(
+        node: Annotated[str, typer.Argument(help="The node's name.")],
+        reason: Annotated[str, typer.Option("--reason", help="Why: every operator who looks will see it.")],
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+    ) -> None:
+        """Keep new replicas off a node. A re-registering agent never clears it."""
+        _node_action("cordon", node, server, token, {"reason": reason})
+
+    @app.command("uncordon")
+    def uncordon_command(
+        node: Annotated[str, typer.Argument(help="The node's name.")],
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+    ) -> None:
+        """Let new replicas land on a node again."""
+        _node_action("uncordon", node, server, token, None)
+
+    @app.command("drain")
+    def drain_command(
+        node: Annotated[str, typer.Argument(help="The node's name.")],
+        reason: Annotated[
+            str, typer.Option("--reason", help="Why the node is drained.")
+        ] = "drained by operator",
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+    ) -> None:
+        """Cordon a node and release its replicas, so the reconciler places them elsewhere."""
+        _node_action("drain", node, server, token, {"reason": reason})
+
+    @app.command("delete")
+    def delete_command(
+        kind: Annotated[str, typer.Argument(help="class, node, model or deployment.")],
+        name: Annotated[str, typer.Argument(help="The object's name.")],
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+    ) -> None:
+        """Delete an object. A deleted deployment's replicas are stopped by the next reconcile cycle."""
+        try:
+            k = views.parse_kind(kind)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="KIND") from None
+        if k in (views.Kind.REPLICAS, views.Kind.FABRICS):
+            raise typer.BadParameter(f"{k.value} cannot be deleted here", param_hint="KIND")
+        try:
+            with client(server, token) as api:
+                api.request("DELETE", f"/{k.value}/{name}")
+        except FleetserveError as err:
+            raise fail(err) from None
+        Console().print(f"{k.value.rstrip('s')}/{name} deleted", markup=False)

@@ -7,9 +7,13 @@ from collections.abc import Callable, Sequence
 from enum import StrEnum
 from typing import Any
 
+import typer
 import yaml
 from rich.console import Console
 from rich.table import Table
+
+from fleetserve.cli.client import ClientError
+from fleetserve.errors import ConfigError, FleetserveError
 
 
 class Format(StrEnum):
@@ -52,3 +56,20 @@ def emit(data: Any, fmt: Format, console: Console, columns: Sequence[Column] = (
     for row in rows:
         table.add_row(*(_cell(get(row)) for _, get in columns))
     console.print(table)
+
+
+def fail(err: FleetserveError) -> typer.Exit:
+    """Print a fleetserve error for a person; the exit to raise (2: bad input, 1: anything else)."""
+    console = Console(stderr=True, soft_wrap=True)
+    if isinstance(err, ConfigError):
+        console.print(f"[red]error:[/] {len(err.problems)} problem(s) in the input:")
+        for problem in err.problems:
+            console.print(f"  {problem}", markup=False)
+        return typer.Exit(2)
+    console.print(f"error: {err}", markup=False)
+    if isinstance(err, ClientError):
+        for p in err.problems:
+            where = " ".join(x for x in (p.get("location"), p.get("field")) if x)
+            console.print(f"  {where}: {p.get('message')}", markup=False)
+        return typer.Exit(2 if err.status in (400, 404, 409, 422) else 1)
+    return typer.Exit(1)
