@@ -324,3 +324,12 @@ def test_two_shards_on_one_node_add_up_against_its_cpu():
     )
     with pytest.raises(AllocationConflict, match="lacks CPU"):
         state.allocate(double)
+
+
+@both
+def test_a_cpu_memory_claim_below_what_the_model_needs_is_raised_to_it(kind):
+    prof = {"name": "cpu", "engine": "llama.cpp", "cpu": {"cores": 2, "memory": "8GiB"}}
+    [d] = decide([cpu_node("small", memory="16GiB")], [deployment("d", 1, prof, model="big")], kind)
+    assert d.unplaced[0].reports[0].counts() == {(Reason.INSUFFICIENT_MEMORY, None): 1}
+    [d] = decide([cpu_node("large", memory="256GiB")], [deployment("d", 1, prof, model="big")], kind)
+    assert d.placed[0].replica.shards[0].memory > 100 * GiB

@@ -59,7 +59,8 @@ def demand_for(profile: ResolvedProfile, facts: ModelFacts, cls: DeviceClass | N
         )
     if profile.on_cpu or cls is None:
         assert profile.cpu is not None, "a resolved CPU profile always has a CPU request"
-        host = profile.cpu.memory if profile.cpu.memory is not None else total + CPU_RUNTIME_OVERHEAD
+        # An explicit claim may add headroom, never go below what the model needs.
+        host = max(profile.cpu.memory or 0, total + CPU_RUNTIME_OVERHEAD)
         return Demand(
             profile=profile.name,
             driver=Driver.CPU,

@@ -87,6 +87,9 @@ class IndexedSearch:
         self._count: dict[tuple[str, str], int] = {}  # (class, node) → indexed free count
         self._cores: dict[str, int] = {}
         self._reports: dict[Demand, tuple[int, ProfileReport]] = {}  # demand → (version, report)
+        # Nodes whose replicas hold more cores or memory than they have (one that re-registered
+        # smaller): they take no new replica, even one that claims no host CPU.
+        self._overcommitted: set[str] = {n.name for n in state.nodes if n.free_cores < 0 or n.free_memory < 0}
         drivers = {c: parse_driver(d.driver) for c, d in state.snapshot.classes.items()}
         for node in state.nodes:
             if not node.ready:
@@ -129,6 +132,10 @@ class IndexedSearch:
 
     def _refresh(self, nodes: list[NodeWork]) -> None:
         for node in nodes:
+            if node.free_cores < 0 or node.free_memory < 0:
+                self._overcommitted.add(node.name)
+            else:
+                self._overcommitted.discard(node.name)
             for cls in node.devices_of:
                 old = self._count.get((cls, node.name))
                 if old is None:
@@ -204,7 +211,8 @@ class IndexedSearch:
     def _find_single(self, demand: Demand, index: _ClassIndex) -> Found | ProfileReport:
         by_name = self.state.by_name
         k = demand.devices_per_node
-        claims_host = demand.cpu_cores > 0 or demand.host_memory > 0
+        # Without a host claim every node of a bucket fits, unless some node is overcommitted.
+        claims_host = demand.cpu_cores > 0 or demand.host_memory > 0 or bool(self._overcommitted)
         held = index.held.get(demand.model)
         counts: Counts = {}
         for j in range(k, len(index.all)):
