@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import uvicorn
 import yaml
+from fastapi import FastAPI
 from rich.console import Console
+from starlette.concurrency import run_in_threadpool
 
 from fleetserve.reconcile.health import HeartbeatPolicy
 from fleetserve.server.app import create_app
@@ -54,21 +58,26 @@ def run_server(
     store = SqlStore.open(database_url)
     try:
         ensure_tokens(store, token_file, console)
-        app = create_app(store)
         reconciler = Reconciler(store, policy=policy)
-        stop = threading.Event()
-        loop = threading.Thread(
-            target=reconciler.run_forever, args=(stop, reconcile_interval), name="reconciler", daemon=True
-        )
+
+        @asynccontextmanager
+        async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+            # Started and stopped with the app, so a SIGTERM hands the lease over before exit.
+            stop = threading.Event()
+            loop = threading.Thread(
+                target=reconciler.run_forever, args=(stop, reconcile_interval), name="reconciler", daemon=True
+            )
+            loop.start()
+            try:
+                yield
+            finally:
+                stop.set()
+                await run_in_threadpool(loop.join, reconcile_interval + 10)
+
+        app = create_app(store, lifespan=lifespan)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False)
-        server = uvicorn.Server(config)
         console.print(f"fleetserve server: http://{host}:{port} (OpenAPI at /docs), state in {database_url}")
-        loop.start()
-        try:
-            server.run()
-        finally:
-            stop.set()
-            loop.join(timeout=reconcile_interval + 10)
+        uvicorn.Server(config).run()
     finally:
         store.close()
 

@@ -6,6 +6,8 @@ Admin routes need an admin token; agent routes a join token. Every error is JSON
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
@@ -20,7 +22,11 @@ from fleetserve.server.auth import admin, agent
 from fleetserve.spec.resources import Node, Replica
 from fleetserve.store.sql import SqlStore
 
+Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 NameParam = Annotated[str, Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?$")]
+NameQuery = Annotated[
+    str | None, Query(min_length=1, max_length=63, pattern=r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?$")
+]
 
 
 class ApplyRequest(BaseModel):
@@ -30,18 +36,23 @@ class ApplyRequest(BaseModel):
     documents: list[dict[str, Any]] = Field(min_length=1, max_length=10_000)
 
 
+NAME_PATTERN = r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?$"
+# Printable text only: no NUL or other control characters a database column would refuse.
+TEXT_PATTERN = r"^[^\x00-\x1f\x7f]*$"
+
+
 class CordonRequest(BaseModel):
     """Why the node is cordoned; shown to every operator who looks at it."""
 
     model_config = ConfigDict(extra="forbid")
-    reason: str = Field(min_length=1, max_length=1000)
+    reason: str = Field(min_length=1, max_length=1000, pattern=TEXT_PATTERN)
 
 
 class HeartbeatRequest(BaseModel):
     """An agent saying its node is alive."""
 
     model_config = ConfigDict(extra="forbid")
-    node: str = Field(min_length=1, max_length=63)
+    node: str = Field(min_length=1, max_length=63, pattern=NAME_PATTERN)
 
 
 def _doc(resource: BaseModel) -> dict[str, Any]:
@@ -182,7 +193,7 @@ def build_admin_router(store: SqlStore) -> APIRouter:
 
     @api.get("/decisions", tags=["deployments"], summary="Recorded decisions, newest first")
     def decisions(
-        deployment: Annotated[str | None, Query(max_length=63)] = None,
+        deployment: NameQuery = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 50,
     ) -> list[dict[str, Any]]:
         return [
@@ -196,7 +207,7 @@ def build_admin_router(store: SqlStore) -> APIRouter:
         ]
 
     @api.get("/replicas", tags=["replicas"])
-    def list_replicas(deployment: Annotated[str | None, Query(max_length=63)] = None) -> list[dict[str, Any]]:
+    def list_replicas(deployment: NameQuery = None) -> list[dict[str, Any]]:
         return [_doc(r) for r in store.replicas(deployment=deployment)]
 
     @api.get("/replicas/{name}", tags=["replicas"])
@@ -227,9 +238,10 @@ def build_agent_router(store: SqlStore) -> APIRouter:
     return api
 
 
-def create_app(store: SqlStore) -> FastAPI:
-    """The control plane's ASGI app over ``store``."""
+def create_app(store: SqlStore, lifespan: Lifespan | None = None) -> FastAPI:
+    """The control plane's ASGI app over ``store``; ``lifespan`` runs background work with it."""
     app = FastAPI(
+        lifespan=lifespan,
         title="fleetserve control plane",
         version=__version__,
         description="Admin API: device classes, nodes, models, deployments, replicas and placement "

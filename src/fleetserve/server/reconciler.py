@@ -109,6 +109,10 @@ class Reconciler:
             except AllocationConflict as exc:
                 result.conflicts.append(replica.name)
                 log.info("plan for %s went stale (%s); the next cycle decides again", replica.name, exc)
+            except FleetserveError as exc:
+                # One replica the store refuses must not keep every other one from being placed.
+                result.conflicts.append(replica.name)
+                log.error("could not store replica %s: %s", replica.name, exc)
         generations = {d.deployment.name: d.generation for d in stored}
         for decision in plan.decisions:
             data = decision.to_dict()
@@ -155,5 +159,12 @@ class Reconciler:
                     )
             except FleetserveError as exc:
                 log.error("reconcile cycle failed: %s", exc)
+            except Exception:
+                # The loop is the supervisor of every cycle: log the fault with its traceback and
+                # try again next cycle rather than leave the control plane without a reconciler.
+                log.exception("reconcile cycle crashed")
             stop.wait(interval)
-        self.store.release_leadership(LEASE, self.holder)
+        try:
+            self.store.release_leadership(LEASE, self.holder)
+        except FleetserveError as exc:
+            log.warning("could not hand the reconciler lease over: %s", exc)

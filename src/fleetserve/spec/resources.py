@@ -38,7 +38,30 @@ def _check_name(value: str) -> str:
 
 
 Name = Annotated[str, BeforeValidator(lambda v: _check_name(v) if isinstance(v, str) else v)]
-Bytes = Annotated[int, BeforeValidator(parse_bytes), Field(ge=0)]
+# Bounds keep every number storable (a signed 64-bit column) and catch typos early.
+MAX_BYTES = 2**62
+MAX_CORES = 1 << 20
+MAX_REPLICAS = 10_000
+Bytes = Annotated[int, BeforeValidator(parse_bytes), Field(ge=0, le=MAX_BYTES)]
+
+
+def _nul_path(value: Any, path: str = "") -> str | None:
+    """The path of the first string holding a NUL character: no database column can store one."""
+    if isinstance(value, str):
+        return path if "\x00" in value else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str) and "\x00" in key:
+                return f"{path}.{key!r}".lstrip(".")
+            found = _nul_path(item, f"{path}.{key}".lstrip("."))
+            if found is not None:
+                return found
+    if isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            found = _nul_path(item, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
 
 
 class Spec(BaseModel):
@@ -51,6 +74,14 @@ class Spec(BaseModel):
         populate_by_name=True,
         use_enum_values=False,
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_nul(cls, data: Any) -> Any:
+        where = _nul_path(data)
+        if where is not None:
+            raise ValueError(f"text must not contain NUL characters (at {where or 'the value'})")
+        return data
 
 
 # --- hardware -------------------------------------------------------------------------------
@@ -95,7 +126,7 @@ class Fabric(Spec):
 class DeviceHealth(Spec):
     """What makes a device not free: uncorrected ECC errors, or processes fleetserve did not start."""
 
-    ecc_uncorrected: int = Field(default=0, ge=0)
+    ecc_uncorrected: int = Field(default=0, ge=0, le=2**31 - 1)
     foreign_processes: tuple[int, ...] = ()
 
     @property
@@ -106,7 +137,7 @@ class DeviceHealth(Spec):
 class Device(Spec):
     """One GPU on a node."""
 
-    index: int = Field(ge=0)
+    index: int = Field(ge=0, le=4095)
     uuid: str = ""
     device_class: str = Field(alias="class")
     health: DeviceHealth = DeviceHealth()
@@ -129,9 +160,9 @@ class Hca(Spec):
 class CpuCapacity(Spec):
     """The node's CPU cores and host memory that replicas may claim."""
 
-    cores: int = Field(ge=1)
+    cores: int = Field(ge=1, le=MAX_CORES)
     memory: Bytes
-    numa_nodes: int = Field(default=1, ge=1)
+    numa_nodes: int = Field(default=1, ge=1, le=1024)
 
 
 class NodeState(StrEnum):
@@ -212,10 +243,10 @@ class Node(Spec):
 class Architecture(Spec):
     """What the KV-cache estimate needs when the weights are not a readable GGUF file."""
 
-    layers: int = Field(ge=1)
-    kv_heads: int = Field(ge=1)
-    head_dim: int = Field(ge=1)
-    context_length: int = Field(default=4096, ge=1)
+    layers: int = Field(ge=1, le=100_000)
+    kv_heads: int = Field(ge=1, le=100_000)
+    head_dim: int = Field(ge=1, le=100_000)
+    context_length: int = Field(default=4096, ge=1, le=100_000_000)
     kv_dtype_bytes: int = Field(default=2, ge=1, le=8)
 
 
@@ -249,7 +280,7 @@ class Model(Spec):
 class CpuRequest(Spec):
     """CPU cores and host memory one replica claims on each of its nodes."""
 
-    cores: int = Field(ge=1)
+    cores: int = Field(ge=1, le=MAX_CORES)
     memory: Bytes | None = None
 
 
@@ -263,17 +294,17 @@ class Profile(Spec):
     device_class: str | None = None
     devices_per_node: int = Field(default=1, ge=1, le=64)
     nodes: int = Field(default=1, ge=1, le=256)
-    priority: int = 0
+    priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
     engine_args: tuple[str, ...] = ()
     cpu: CpuRequest | None = None
-    context: int | None = Field(default=None, ge=1)
+    context: int | None = Field(default=None, ge=1, le=100_000_000)
 
 
 class ReplicaRange(Spec):
     """Autoscaled replica bounds."""
 
-    min: int = Field(ge=0)
-    max: int = Field(ge=1)
+    min: int = Field(ge=0, le=MAX_REPLICAS)
+    max: int = Field(ge=1, le=MAX_REPLICAS)
 
     @model_validator(mode="after")
     def _ordered(self) -> ReplicaRange:
@@ -291,7 +322,7 @@ class RoutingPolicy(Spec):
 class AdmissionPolicy(Spec):
     """The bounded queue in front of a deployment."""
 
-    max_waiting: int = Field(default=64, ge=0)
+    max_waiting: int = Field(default=64, ge=0, le=1_000_000)
     max_wait_seconds: float = Field(default=30.0, gt=0)
 
 
@@ -309,8 +340,8 @@ class Deployment(Spec):
     @field_validator("replicas")
     @classmethod
     def _non_negative(cls, v: int | ReplicaRange) -> int | ReplicaRange:
-        if isinstance(v, int) and v < 0:
-            raise ValueError("replicas must be 0 or more")
+        if isinstance(v, int) and not 0 <= v <= MAX_REPLICAS:
+            raise ValueError(f"replicas must be between 0 and {MAX_REPLICAS}")
         return v
 
     @model_validator(mode="after")
@@ -336,10 +367,10 @@ class Shard(Spec):
     """The part of a replica on one node: its devices (or CPU claim) and fabric HCAs."""
 
     node: Name
-    devices: tuple[int, ...] = ()
+    devices: tuple[Annotated[int, Field(ge=0, le=4095)], ...] = ()
     hcas: tuple[str, ...] = ()
-    cpu_cores: int = 0
-    memory: int = 0
+    cpu_cores: int = Field(default=0, ge=0, le=MAX_CORES)
+    memory: int = Field(default=0, ge=0, le=MAX_BYTES)
 
 
 class ReplicaState(StrEnum):

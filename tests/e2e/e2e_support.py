@@ -1,0 +1,399 @@
+"""Helpers of the process-level tests: real ``fleetserve server`` subprocesses on real sockets,
+and the control-plane state read straight from its database. The fixtures are in conftest.py.
+
+``ServerFactory.start(database_url)`` runs the console script installed beside the test
+interpreter on a free loopback port, waits for ``GET /healthz``, and reads the admin and join tokens from its
+``--token-file``. Every process a test started is stopped at teardown (SIGTERM, then SIGKILL),
+whether the test passed or not; its output is kept in a log file under the test's tmp_path and
+shown when a start fails.
+
+``read_state(database_url)`` reads the whole control-plane state straight from the database, in
+one consistent read (a REPEATABLE READ transaction on PostgreSQL, one read transaction on
+SQLite), and ``State.violations()`` lists every broken allocation invariant.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+FLEETSERVE = Path(sys.executable).with_name("fleetserve")
+ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT = 60.0  # a cold interpreter on a loaded 2-core machine takes a few seconds
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The test's environment without any FLEETSERVE_* setting, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETSERVE_")}
+    env.update(extra)
+    return env
+
+
+@dataclass
+class ServerProcess:
+    """One running ``fleetserve server``."""
+
+    name: str
+    url: str
+    database_url: str
+    token_file: Path
+    log_path: Path
+    proc: subprocess.Popen[bytes]
+    admin_token: str
+    join_token: str
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_token}"}
+
+    def client(self, timeout: float = 30.0) -> httpx.Client:
+        """An HTTP client of the admin API with the admin token (the caller closes it)."""
+        return httpx.Client(base_url=self.url + "/api/v1", headers=self.headers, timeout=timeout)
+
+    def apply(self, documents: list[dict[str, Any]], client: httpx.Client | None = None) -> dict[str, Any]:
+        """POST /apply; fails the test on anything but 200."""
+        if client is None:
+            with self.client(timeout=120) as own:
+                return self.apply(documents, own)
+        response = client.post("/apply", json={"documents": documents})
+        assert response.status_code == 200, f"apply via {self.name}: {response.status_code} {response.text}"
+        result: dict[str, Any] = response.json()
+        return result
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown code runs, as in a crash or an OOM kill."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM (a graceful shutdown), then SIGKILL if it does not end in time."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.proc.wait(timeout=30)
+
+    def log(self) -> str:
+        return self.log_path.read_text(encoding="utf-8", errors="replace")
+
+
+class ServerFactory:
+    """Starts servers for one test and stops every one of them at teardown."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.started: list[ServerProcess] = []
+        self._handles: list[Any] = []
+
+    def start(
+        self,
+        database_url: str,
+        *,
+        name: str = "server",
+        reconcile_interval: float = 0.2,
+        token_file: Path | None = None,
+        extra_args: tuple[str, ...] = (),
+    ) -> ServerProcess:
+        token_file = token_file or self.tmp_path / f"{name}-tokens.yaml"
+        for attempt in range(3):
+            port = free_port()
+            log_path = self.tmp_path / f"{name}-{len(self.started) + 1}-{attempt}.log"
+            handle = open(log_path, "wb")  # noqa: SIM115 - closed at teardown, after the process ended
+            self._handles.append(handle)
+            args = [
+                str(FLEETSERVE),
+                "server",
+                "--database-url",
+                database_url,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--reconcile-interval",
+                str(reconcile_interval),
+                # No agent heartbeats here: operator-declared nodes stay Ready.
+                "--not-ready-after",
+                "3600",
+                "--lost-after",
+                "7200",
+                "--token-file",
+                str(token_file),
+                *extra_args,
+            ]
+            proc = subprocess.Popen(
+                args, stdout=handle, stderr=subprocess.STDOUT, env=clean_env(PYTHONUNBUFFERED="1")
+            )
+            url = f"http://127.0.0.1:{port}"
+            placeholder = ServerProcess(name, url, database_url, token_file, log_path, proc, "", "")
+            self.started.append(placeholder)
+            if self._wait_healthy(placeholder):
+                tokens = yaml.safe_load(token_file.read_text(encoding="utf-8"))
+                placeholder.admin_token = tokens["admin"]
+                placeholder.join_token = tokens["join"]
+                return placeholder
+            placeholder.stop()
+            if "address already in use" not in placeholder.log().lower():
+                break  # not a port race: do not hide the failure behind retries
+        pytest.fail(f"fleetserve server {name} did not become healthy; its output:\n{placeholder.log()}")
+
+    @staticmethod
+    def _wait_healthy(server: ServerProcess) -> bool:
+        deadline = time.monotonic() + START_TIMEOUT
+        with httpx.Client(timeout=2.0) as http:
+            while time.monotonic() < deadline:
+                if server.proc.poll() is not None:
+                    return False
+                try:
+                    if http.get(server.url + "/healthz").status_code == 200:
+                        return True
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.05)
+        return False
+
+    def close(self) -> None:
+        for server in reversed(self.started):
+            with contextlib.suppress(Exception):
+                server.stop(timeout=10)
+            if server.proc.poll() is None:  # pragma: no cover - stop() kills; belt and braces
+                server.proc.kill()
+                server.proc.wait()
+        for handle in self._handles:
+            handle.close()
+
+
+def _json(value: Any) -> Any:
+    return json.loads(value) if isinstance(value, str | bytes) else value
+
+
+@dataclass
+class State:
+    """Every row the allocation invariants are about, from one consistent read."""
+
+    nodes: dict[str, dict[str, Any]]
+    replicas: dict[str, dict[str, Any]]
+    shards: list[tuple[str, int, str, int, int, int]]  # replica, shard, node, cores, memory, epoch
+    allocations: list[tuple[str, int, str]]  # node, device_index, replica
+    deployments: dict[str, dict[str, Any]]
+    models: set[str]
+    classes: set[str]
+    fabrics: set[str]
+    leases: list[tuple[str, str, Any]]  # name, holder, expires_at
+    tokens: list[tuple[str, bool]]  # kind, revoked
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def replicas_of(self, deployment: str) -> list[str]:
+        return sorted(n for n, r in self.replicas.items() if r["deployment"] == deployment)
+
+    def violations(self) -> list[str]:
+        """Every broken invariant, as readable lines (empty: the state is consistent)."""
+        out: list[str] = []
+        shards_of: dict[str, list[tuple[int, str, int, int]]] = defaultdict(list)
+        for replica, shard, node, cores, memory, _epoch in self.shards:
+            if replica not in self.replicas:
+                out.append(f"orphan replica_shards row ({replica}, {shard}) on {node}")
+            shards_of[replica].append((shard, node, cores, memory))
+        devices_of: dict[str, set[tuple[str, int]]] = defaultdict(set)
+        table_keys = Counter((node, index) for node, index, _ in self.allocations)
+        for key, n in table_keys.items():
+            if n > 1:
+                out.append(f"device {key} has {n} rows in device_allocations")
+        for node, index, replica in self.allocations:
+            if replica not in self.replicas:
+                out.append(f"orphan device_allocations row {node}[{index}] -> {replica}")
+            devices_of[replica].add((node, index))
+        holder: dict[tuple[str, int], str] = {}
+        cores_used: Counter[str] = Counter()
+        memory_used: Counter[str] = Counter()
+        for name, row in self.replicas.items():
+            spec = row["spec"]
+            if spec.get("name") != name or spec.get("deployment") != row["deployment"]:
+                out.append(f"replica {name}: columns and stored spec disagree on name/deployment")
+            if spec.get("profile") != row["profile"]:
+                out.append(f"replica {name}: profile column {row['profile']} != spec {spec.get('profile')}")
+            want_shards = [
+                (i, s["node"], int(s.get("cpuCores", 0)), int(s.get("memory", 0)))
+                for i, s in enumerate(spec.get("shards", []))
+            ]
+            if not want_shards:
+                out.append(f"replica {name} has no shard in its spec")
+            if sorted(shards_of.get(name, [])) != want_shards:
+                out.append(
+                    f"replica {name}: shard rows {sorted(shards_of.get(name, []))} != spec {want_shards}"
+                )
+            want_devices = [(s["node"], int(d)) for s in spec.get("shards", []) for d in s.get("devices", [])]
+            if len(set(want_devices)) != len(want_devices):
+                out.append(f"replica {name} names a device twice: {want_devices}")
+            if devices_of.get(name, set()) != set(want_devices):
+                out.append(
+                    f"replica {name}: device rows {sorted(devices_of.get(name, set()))} != spec {sorted(want_devices)}"
+                )
+            for key in want_devices:
+                if key in holder:
+                    out.append(f"device {key} is held by {holder[key]} and {name}")
+                holder[key] = name
+                node = self.nodes.get(key[0])
+                if node is None:
+                    out.append(f"replica {name} holds a device on unknown node {key[0]}")
+                    continue
+                device = {int(d["index"]): d for d in node["spec"].get("devices", [])}.get(key[1])
+                if device is None:
+                    out.append(f"replica {name} holds device {key} that the node does not have")
+                elif device["class"] != spec.get("deviceClass"):
+                    out.append(
+                        f"replica {name} ({spec.get('deviceClass')}) holds {key} of class {device['class']}"
+                    )
+            for s in spec.get("shards", []):
+                cores_used[s["node"]] += int(s.get("cpuCores", 0))
+                memory_used[s["node"]] += int(s.get("memory", 0))
+                node = self.nodes.get(s["node"])
+                if node is not None and spec.get("fabric"):
+                    fabric_of = {h["name"]: h["fabric"] for h in node["spec"].get("hcas", [])}
+                    for hca in s.get("hcas", []):
+                        if fabric_of.get(hca) != spec["fabric"]:
+                            out.append(
+                                f"replica {name} uses HCA {s['node']}/{hca} outside fabric {spec['fabric']}"
+                            )
+        for node_name, cores in cores_used.items():
+            node = self.nodes.get(node_name)
+            if node is None:
+                out.append(f"replicas use node {node_name}, which is not stored")
+                continue
+            cpu = node["spec"]["cpu"]
+            if cores > int(cpu["cores"]):
+                out.append(f"node {node_name}: {cores} cores claimed of {cpu['cores']}")
+            if memory_used[node_name] > int(cpu["memory"]):
+                out.append(f"node {node_name}: {memory_used[node_name]} bytes claimed of {cpu['memory']}")
+        return out
+
+
+_QUERIES = {
+    "nodes": "SELECT name, spec, state, cordon_reason, epoch FROM nodes",
+    "replicas": "SELECT name, deployment, profile, spec, state FROM replicas",
+    "shards": "SELECT replica, shard, node, cpu_cores, memory, node_epoch FROM replica_shards",
+    "allocations": "SELECT node, device_index, replica FROM device_allocations",
+    "deployments": "SELECT name, spec, generation, status FROM deployments",
+    "models": "SELECT name FROM models",
+    "classes": "SELECT name FROM device_classes",
+    "fabrics": "SELECT name FROM fabrics",
+    "leases": "SELECT name, holder, expires_at FROM leader_lease",
+    "tokens": "SELECT kind, revoked FROM tokens",
+    "decisions": "SELECT count(*) FROM decisions",
+}
+
+
+def _state_from_rows(rows: dict[str, list[tuple[Any, ...]]]) -> State:
+    return State(
+        nodes={
+            r[0]: {"spec": _json(r[1]), "state": r[2], "cordon": r[3], "epoch": r[4]} for r in rows["nodes"]
+        },
+        replicas={
+            r[0]: {"deployment": r[1], "profile": r[2], "spec": _json(r[3]), "state": r[4]}
+            for r in rows["replicas"]
+        },
+        shards=[(r[0], int(r[1]), r[2], int(r[3]), int(r[4]), int(r[5])) for r in rows["shards"]],
+        allocations=[(r[0], int(r[1]), r[2]) for r in rows["allocations"]],
+        deployments={
+            r[0]: {"spec": _json(r[1]), "generation": int(r[2]), "status": _json(r[3])}
+            for r in rows["deployments"]
+        },
+        models={r[0] for r in rows["models"]},
+        classes={r[0] for r in rows["classes"]},
+        fabrics={r[0] for r in rows["fabrics"]},
+        leases=[(r[0], r[1], r[2]) for r in rows["leases"]],
+        tokens=[(r[0], bool(r[1])) for r in rows["tokens"]],
+        counts={"decisions": int(rows["decisions"][0][0])},
+    )
+
+
+def read_state(database_url: str) -> State:
+    """The whole state of ``database_url`` (a SQLite path / sqlite:/// URL, or postgresql://…),
+    read in one transaction so every table is seen at the same instant."""
+    if database_url.startswith("postgresql://"):
+        import psycopg
+
+        with psycopg.connect(database_url, connect_timeout=10) as conn:
+            conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+            with conn.transaction(force_rollback=True), conn.cursor() as cur:
+                rows = {key: cur.execute(query).fetchall() for key, query in _QUERIES.items()}
+        return _state_from_rows(rows)
+    path = database_url.removeprefix("sqlite:///")
+    conn = sqlite3.connect(path, isolation_level=None, timeout=30)
+    try:
+        conn.execute("BEGIN")  # a deferred read transaction: one snapshot for every SELECT
+        rows = {key: conn.execute(query).fetchall() for key, query in _QUERIES.items()}
+        conn.execute("ROLLBACK")
+    finally:
+        conn.close()
+    return _state_from_rows(rows)
+
+
+@contextlib.contextmanager
+def sql_poller(database_url: str) -> Iterator[Callable[[str], Any]]:
+    """One open connection for cheap, frequent one-value queries (each in its own transaction)."""
+    if database_url.startswith("postgresql://"):
+        import psycopg
+
+        with psycopg.connect(database_url, autocommit=True, connect_timeout=10) as conn:
+
+            def scalar_pg(query: str) -> Any:
+                row = conn.execute(query).fetchone()
+                return None if row is None else row[0]
+
+            yield scalar_pg
+        return
+    conn = sqlite3.connect(database_url.removeprefix("sqlite:///"), isolation_level=None, timeout=30)
+    try:
+
+        def scalar_sqlite(query: str) -> Any:
+            row = conn.execute(query).fetchone()
+            return None if row is None else row[0]
+
+        yield scalar_sqlite
+    finally:
+        conn.close()
+
+
+def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
+    """Poll ``condition`` until it returns something truthy; fail with ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = condition()
+        if last:
+            return last
+        time.sleep(interval)
+    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}; last seen: {last!r}")
