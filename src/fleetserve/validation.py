@@ -89,6 +89,17 @@ def profile_problems(profile: Profile, classes: Mapping[str, DeviceClass], locat
                 f"(nodes={profile.nodes}): {caps.why_no_split}",
             )
         )
+    for arg in profile.engine_args:
+        flag = arg.split("=", 1)[0]
+        if flag.startswith("-") and flag not in caps.allowed_args:
+            out.append(
+                Problem(
+                    location,
+                    f"{field}.engineArgs",
+                    f"{flag} is not an allowed {profile.engine.value} argument (host, port, model and "
+                    f"served name are fleetserve's); allowed: {', '.join(sorted(caps.allowed_args))}",
+                )
+            )
     if profile.device_class is None:
         if not caps.cpu_without_class:
             out.append(Problem(location, f"{field}.deviceClass", caps.why_no_cpu))

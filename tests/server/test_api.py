@@ -503,7 +503,13 @@ def test_lists_and_single_objects_after_applying_the_datacenter_example(
     assert len(nodes) == 17
     hgx08 = api.get("/api/v1/nodes/hgx-08")
     assert hgx08["cordon"]["reason"] == "NVSwitch fabric manager errors, RMA ticket 4411"
-    assert hgx08["status"] == {"epoch": 1, "lastHeartbeat": None, "allocatedDevices": [], "replicas": []}
+    assert hgx08["status"] == {
+        "epoch": 1,
+        "lastHeartbeat": None,
+        "allocatedDevices": [],
+        "replicas": [],
+        "agent": {},
+    }
     assert len(hgx08["devices"]) == 8
 
     assert [m["name"] for m in api.get("/api/v1/models")] == ["llama-3.1-405b", "llama-3.3-70b", "qwen2.5-7b"]

@@ -23,7 +23,7 @@ def problems(text: str) -> list[str]:
     [
         pytest.param(
             NODE + "gpu: []\n",
-            "fleet.yaml document 1 (Node n1): gpu: unknown field; valid fields of Node are: cordon, cpu,",
+            "fleet.yaml document 1 (Node n1): gpu: unknown field; valid fields of Node are: address, cordon, cpu,",
             id="unknown-field-lists-valid-fields",
         ),
         pytest.param(

@@ -3,8 +3,9 @@ describe, explain, cordon, uncordon, drain, delete."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -218,3 +219,53 @@ def register(app: typer.Typer) -> None:
         except FleetserveError as err:
             raise fail(err) from None
         Console().print(f"{k.value.rstrip('s')}/{name} deleted", markup=False)
+
+    @app.command("logs")
+    def logs_command(
+        replica: Annotated[str, typer.Argument(help="The replica's name (see `fleetserve get replicas`).")],
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+    ) -> None:
+        """The last lines of a replica's engine output, as its agent last reported them."""
+        console = Console(soft_wrap=True)
+        try:
+            with client(server, token) as api:
+                data = api.request("GET", f"/replicas/{replica}/logs")
+        except FleetserveError as err:
+            raise fail(err) from None
+        console.print(
+            f"# {data['replica']}: {data['state']} ({data['message']}); restarts {data['restarts']}",
+            markup=False,
+        )
+        for line in data["lines"]:
+            console.print(line, markup=False, highlight=False)
+
+    @app.command("upload")
+    def upload_command(
+        model: Annotated[str, typer.Argument(help="The Model's name (apply it first).")],
+        file: Annotated[Path, typer.Argument(help="The weights file.", exists=True, dir_okay=False)],
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+    ) -> None:
+        """Upload a model's file to the control plane, which serves it to agents (source fleetserve://NAME).
+
+        The sha256 is checked against the Model's when it names one; a mismatch keeps nothing.
+        """
+        from rich.progress import Progress
+
+        console = Console(soft_wrap=True)
+        size = file.stat().st_size
+
+        def chunks(progress: Progress, task: Any) -> Iterator[bytes]:
+            with file.open("rb") as handle:
+                while chunk := handle.read(1 << 20):
+                    progress.update(task, advance=len(chunk))
+                    yield chunk
+
+        try:
+            with client(server, token) as api, Progress(console=console, transient=True) as progress:
+                task = progress.add_task(f"uploading {file.name}", total=size)
+                data = api.request("PUT", f"/models/{model}/file", content=chunks(progress, task))
+        except FleetserveError as err:
+            raise fail(err) from None
+        console.print(f"model/{model}: {data['size']} bytes, sha256 {data['sha256']}", markup=False)

@@ -103,10 +103,17 @@ class ApiClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def request(self, method: str, path: str, json: Any = None, params: dict[str, Any] | None = None) -> Any:
+    def request(
+        self,
+        method: str,
+        path: str,
+        json: Any = None,
+        params: dict[str, Any] | None = None,
+        content: Any = None,
+    ) -> Any:
         """Send one request to ``/api/v1{path}``; return the decoded JSON body."""
         try:
-            response = self._http.request(method, API + path, json=json, params=params)
+            response = self._http.request(method, API + path, json=json, params=params, content=content)
         except httpx.HTTPError as exc:
             raise ClientError(
                 f"cannot reach the fleetserve server at {self.target.server}: {exc}. "

@@ -21,8 +21,10 @@ app = typer.Typer(
         "OpenAI-compatible endpoint.\n\n"
         "`plan` places deployments on a fleet described in YAML and explains every decision, "
         "offline. `server` runs the control plane (admin API, state store, reconciler); "
-        "`apply`, `get`, `describe`, `explain`, `cordon`, `uncordon`, `drain` and `delete` talk "
-        "to it over HTTP. The node agent and the gateway arrive in later releases."
+        "`agent` runs on every machine: it discovers the hardware, registers, and supervises the "
+        "engines assigned to it. `up` runs server and agent on this machine. `apply`, `get`, "
+        "`describe`, `explain`, `logs`, `cordon`, `uncordon`, `drain`, `delete` and `upload` talk "
+        "to the control plane over HTTP. The gateway arrives in a later release."
     ),
     no_args_is_help=True,
     add_completion=False,
@@ -126,6 +128,9 @@ def server_command(
         Path | None,
         typer.Option(help="On first start, also write the new admin and join tokens to this file (0600)."),
     ] = None,
+    models_dir: Annotated[
+        Path, typer.Option(help="Where the server keeps model files it serves to agents (fleetserve://NAME).")
+    ] = Path("fleetserve-models"),
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:
     """Run the control plane: admin REST API (OpenAPI at /docs), state store, reconciler.
@@ -140,6 +145,7 @@ def server_command(
         raise typer.BadParameter("--lost-after must be longer than --not-ready-after")
     try:
         run_server(
+            models_dir,
             database_url,
             host,
             port,
@@ -153,3 +159,112 @@ def server_command(
 
 
 admin.register(app)
+
+
+@app.command("agent")
+def agent_command(
+    server: Annotated[str, typer.Option("--server", envvar="FLEETSERVE_SERVER", help="Control-plane URL.")],
+    token: Annotated[
+        str,
+        typer.Option("--token", envvar="FLEETSERVE_JOIN_TOKEN", help="The join token the server printed."),
+    ],
+    name: Annotated[str | None, typer.Option(help="Node name. Default: the host name.")] = None,
+    label: Annotated[
+        list[str] | None, typer.Option("--label", help="KEY=VALUE node label; repeatable.")
+    ] = None,
+    address: Annotated[
+        str, typer.Option(help="Address peers and the gateway use to reach this node's engines.")
+    ] = "127.0.0.1",
+    engine_host: Annotated[
+        str | None, typer.Option(help="Address engines listen on. Default: --address.")
+    ] = None,
+    cache_dir: Annotated[
+        Path | None, typer.Option(help="Model cache. Default: ~/.cache/fleetserve/models.")
+    ] = None,
+    cache_max: Annotated[
+        str | None,
+        typer.Option(help="Keep the model cache under this size, e.g. 200GiB (LRU; never a model in use)."),
+    ] = None,
+    inventory_file: Annotated[
+        Path | None, typer.Option(help="YAML Node document declaring hardware discovery cannot see.")
+    ] = None,
+    fabric_map: Annotated[
+        Path | None,
+        typer.Option(help="YAML: portGuids / subnetPrefixes of HCAs mapped to fabric names."),
+    ] = None,
+    engine_binary: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--engine-binary", help="ENGINE/VARIANT=PATH, e.g. llama.cpp/vulkan=/opt/llama/llama-server."
+        ),
+    ] = None,
+    interval: Annotated[
+        float, typer.Option(help="Seconds between status reports (heartbeats).", min=0.2)
+    ] = 5.0,
+    log_dir: Annotated[Path | None, typer.Option(help="Engine logs. Default: <cache-dir>/../logs.")] = None,
+    sysfs_root: Annotated[
+        Path, typer.Option(hidden=True, help="Read /sys and /proc under this root.")
+    ] = Path("/"),
+    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+) -> None:
+    """Run the node agent: discover this machine's CPUs, GPUs and HCAs, register with the control
+    plane, report heartbeats, and start, supervise and stop the engines assigned to this node.
+
+    Every registration gets a new epoch; replicas moved away while the agent was gone are stopped.
+    SIGTERM or Ctrl-C stops every engine the agent started.
+    """
+    from fleetserve.agent.describe import node_name
+    from fleetserve.agent.runtime import default_cache_dir
+    from fleetserve.cli.agent_cmd import parse_labels, run_agent
+    from fleetserve.units import parse_bytes
+
+    try:
+        cache = cache_dir or default_cache_dir()
+        run_agent(
+            server, token, name or node_name(), parse_labels(label or []), address, engine_host or address,
+            cache, parse_bytes(cache_max) if cache_max else None, inventory_file, fabric_map,
+            engine_binary or [], interval, log_dir or cache.parent / "logs", sysfs_root, log_level,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    except FleetserveError as err:
+        raise fail(err) from None
+
+
+@app.command("up")
+def up_command(
+    model: Annotated[
+        str | None,
+        typer.Option(help="'tiny': write the tiny test model and serve it with llama.cpp on the CPU."),
+    ] = None,
+    data_dir: Annotated[Path, typer.Option(help="State, tokens, model cache and logs.")] = Path(
+        ".fleetserve"
+    ),
+    port: Annotated[int, typer.Option(help="Control-plane port.", min=1, max=65535)] = 8080,
+    ready_timeout: Annotated[float, typer.Option(help="Seconds to wait for the engine to be ready.")] = 300.0,
+) -> None:
+    """Run the control plane and an agent on this machine over a SQLite file: the quickstart.
+
+    With --model tiny it writes the tiny model, deploys it on the CPU with llama.cpp, waits until
+    llama-server answers and prints a curl line. Ctrl-C stops everything.
+    """
+    from fleetserve.cli.local import up
+
+    if model not in (None, "tiny"):
+        raise typer.BadParameter("only 'tiny' is built in; apply your own models with `fleetserve apply`")
+    try:
+        up(data_dir, port, model, Console(soft_wrap=True), ready_timeout)
+    except FleetserveError as err:
+        raise fail(err) from None
+
+
+dev = typer.Typer(help="Developer tools.", no_args_is_help=True)
+app.add_typer(dev, name="dev")
+
+
+@dev.command("tiny-model")
+def tiny_model_command(out: Annotated[Path, typer.Argument(help="Where to write the GGUF file.")]) -> None:
+    """Write the tiny llama-architecture GGUF (about 0.5 MB) that tests and the quickstart serve."""
+    from fleetserve.cli.local import tiny_model
+
+    tiny_model(out, Console())

@@ -44,6 +44,7 @@ def ensure_tokens(store: SqlStore, token_file: Path | None, console: Console) ->
 
 
 def run_server(
+    models_dir: Path,
     database_url: str,
     host: str,
     port: int,
@@ -74,8 +75,16 @@ def run_server(
                 stop.set()
                 await run_in_threadpool(loop.join, reconcile_interval + 10)
 
-        app = create_app(store, lifespan=lifespan)
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False)
+        app = create_app(store, lifespan=lifespan, models_dir=models_dir)
+        # Long-polling agents hold requests open; do not let them delay a shutdown for long.
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level.lower(),
+            access_log=False,
+            timeout_graceful_shutdown=3,
+        )
         console.print(f"fleetserve server: http://{host}:{port} (OpenAPI at /docs), state in {database_url}")
         uvicorn.Server(config).run()
     finally:

@@ -36,6 +36,9 @@ class EngineCapabilities:
     multi_node: bool
     why_no_cpu: str = ""
     why_no_split: str = ""
+    # Engine flags a profile's engineArgs may carry. Anything else is refused at apply time, so
+    # no flag that changes host, port, model or served name can be smuggled in.
+    allowed_args: frozenset[str] = frozenset()
 
     def drivers(self) -> frozenset[Driver]:
         """Every driver this engine has a variant for."""
@@ -52,6 +55,32 @@ ENGINES: Mapping[EngineKind, EngineCapabilities] = MappingProxyType(
             cpu_without_class=False,
             tensor_parallel=True,
             multi_node=True,
+            allowed_args=frozenset(
+                {
+                    "--max-model-len",
+                    "--max-num-seqs",
+                    "--max-num-batched-tokens",
+                    "--dtype",
+                    "--quantization",
+                    "--kv-cache-dtype",
+                    "--enable-prefix-caching",
+                    "--no-enable-prefix-caching",
+                    "--enable-chunked-prefill",
+                    "--enforce-eager",
+                    "--trust-remote-code",
+                    "--tokenizer-mode",
+                    "--swap-space",
+                    "--block-size",
+                    "--seed",
+                    "--generation-config",
+                    "--enable-expert-parallel",
+                    "--reasoning-parser",
+                    "--tool-call-parser",
+                    "--enable-auto-tool-choice",
+                    "--chat-template",
+                    "--revision",
+                }
+            ),
             why_no_cpu=(
                 "vllm needs a deviceClass: an omitted class would place the replica on a "
                 "machine with no GPU and fail minutes later while loading; name a GPU class, "
@@ -78,6 +107,38 @@ ENGINES: Mapping[EngineKind, EngineCapabilities] = MappingProxyType(
             cpu_without_class=True,
             tensor_parallel=False,
             multi_node=False,
+            allowed_args=frozenset(
+                {
+                    "--batch-size",
+                    "--ubatch-size",
+                    "--flash-attn",
+                    "--cache-type-k",
+                    "--cache-type-v",
+                    "--rope-scaling",
+                    "--rope-freq-base",
+                    "--rope-freq-scale",
+                    "--mlock",
+                    "--no-mmap",
+                    "--cont-batching",
+                    "--no-cont-batching",
+                    "--jinja",
+                    "--chat-template",
+                    "--reasoning-format",
+                    "--n-predict",
+                    "--threads-batch",
+                    "--defrag-thold",
+                    "--keep",
+                    "--temp",
+                    "--top-k",
+                    "--top-p",
+                    "--min-p",
+                    "--repeat-penalty",
+                    "--seed",
+                    "--cache-reuse",
+                    "--swa-full",
+                    "--no-warmup",
+                }
+            ),
             why_no_split=(
                 "llama.cpp splits across local GPUs by its own mechanism, which fleetserve does "
                 "not drive; the replica would serve from one device while the catalog believed "

@@ -8,25 +8,25 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
-from datetime import UTC, datetime
+from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, FastAPI, Query
+from fastapi import APIRouter, FastAPI, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
 
 from fleetserve import __version__
-from fleetserve.errors import NotFound, UnknownNode
+from fleetserve.errors import NotFound
 from fleetserve.server import auth, problems
+from fleetserve.server.agents import build_agent_router
 from fleetserve.server.apply import apply_batch
-from fleetserve.server.auth import admin, agent
+from fleetserve.server.auth import admin
+from fleetserve.server.modelfiles import ModelFiles
+from fleetserve.server.params import TEXT_PATTERN, NameParam, NameQuery
 from fleetserve.spec.resources import Node, Replica
 from fleetserve.store.sql import SqlStore
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
-NameParam = Annotated[str, Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?$")]
-NameQuery = Annotated[
-    str | None, Query(min_length=1, max_length=63, pattern=r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?$")
-]
 
 
 class ApplyRequest(BaseModel):
@@ -36,23 +36,11 @@ class ApplyRequest(BaseModel):
     documents: list[dict[str, Any]] = Field(min_length=1, max_length=10_000)
 
 
-NAME_PATTERN = r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?$"
-# Printable text only: no NUL or other control characters a database column would refuse.
-TEXT_PATTERN = r"^[^\x00-\x1f\x7f]*$"
-
-
 class CordonRequest(BaseModel):
     """Why the node is cordoned; shown to every operator who looks at it."""
 
     model_config = ConfigDict(extra="forbid")
     reason: str = Field(min_length=1, max_length=1000, pattern=TEXT_PATTERN)
-
-
-class HeartbeatRequest(BaseModel):
-    """An agent saying its node is alive."""
-
-    model_config = ConfigDict(extra="forbid")
-    node: str = Field(min_length=1, max_length=63, pattern=NAME_PATTERN)
 
 
 def _doc(resource: BaseModel) -> dict[str, Any]:
@@ -77,11 +65,12 @@ def _node_view(node: Node, store: SqlStore, replicas: list[Replica], beats: dict
             "lastHeartbeat": beat.last_heartbeat.isoformat() if beat and beat.last_heartbeat else None,
             "allocatedDevices": held,
             "replicas": sorted({r.name for r in replicas}),
+            "agent": store.agent_status(node.name),
         },
     }
 
 
-def build_admin_router(store: SqlStore) -> APIRouter:
+def build_admin_router(store: SqlStore, files: ModelFiles) -> APIRouter:
     """Every admin route; each needs an admin token."""
     api = APIRouter(prefix="/api/v1", dependencies=[admin])
 
@@ -156,6 +145,12 @@ def build_admin_router(store: SqlStore) -> APIRouter:
         store.delete_model(name)
         return {"deleted": name}
 
+    @api.put("/models/{name}/file", tags=["models"], summary="Upload the model's file for agents to fetch")
+    async def upload_model_file(name: NameParam, request: Request) -> dict[str, Any]:
+        model = await run_in_threadpool(store.get_model, name)
+        stored = await files.put(name, request.stream(), model.sha256)
+        return {"model": name, "sha256": stored.sha256, "size": stored.size}
+
     @api.get("/deployments", tags=["deployments"])
     def list_deployments() -> list[dict[str, Any]]:
         return [
@@ -210,36 +205,31 @@ def build_admin_router(store: SqlStore) -> APIRouter:
     def list_replicas(deployment: NameQuery = None) -> list[dict[str, Any]]:
         return [_doc(r) for r in store.replicas(deployment=deployment)]
 
+    @api.get(
+        "/replicas/{name}/logs", tags=["replicas"], summary="The last lines of a replica's engine output"
+    )
+    def replica_logs(name: NameParam) -> dict[str, Any]:
+        replica = store.get_replica(name)
+        status = store.replica_status(name)
+        return {
+            "replica": name,
+            "state": replica.state.value,
+            "message": status.get("message", ""),
+            "restarts": status.get("restarts", 0),
+            "lines": status.get("stderrTail", []),
+        }
+
     @api.get("/replicas/{name}", tags=["replicas"])
     def get_replica(name: NameParam) -> dict[str, Any]:
-        return _doc(store.get_replica(name))
+        return {**_doc(store.get_replica(name)), "status": store.replica_status(name)}
 
     return api
 
 
-def build_agent_router(store: SqlStore) -> APIRouter:
-    """The routes agents use, with a join token."""
-    api = APIRouter(prefix="/api/v1/agent", dependencies=[agent], tags=["agent"])
-
-    @api.post("/register", summary="Register (or re-register) a node; never clears a cordon")
-    def register(node: Annotated[Node, Body()]) -> dict[str, Any]:
-        registration = store.register(node)
-        store.heartbeat(node.name, datetime.now(UTC))
-        return {"node": _doc(registration.node), "epoch": registration.epoch, "created": registration.created}
-
-    @api.post("/heartbeat", summary="Say the node is alive")
-    def heartbeat(body: HeartbeatRequest) -> dict[str, Any]:
-        try:
-            store.heartbeat(body.node, datetime.now(UTC))
-        except UnknownNode as exc:
-            raise NotFound(f"{exc}; register first") from None
-        return {"node": body.node, "epoch": store.epoch(body.node)}
-
-    return api
-
-
-def create_app(store: SqlStore, lifespan: Lifespan | None = None) -> FastAPI:
-    """The control plane's ASGI app over ``store``; ``lifespan`` runs background work with it."""
+def create_app(store: SqlStore, lifespan: Lifespan | None = None, models_dir: Path | None = None) -> FastAPI:
+    """The control plane's ASGI app over ``store``; ``lifespan`` runs background work with it;
+    ``models_dir`` holds the model files it serves to agents (default ./fleetserve-models)."""
+    files = ModelFiles(models_dir or Path("fleetserve-models"))
     app = FastAPI(
         lifespan=lifespan,
         title="fleetserve control plane",
@@ -255,6 +245,6 @@ def create_app(store: SqlStore, lifespan: Lifespan | None = None) -> FastAPI:
     def healthz() -> dict[str, str]:
         return {"status": "ok", "version": __version__}
 
-    app.include_router(build_admin_router(store))
-    app.include_router(build_agent_router(store))
+    app.include_router(build_admin_router(store, files))
+    app.include_router(build_agent_router(store, files))
     return app

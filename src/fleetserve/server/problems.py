@@ -20,6 +20,7 @@ from fleetserve.errors import (
     FleetserveError,
     NotFound,
     Problem,
+    StaleEpoch,
     StoreError,
     UnknownNode,
     UnknownReplica,
@@ -73,6 +74,10 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(UnknownReplica)
     async def _missing(request: Request, exc: FleetserveError) -> JSONResponse:
         return JSONResponse(error_body("not_found", str(exc)), status_code=404)
+
+    @app.exception_handler(StaleEpoch)
+    async def _stale(request: Request, exc: StaleEpoch) -> JSONResponse:
+        return JSONResponse(error_body("stale_epoch", str(exc)), status_code=409)
 
     @app.exception_handler(AllocationConflict)
     async def _conflict(request: Request, exc: AllocationConflict) -> JSONResponse:

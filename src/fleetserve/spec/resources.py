@@ -195,6 +195,8 @@ class Node(Spec):
     nvlink_domains: tuple[tuple[int, ...], ...] = ()
     # Names of models already held in the node's local model cache.
     model_cache: tuple[str, ...] = ()
+    # Where peers and the gateway reach this node's engines (an IP or DNS name); the agent sets it.
+    address: str = Field(default="", max_length=253, pattern=r"^[A-Za-z0-9.:\-\[\]]*$")
 
     @model_validator(mode="before")
     @classmethod
@@ -379,6 +381,7 @@ class ReplicaState(StrEnum):
     PENDING = "Pending"
     STARTING = "Starting"
     RUNNING = "Running"
+    CRASH_LOOP = "CrashLoop"  # the engine keeps exiting; restarts back off
     FAILED = "Failed"
 
 

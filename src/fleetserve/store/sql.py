@@ -27,7 +27,15 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from fleetserve.errors import AllocationConflict, ConfigError, NotFound, Problem, UnknownNode, UnknownReplica
+from fleetserve.errors import (
+    AllocationConflict,
+    ConfigError,
+    NotFound,
+    Problem,
+    StaleEpoch,
+    UnknownNode,
+    UnknownReplica,
+)
 from fleetserve.inventory.base import Registration
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.placement.state import WorkingState
@@ -486,15 +494,79 @@ class SqlStore:
 
     # --- nodes: liveness ------------------------------------------------------------------
 
-    def heartbeat(self, name: str, now: datetime) -> None:
-        """Record that the node's agent was heard from at ``now``; raises UnknownNode."""
+    def heartbeat(self, name: str, now: datetime, epoch: int | None = None) -> None:
+        """Record that the node's agent was heard from at ``now``; raises UnknownNode, and
+        StaleEpoch when ``epoch`` is given and is not the node's current registration."""
         when = stamp(now)
         with self._write(f"recording a heartbeat of node {name}") as s:
-            result = s.connection().execute(
-                update(NodeRow).where(NodeRow.name == name).values(last_heartbeat=when)
-            )
-            if result.rowcount == 0:
+            row = s.get(NodeRow, name)
+            if row is None:
                 raise UnknownNode(f"no node named {name!r} is registered")
+            self._check_epoch(row, epoch)
+            s.connection().execute(update(NodeRow).where(NodeRow.name == name).values(last_heartbeat=when))
+
+    @staticmethod
+    def _check_epoch(row: NodeRow, epoch: int | None) -> None:
+        if epoch is not None and epoch != row.epoch:
+            raise StaleEpoch(
+                f"node {row.name} is at epoch {row.epoch}, not {epoch}: it registered again since; "
+                "register again and stop every replica not assigned"
+            )
+
+    def assignments(self, node: str) -> list[Replica]:
+        """The replicas with a shard on ``node``, by name: what its agent must run."""
+        with self._read(f"listing the assignments of node {node}") as s:
+            names = select(ReplicaShardRow.replica).where(ReplicaShardRow.node == node)
+            rows = s.scalars(select(ReplicaRow).where(ReplicaRow.name.in_(names)))
+            return sorted((_replica(r.spec, r.state) for r in rows), key=lambda r: r.name)
+
+    def report(
+        self,
+        node: str,
+        epoch: int,
+        now: datetime,
+        replicas: Mapping[str, tuple[ReplicaState, Mapping[str, Any]]],
+        model_cache: Sequence[str] | None = None,
+        agent_status: Mapping[str, Any] | None = None,
+    ) -> list[str]:
+        """An agent's status report, in one transaction: the states of its replicas (only those
+        assigned to it), its model cache (placement prefers nodes holding a model) and anything
+        else it reports; also a heartbeat. Returns the reported names not assigned to the node —
+        the agent must stop those. Raises StaleEpoch for an old registration."""
+        when = stamp(now)
+        with self._write(f"recording a status report of node {node}") as s:
+            row = self._locked_node(s, node)
+            self._check_epoch(row, epoch)
+            row.last_heartbeat = when
+            if model_cache is not None:
+                row.spec = {**row.spec, "modelCache": sorted(set(model_cache))}
+            if agent_status is not None:
+                row.agent_status = dict(agent_status)
+            mine = set(s.scalars(select(ReplicaShardRow.replica).where(ReplicaShardRow.node == node)))
+            for name, (state, status) in replicas.items():
+                if name in mine:
+                    s.connection().execute(
+                        update(ReplicaRow)
+                        .where(ReplicaRow.name == name)
+                        .values(state=ReplicaState(state).value, status=dict(status))
+                    )
+            return sorted(set(replicas) - mine)
+
+    def replica_status(self, name: str) -> dict[str, Any]:
+        """What the agent last reported about a replica (message, restarts, stderr tail)."""
+        with self._read(f"reading replica {name}") as s:
+            row = s.get(ReplicaRow, name)
+            if row is None:
+                raise UnknownReplica(f"no replica named {name!r} is allocated")
+            return dict(row.status or {})
+
+    def agent_status(self, node: str) -> dict[str, Any]:
+        """What the node's agent last reported beyond replica states (downloads, problems)."""
+        with self._read(f"reading node {node}") as s:
+            row = s.get(NodeRow, node)
+            if row is None:
+                raise UnknownNode(f"no node named {node!r} is registered")
+            return dict(row.agent_status or {})
 
     def node_heartbeats(self) -> list[NodeHeartbeat]:
         """Every node's state, epoch and last heartbeat (None if never heard), by name."""

@@ -93,6 +93,8 @@ class NodeRow(Base):
     # Bumped by every registration: a returning agent learns what moved away while it was gone.
     epoch: Mapped[int] = mapped_column(Integer)
     last_heartbeat: Mapped[datetime | None]
+    # What the agent last reported beyond replica states: downloads in flight, cache, problems.
+    agent_status: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
 
 class ModelRow(Base):
@@ -131,6 +133,8 @@ class ReplicaRow(Base):
     profile: Mapped[str] = mapped_column(NAME)
     spec: Mapped[dict[str, Any]]
     state: Mapped[str] = mapped_column(String(16))
+    # What the agent reported: a message, restarts, the last lines of the engine's stderr.
+    status: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
 
 class ReplicaShardRow(Base):

@@ -38,6 +38,7 @@ def upgrade() -> None:
         sa.Column("cordon_by", sa.String(255), nullable=True),
         sa.Column("epoch", sa.Integer(), nullable=False),
         sa.Column("last_heartbeat", STAMP, nullable=True),
+        sa.Column("agent_status", sa.JSON(), nullable=True),
         sa.PrimaryKeyConstraint("name", name=op.f("pk_nodes")),
     )
     op.create_table(
@@ -61,6 +62,7 @@ def upgrade() -> None:
         sa.Column("profile", NAME, nullable=False),
         sa.Column("spec", sa.JSON(), nullable=False),
         sa.Column("state", sa.String(16), nullable=False),
+        sa.Column("status", sa.JSON(), nullable=True),
         sa.PrimaryKeyConstraint("name", name=op.f("pk_replicas")),
     )
     op.create_index(op.f("ix_replicas_deployment"), "replicas", ["deployment"])

@@ -1,0 +1,55 @@
+"""Hardware discovery for the node agent: one module per source, combined by ``discover``.
+
+    discovery = discover()                       # this machine: CPU, NVIDIA, AMD, InfiniBand
+    node, unmatched = to_node(discovery, ...)    # fleetserve.agent.matching
+
+No source raises for hardware or drivers that are absent; what could not be read is listed in
+``Discovery.problems``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from fleetserve.agent.discovery.amd import AmdDiscoverer, AmdSysfsDiscoverer
+from fleetserve.agent.discovery.base import (
+    Discoverer,
+    Discovery,
+    Findings,
+    GpuFacts,
+    HcaFacts,
+    HostFacts,
+    combine,
+)
+from fleetserve.agent.discovery.cpu import CpuDiscoverer
+from fleetserve.agent.discovery.infiniband import InfinibandDiscoverer
+from fleetserve.agent.discovery.nvidia import NvidiaDiscoverer, NvmlLibrary
+
+__all__ = [
+    "AmdDiscoverer",
+    "AmdSysfsDiscoverer",
+    "CpuDiscoverer",
+    "Discoverer",
+    "Discovery",
+    "Findings",
+    "GpuFacts",
+    "HcaFacts",
+    "HostFacts",
+    "InfinibandDiscoverer",
+    "NvidiaDiscoverer",
+    "NvmlLibrary",
+    "default_discoverers",
+    "discover",
+]
+
+
+def default_discoverers(root: Path | str = "/") -> tuple[Discoverer, ...]:
+    """Every source, reading the machine under ``root``: CPU, NVIDIA (NVML), AMD, InfiniBand."""
+    return (CpuDiscoverer(root), NvidiaDiscoverer(), AmdDiscoverer(root), InfinibandDiscoverer(root))
+
+
+def discover(sources: Sequence[Discoverer] | None = None) -> Discovery:
+    """Run ``sources`` (default: every source on this machine) and combine what they found."""
+    chosen = default_discoverers() if sources is None else sources
+    return combine(source.discover() for source in chosen)

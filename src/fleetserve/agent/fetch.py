@@ -1,0 +1,452 @@
+"""Model sources and byte transfers for the node's model cache.
+
+A model's ``source`` names where its weights come from:
+
+- a local path (``/abs/model.gguf``, ``./rel/model.gguf``, ``file:///abs/model.gguf``): copied;
+- an ``http(s)://`` URL: streamed with httpx, resumable;
+- ``fleetserve://NAME``: the control plane's copy, fetched from ``{server}/api/v1/agent/models/NAME/file``
+  with the agent's join token as a Bearer token;
+- ``hf://ORG/REPO/PATH/IN/REPO[@REVISION]``: a file of a Hugging Face repository, read OFFLINE from a
+  local mirror directory laid out as a hub cache (``models--ORG--REPO/{blobs,snapshots,refs}``).
+
+Every transfer writes to a ``.part`` file and hashes the bytes as they pass; committing the part into
+the store, and checking its digest against the model's, is ``fleetserve.agent.cache``'s job. An HTTP
+part has a JSON sidecar (``<key>.json`` beside ``<key>.part``) recording the URL, the validator
+(ETag or Last-Modified) and the expected size, so the next attempt can ask for the rest with
+``Range`` + ``If-Range``: a 206 resumes, a 200 (no range support, or the file changed) restarts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import secrets
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import httpx
+
+from fleetserve.errors import SourceError, TransferInterrupted
+
+# What one read or write moves at most.
+CHUNK = 1 << 20
+# The control plane's route for a model's file, under its base URL.
+CONTROL_PLANE_FILE_PATH = "/api/v1/agent/models/{name}/file"
+
+# (done bytes, total bytes or None), after every chunk written.
+ByteCounter = Callable[[int, int | None], None]
+# Raise (InsufficientSpace) when this many more bytes will not fit; called before anything is written.
+SpaceCheck = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class LocalSource:
+    """A file on this machine."""
+
+    path: Path
+
+
+@dataclass(frozen=True)
+class HttpSource:
+    """An http(s) URL."""
+
+    url: str
+
+
+@dataclass(frozen=True)
+class ControlPlaneSource:
+    """The control plane's copy of a model: ``fleetserve://NAME``."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class HfSource:
+    """One file of a Hugging Face repository, at a revision (a branch, tag or commit; None = main)."""
+
+    repo_id: str
+    filename: str
+    revision: str | None = None
+
+
+Source = LocalSource | HttpSource | ControlPlaneSource | HfSource
+
+
+def parse_source(source: str) -> Source:
+    """The source a model's ``source`` string names; SourceError when it names none we can read."""
+    text = source.strip()
+    if not text:
+        raise SourceError("the model has no source: set a local path, an http(s) URL, hf:// or fleetserve://")
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        return LocalSource(Path(text))
+    scheme = scheme.lower()
+    if scheme == "file":
+        parts = urlsplit(text)
+        if parts.netloc not in ("", "localhost"):
+            raise SourceError(f"{source}: file:// URLs must name a local file (file:///abs/path)")
+        return LocalSource(Path(unquote(parts.path)))
+    if scheme in ("http", "https"):
+        if not urlsplit(text).netloc:
+            raise SourceError(f"{source}: the URL has no host")
+        return HttpSource(text)
+    if scheme == "fleetserve":
+        name = rest.strip("/")
+        if not name or "/" in name:
+            raise SourceError(f"{source}: expected fleetserve://MODEL-NAME")
+        return ControlPlaneSource(name)
+    if scheme == "hf":
+        path, at, revision = rest.rpartition("@") if "@" in rest else (rest, "", "")
+        segments = [s for s in path.split("/") if s]
+        if len(segments) < 3 or (at and not revision):
+            raise SourceError(
+                f"{source}: expected hf://ORG/REPO/PATH/IN/REPO[@REVISION], e.g. hf://org/repo/model.gguf@main"
+            )
+        return HfSource(f"{segments[0]}/{segments[1]}", "/".join(segments[2:]), revision or None)
+    raise SourceError(
+        f"{source}: unsupported source scheme {scheme!r}; use a local path, file://, http(s)://, "
+        "hf:// or fleetserve://"
+    )
+
+
+def source_file_name(source: Source) -> str | None:
+    """The file name the source suggests (its last path component), if any."""
+    match source:
+        case LocalSource(path):
+            return path.name or None
+        case HttpSource(url):
+            name = unquote(urlsplit(url).path.rstrip("/").rpartition("/")[2])
+            return name or None
+        case HfSource(_, filename, _):
+            return filename.rpartition("/")[2] or None
+        case ControlPlaneSource():
+            return None
+    return None  # pragma: no cover - the match is exhaustive
+
+
+def control_plane_url(base_url: str, name: str) -> str:
+    """The control plane's URL for a model's file."""
+    return base_url.rstrip("/") + CONTROL_PLANE_FILE_PATH.format(name=name)
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """A complete part file: its path, sha256, size, and the offset a resumed transfer started from."""
+
+    path: Path
+    digest: str
+    size: int
+    resumed_from: int = 0
+
+
+def sidecar_path(part: Path) -> Path:
+    """The JSON sidecar that makes an HTTP part resumable: ``<key>.json`` beside ``<key>.part``."""
+    return part.with_suffix(".json")
+
+
+def discard_partial(part: Path) -> None:
+    """Remove a part file and its sidecar, whichever exist."""
+    for path in (part, sidecar_path(part)):
+        path.unlink(missing_ok=True)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or unlink in ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically: a temporary file beside it, fsync, rename."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+# --- local files ----------------------------------------------------------------------------
+
+
+def copy_file(
+    src: Path,
+    part: Path,
+    *,
+    on_bytes: ByteCounter | None = None,
+    check_space: SpaceCheck | None = None,
+) -> Fetched:
+    """Copy ``src`` into ``part``, hashing the bytes as they pass; fsynced when this returns.
+
+    A copy is not resumable: the part gets no sidecar, so a crash leaves one the next start discards.
+    """
+    try:
+        src_file = open(src, "rb")  # noqa: SIM115 - closed below, after the size check
+    except FileNotFoundError:
+        raise SourceError(f"{src}: no such file") from None
+    except IsADirectoryError:
+        raise SourceError(f"{src}: is a directory, not a model file") from None
+    except OSError as exc:
+        raise SourceError(f"{src}: cannot be read: {exc.strerror or exc}") from exc
+    with src_file:
+        size = os.fstat(src_file.fileno()).st_size
+        if check_space is not None:
+            check_space(size)
+        discard_partial(part)
+        digest = hashlib.sha256()
+        done = 0
+        if on_bytes is not None:
+            on_bytes(0, size)
+        try:
+            with open(part, "wb") as out:
+                while chunk := src_file.read(CHUNK):
+                    out.write(chunk)
+                    digest.update(chunk)
+                    done += len(chunk)
+                    if on_bytes is not None:
+                        on_bytes(done, size)
+                out.flush()
+                os.fsync(out.fileno())
+        except BaseException:
+            part.unlink(missing_ok=True)
+            raise
+    return Fetched(part, digest.hexdigest(), done)
+
+
+# --- Hugging Face mirror --------------------------------------------------------------------
+
+
+def hf_mirror_file(mirror: Path, source: HfSource) -> Path:
+    """The mirror's file for ``source``, resolved offline by ``huggingface_hub`` (never the network)."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import HFValidationError
+
+    shown = f"hf://{source.repo_id}/{source.filename}" + (f"@{source.revision}" if source.revision else "")
+    if not mirror.is_dir():
+        raise SourceError(f"{shown}: the Hugging Face mirror directory {mirror} does not exist")
+    try:
+        found = hf_hub_download(
+            source.repo_id,
+            source.filename,
+            revision=source.revision,
+            cache_dir=mirror,
+            local_files_only=True,
+        )
+    except (OSError, ValueError, HFValidationError) as exc:
+        raise SourceError(
+            f"{shown}: not found in the Hugging Face mirror {mirror} (offline: nothing is downloaded; "
+            f"expected {mirror}/models--{source.repo_id.replace('/', '--')}/snapshots/<commit>/"
+            f"{source.filename} with refs/{source.revision or 'main'} naming the commit): {exc}"
+        ) from exc
+    return Path(found)
+
+
+# --- HTTP -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Sidecar:
+    url: str
+    etag: str | None
+    last_modified: str | None
+    size: int | None
+
+    @property
+    def validator(self) -> str | None:
+        """What ``If-Range`` may carry: a strong ETag, else Last-Modified (RFC 9110 §13.1.5)."""
+        if self.etag and not self.etag.startswith("W/"):
+            return self.etag
+        return self.last_modified
+
+    def dump(self) -> bytes:
+        doc = {"url": self.url, "etag": self.etag, "lastModified": self.last_modified, "size": self.size}
+        return json.dumps(doc, sort_keys=True).encode()
+
+    @classmethod
+    def load(cls, path: Path) -> _Sidecar | None:
+        try:
+            doc: Any = json.loads(path.read_bytes())
+            size = doc.get("size")
+            return cls(
+                url=str(doc["url"]),
+                etag=doc.get("etag"),
+                last_modified=doc.get("lastModified"),
+                size=int(size) if size is not None else None,
+            )
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            return None
+
+
+_CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)", re.IGNORECASE)
+
+
+def _int_header(response: httpx.Response, name: str) -> int | None:
+    value = response.headers.get(name)
+    return int(value) if value is not None and value.strip().isdigit() else None
+
+
+def _http_failure(url: str, response: httpx.Response, authorized: bool) -> SourceError:
+    status = response.status_code
+    what = f"{url} answered HTTP {status} {response.reason_phrase}".rstrip()
+    if status in (401, 403):
+        if authorized:
+            return SourceError(f"{what}: the server refused the bearer token")
+        return SourceError(f"{what}: the server wants credentials")
+    if status == 404:
+        return SourceError(f"{what}: no such file on the server")
+    return SourceError(what)
+
+
+def fetch(
+    url: str,
+    part: Path,
+    *,
+    headers: Mapping[str, str] | None = None,
+    on_bytes: ByteCounter | None = None,
+    check_space: SpaceCheck | None = None,
+    timeout: float = 30.0,
+    client: httpx.Client | None = None,
+) -> Fetched:
+    """Download ``url`` into ``part``, resuming a partial one left by an earlier attempt.
+
+    A part with a sidecar for the same URL and a validator is resumed with ``Range: bytes=N-`` and
+    ``If-Range``; a 206 appends, a 200 restarts from zero. ``check_space`` is called with the bytes
+    still to come before anything is written. A broken connection raises TransferInterrupted and
+    keeps the part for the next attempt. The part is complete and fsynced when this returns.
+    """
+    if client is None:
+        with httpx.Client(timeout=httpx.Timeout(timeout), follow_redirects=True) as own:
+            return fetch(url, part, headers=headers, on_bytes=on_bytes, check_space=check_space, client=own)
+    request_headers = {"Accept-Encoding": "identity", **(headers or {})}
+    authorized = any(k.lower() == "authorization" for k in request_headers)
+    sidecar = _Sidecar.load(sidecar_path(part))
+    have = part.stat().st_size if part.is_file() else 0
+    if sidecar is None or sidecar.url != url or sidecar.validator is None or have == 0:
+        discard_partial(part)
+        sidecar, have = None, 0
+    for _ in range(2):
+        with _stream(client, url, request_headers, sidecar, have) as response:
+            if response.status_code == 416 and sidecar is not None:
+                if sidecar.size is not None and have == sidecar.size:
+                    return _hash_complete(part, have)
+                # The range is past the server's end: the file changed. Start over.
+                discard_partial(part)
+                sidecar, have = None, 0
+                continue
+            return _receive(url, part, response, sidecar, have, on_bytes, check_space, authorized)
+    raise SourceError(f"{url}: the server refused every range request")  # pragma: no cover
+
+
+@contextlib.contextmanager
+def _stream(
+    client: httpx.Client, url: str, headers: dict[str, str], sidecar: _Sidecar | None, have: int
+) -> Iterator[httpx.Response]:
+    headers = dict(headers)
+    if sidecar is not None and sidecar.validator is not None and have:
+        headers["Range"] = f"bytes={have}-"
+        headers["If-Range"] = sidecar.validator
+    try:
+        with client.stream("GET", url, headers=headers) as response:
+            yield response
+    except httpx.TransportError as exc:
+        if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+            raise SourceError(f"{url}: cannot connect: {exc}") from exc
+        raise TransferInterrupted(f"{url}: the transfer broke off: {exc}") from exc
+
+
+def _hash_complete(part: Path, size: int) -> Fetched:
+    digest = hashlib.sha256()
+    with open(part, "rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+    return Fetched(part, digest.hexdigest(), size, resumed_from=size)
+
+
+def _receive(
+    url: str,
+    part: Path,
+    response: httpx.Response,
+    sidecar: _Sidecar | None,
+    have: int,
+    on_bytes: ByteCounter | None,
+    check_space: SpaceCheck | None,
+    authorized: bool,
+) -> Fetched:
+    """Write the response's body into ``part`` (appending for a 206 that continues it)."""
+    offset = 0
+    total: int | None
+    if response.status_code == 206 and sidecar is not None and have:
+        match = _CONTENT_RANGE.fullmatch(response.headers.get("content-range", "").strip())
+        if match is None or int(match.group(1)) != have:
+            discard_partial(part)
+            raise TransferInterrupted(
+                f"{url}: asked for bytes {have}- but the server answered Content-Range "
+                f"{response.headers.get('content-range')!r}; the partial file was discarded"
+            )
+        offset = have
+        total = int(match.group(3)) if match.group(3) != "*" else sidecar.size
+    elif response.status_code == 200:
+        total = _int_header(response, "content-length")
+        if response.headers.get("content-encoding", "identity").lower() != "identity":
+            total = None  # the length counts encoded bytes; the body is decoded
+    else:
+        raise _http_failure(url, response, authorized)
+    if check_space is not None:
+        check_space(total - offset if total is not None else 0)
+    if offset == 0:
+        discard_partial(part)
+        resumable = response.headers.get("content-encoding", "identity").lower() == "identity"
+        new = _Sidecar(
+            url=url,
+            etag=response.headers.get("etag") if resumable else None,
+            last_modified=response.headers.get("last-modified") if resumable else None,
+            size=total,
+        )
+        atomic_write(sidecar_path(part), new.dump())
+    digest = hashlib.sha256()
+    if offset:
+        with open(part, "rb") as f:
+            remaining = offset
+            while remaining and (chunk := f.read(min(CHUNK, remaining))):
+                digest.update(chunk)
+                remaining -= len(chunk)
+    done = offset
+    with open(part, "r+b" if offset else "wb") as out:
+        out.seek(offset)
+        out.truncate()
+        if on_bytes is not None:
+            on_bytes(done, total)
+        try:
+            for chunk in response.iter_bytes():
+                out.write(chunk)
+                digest.update(chunk)
+                done += len(chunk)
+                if on_bytes is not None:
+                    on_bytes(done, total)
+        except httpx.TransportError as exc:
+            out.flush()
+            os.fsync(out.fileno())
+            shown = f"{done} of {total}" if total is not None else f"{done}"
+            raise TransferInterrupted(
+                f"{url}: the transfer broke off after {shown} bytes ({exc}); "
+                "the partial file is kept and the next attempt resumes it"
+            ) from exc
+        out.flush()
+        os.fsync(out.fileno())
+    if total is not None and done != total:
+        raise TransferInterrupted(f"{url}: the server sent {done} bytes of {total}; the partial file is kept")
+    return Fetched(part, digest.hexdigest(), done, resumed_from=offset)

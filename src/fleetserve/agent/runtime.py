@@ -1,0 +1,255 @@
+"""The node agent's main loop: register, heartbeat and report, follow assignments, fence.
+
+- Register with the join token: the server answers with the node's epoch and its assignments.
+  Anything the agent runs that is not assigned is stopped — after a Lost node returns, its old
+  replicas were placed elsewhere under new names, and they never run twice.
+- Every ``interval`` seconds a status report (replica states, stderr tails, cache contents,
+  downloads) doubles as the heartbeat. A 409 (the node registered again meanwhile) means
+  register again, then fence.
+- A long-poll follows the assignments; each new replica gets its model from the cache (pinned
+  while it runs), a free port, a launch spec from its engine's adapter, and the supervisor.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fleetserve.agent.cache import ModelCache
+from fleetserve.agent.client import AgentApiError, AgentClient, Assignments
+from fleetserve.agent.supervisor import Supervisor
+from fleetserve.drivers import Driver, RuntimeVariant
+from fleetserve.engines.adapters import ADAPTERS
+from fleetserve.engines.binaries import resolve
+from fleetserve.engines.capabilities import EngineKind
+from fleetserve.engines.launch import LaunchContext
+from fleetserve.errors import FleetserveError, StaleEpoch
+from fleetserve.spec.resources import DeviceClass, Model, Node, Profile, Replica, ReplicaState
+
+log = logging.getLogger("fleetserve.agent")
+
+# Describes this machine as a Node: (classes, pids fleetserve started, cached models) → node, problems.
+Describe = Callable[[list[DeviceClass], frozenset[int], tuple[str, ...]], tuple[Node, list[str]]]
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on ``host`` right now."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class AgentSettings:
+    """How the agent runs engines."""
+
+    engine_host: str = "127.0.0.1"
+    interval: float = 5.0
+    binaries: Mapping[tuple[EngineKind, RuntimeVariant], str] = field(default_factory=dict)
+
+
+class Agent:
+    """One node's agent."""
+
+    def __init__(
+        self,
+        client: AgentClient,
+        describe: Describe,
+        supervisor: Supervisor,
+        cache: ModelCache,
+        settings: AgentSettings,
+    ) -> None:
+        self.client = client
+        self.describe = describe
+        self.supervisor = supervisor
+        self.cache = cache
+        self.settings = settings
+        self.node: Node | None = None
+        self.epoch = 0
+        self.revision: str | None = None
+        self.problems: list[str] = []
+        self._lock = threading.RLock()
+        self._wanted: dict[str, dict[str, Any]] = {}  # replica → its assignment entry
+        self._preparing: set[str] = set()
+        self._model_of: dict[str, str] = {}  # replica → the model it serves (one pin each)
+
+    # --- registration and fencing ----------------------------------------------------------------
+
+    def register(self) -> None:
+        """Register (again) and fence: stop every replica not assigned to this node now."""
+        classes = self.client.classes()
+        cached = tuple(m.name for m in self.cache.contents())
+        node, problems = self.describe(classes, self.supervisor.own_pids(), cached)
+        registered, assignments = self.client.register(node)
+        with self._lock:
+            self.node, self.epoch, self.problems = registered, assignments.epoch, problems
+        for problem in problems:
+            log.warning("discovery: %s", problem)
+        log.info("registered node %s at epoch %d with %d devices", node.name, self.epoch, len(node.devices))
+        self.follow(assignments)
+
+    def follow(self, assignments: Assignments) -> None:
+        """Make what runs match the assignments: stop the unassigned, start the new."""
+        wanted = {e["replica"]["name"]: e for e in assignments.entries}
+        with self._lock:
+            self.revision = assignments.revision
+            self._wanted = wanted
+        for name in self.supervisor.names() - set(wanted):
+            log.info("stopping %s: no longer assigned to this node", name)
+            self._stop(name)
+        running = self.supervisor.names()
+        for name, entry in wanted.items():
+            if name not in running and name not in self._preparing:
+                self._preparing.add(name)
+                threading.Thread(
+                    target=self._prepare, args=(entry,), name=f"prepare-{name}", daemon=True
+                ).start()
+
+    # --- starting a replica ----------------------------------------------------------------------
+
+    def _prepare(self, entry: dict[str, Any]) -> None:
+        replica = Replica.model_validate(entry["replica"])
+        try:
+            self._start(replica, entry)
+        except FleetserveError as exc:
+            log.error("replica %s cannot start: %s", replica.name, exc)
+            self.supervisor.fail(replica.name, str(exc))
+        except Exception as exc:  # a bug here must show on the replica, not kill the agent
+            log.exception("replica %s cannot start", replica.name)
+            self.supervisor.fail(replica.name, f"agent error: {exc}")
+        finally:
+            self._preparing.discard(replica.name)
+
+    def _start(self, replica: Replica, entry: dict[str, Any]) -> None:
+        assert self.node is not None
+        model = Model.model_validate(entry["model"])
+        profile = Profile.model_validate(entry["profile"])
+        variant = RuntimeVariant(entry["runtime"])
+        driver = Driver(entry["driver"])
+        binary = resolve(profile.engine, variant, self.settings.binaries)
+        path = self.cache.ensure(model)
+        self.cache.pin(model.name)
+        with self._lock:
+            self._model_of[replica.name] = model.name
+        shard_index = next(i for i, s in enumerate(replica.shards) if s.node == self.node.name)
+        ctx = LaunchContext(
+            replica=replica,
+            shard_index=shard_index,
+            profile=profile,
+            variant=variant,
+            driver=driver,
+            model_path=path,
+            binary=binary,
+            host=self.settings.engine_host,
+            port=free_port(self.settings.engine_host),
+            context=entry.get("context"),
+            peer_addresses=tuple(entry.get("peers", ())),
+        )
+        with self._lock:
+            if replica.name not in self._wanted:
+                return  # unassigned while the model was fetched
+        self.supervisor.start(replica.name, ADAPTERS[profile.engine].launch(ctx))
+
+    # --- reporting --------------------------------------------------------------------------------
+
+    def report(self) -> None:
+        """One status report (also the heartbeat); re-register on a stale epoch."""
+        assert self.node is not None
+        statuses = self.supervisor.status()
+        replicas = {
+            name: {
+                "state": s.state.value,
+                "message": s.message[:4000],
+                "restarts": s.restarts,
+                "stderrTail": [line[:2000] for line in s.stderr_tail],
+                **({"port": s.port} if s.port else {}),
+            }
+            for name, s in statuses.items()
+        }
+        for name in self._preparing - set(statuses):
+            replicas[name] = {"state": ReplicaState.STARTING.value, "message": "fetching the model"}
+        downloads = [
+            {"model": s.model, "state": s.state.value, "done": s.done, "total": s.total, "rate": s.rate}
+            for s in self.cache.status()
+        ]
+        report = {
+            "node": self.node.name,
+            "epoch": self.epoch,
+            "replicas": replicas,
+            "modelCache": [m.name for m in self.cache.contents()],
+            "downloads": downloads,
+            "problems": [p[:2000] for p in self.problems[:100]],
+        }
+        try:
+            stop = self.client.status(report)
+        except StaleEpoch:
+            log.warning("the node registered again elsewhere or was fenced; registering again")
+            self.register()
+            return
+        for name in stop:
+            log.info("stopping %s: the server says it is not this node's", name)
+            self._stop(name)
+
+    def _stop(self, name: str) -> None:
+        """Stop a replica and drop its pin on its model (pins are counted per replica)."""
+        self.supervisor.stop(name)
+        with self._lock:
+            model = self._model_of.pop(name, None)
+        if model is not None:
+            self.cache.unpin(model)
+
+    # --- loops ------------------------------------------------------------------------------------
+
+    def _report_loop(self, stop: threading.Event) -> None:
+        while not stop.wait(self.settings.interval):
+            try:
+                self.report()
+            except FleetserveError as exc:
+                log.warning("status report failed: %s", exc)
+
+    def _watch_loop(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                with self._lock:
+                    epoch, since = self.epoch, self.revision
+                assert self.node is not None
+                assignments = self.client.assignments(self.node.name, epoch, since, wait=20.0)
+                if assignments.revision != since:
+                    self.follow(assignments)
+            except StaleEpoch:
+                try:
+                    self.register()
+                except FleetserveError as exc:
+                    log.warning("registration failed: %s", exc)
+                    stop.wait(self.settings.interval)
+            except AgentApiError as exc:
+                log.warning("assignments: %s", exc)
+                stop.wait(self.settings.interval)
+
+    def run(self, stop: threading.Event) -> None:
+        """Register (retrying until the server answers), then follow and report until ``stop``."""
+        while not stop.is_set():
+            try:
+                self.register()
+                break
+            except AgentApiError as exc:
+                log.warning("registration failed, retrying: %s", exc)
+                stop.wait(self.settings.interval)
+        threads = [
+            threading.Thread(target=self._report_loop, args=(stop,), name="report", daemon=True),
+            threading.Thread(target=self._watch_loop, args=(stop,), name="watch", daemon=True),
+        ]
+        for thread in threads:
+            thread.start()
+        stop.wait()
+        self.supervisor.shutdown()
+
+
+def default_cache_dir() -> Path:
+    """The model cache's default location."""
+    return Path.home() / ".cache" / "fleetserve" / "models"

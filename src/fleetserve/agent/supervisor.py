@@ -1,0 +1,296 @@
+"""The engine supervisor: starts each replica's processes in their own process group, follows
+health (503 while loading, 200 when ready), restarts a crashed engine with exponential backoff,
+marks a crash loop with the last lines of its stderr, stops gracefully (SIGTERM, then SIGKILL
+after a grace period), and leaves no orphan: every engine gets PR_SET_PDEATHSIG, so it dies with
+the agent even when the agent is killed with SIGKILL.
+
+All processes are started from the supervisor's own long-lived thread: the parent-death signal
+fires when the *thread* that forked the child ends, so forking from a short-lived thread would
+kill the engine with it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import logging
+import os
+import queue
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import httpx
+
+from fleetserve.engines.launch import LaunchSpec
+from fleetserve.spec.resources import ReplicaState
+
+log = logging.getLogger("fleetserve.supervisor")
+
+PR_SET_PDEATHSIG = 1
+# Restart backoff: 1 s, doubling, at most a minute.
+BACKOFF_START = 1.0
+BACKOFF_MAX = 60.0
+# This many exits without a healthy run in between is a crash loop.
+CRASH_LOOP_AFTER = 3
+STDERR_LINES = 50
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """What the supervisor knows about one replica's engine."""
+
+    state: ReplicaState
+    message: str
+    restarts: int
+    stderr_tail: tuple[str, ...]
+    port: int
+    pids: tuple[int, ...]
+
+
+@dataclass
+class _Engine:
+    name: str
+    spec: LaunchSpec
+    log_path: Path
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    state: ReplicaState = ReplicaState.STARTING
+    message: str = "starting"
+    restarts: int = 0
+    exits_since_healthy: int = 0
+    backoff: float = BACKOFF_START
+    restart_at: float | None = None
+    stderr: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=STDERR_LINES))
+    stopping: bool = False
+
+
+class Supervisor:
+    """Runs and watches engine processes; thread-safe; one per agent."""
+
+    def __init__(
+        self,
+        log_dir: Path,
+        grace_seconds: float = 10.0,
+        poll_seconds: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.log_dir = log_dir
+        self.grace = grace_seconds
+        self.poll = poll_seconds
+        self.clock = clock
+        self._engines: dict[str, _Engine] = {}
+        self._lock = threading.Lock()
+        self._commands: queue.Queue[tuple[str, str, LaunchSpec | None, threading.Event]] = queue.Queue()
+        self._stop = threading.Event()
+        self._http = httpx.Client(timeout=2.0)
+        self._thread = threading.Thread(target=self._run, name="supervisor", daemon=True)
+        self._thread.start()
+
+    # --- commands (from any thread) ------------------------------------------------------------
+
+    def _call(self, op: str, name: str, spec: LaunchSpec | None = None, wait: bool = True) -> None:
+        done = threading.Event()
+        self._commands.put((op, name, spec, done))
+        if wait:
+            done.wait()
+
+    def start(self, name: str, spec: LaunchSpec) -> None:
+        """Start a replica's engine (and sidecars); a no-op if it already runs."""
+        self._call("start", name, spec)
+
+    def stop(self, name: str) -> None:
+        """Stop a replica's engine gracefully and forget it."""
+        self._call("stop", name)
+
+    def fail(self, name: str, message: str) -> None:
+        """Record a replica that cannot start at all (e.g. its engine binary is missing)."""
+        with self._lock:
+            engine = self._engines.get(name) or _Engine(
+                name, LaunchSpec((), {}, None, None), self.log_dir / f"{name}.log"
+            )
+            engine.state, engine.message = ReplicaState.FAILED, message
+            self._engines[name] = engine
+
+    def names(self) -> set[str]:
+        """The replicas the supervisor runs or has recorded."""
+        with self._lock:
+            return set(self._engines)
+
+    def status(self) -> dict[str, EngineStatus]:
+        """Every replica's state, restarts, stderr tail and port."""
+        with self._lock:
+            return {
+                e.name: EngineStatus(
+                    e.state, e.message, e.restarts, tuple(e.stderr), e.spec.port,
+                    tuple(p.pid for p in e.procs if p.poll() is None),
+                )
+                for e in self._engines.values()
+            }  # fmt: skip
+
+    def own_pids(self) -> frozenset[int]:
+        """Pids of every process the supervisor started: GPU processes that are not foreign."""
+        with self._lock:
+            return frozenset(p.pid for e in self._engines.values() for p in e.procs if p.poll() is None)
+
+    def log_path(self, name: str) -> Path:
+        """Where a replica's engine output goes."""
+        return self.log_dir / f"{name}.log"
+
+    def shutdown(self) -> None:
+        """Stop every engine and the supervisor thread."""
+        self._call("stop-all", "")
+        self._stop.set()
+        self._thread.join(timeout=self.grace + 5)
+        self._http.close()
+
+    # --- the supervisor thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                op, name, spec, done = self._commands.get(timeout=self.poll)
+            except queue.Empty:
+                self._watch()
+                continue
+            try:
+                if op == "start" and spec is not None:
+                    self._start(name, spec)
+                elif op == "stop":
+                    self._stop_engine(name)
+                elif op == "stop-all":
+                    for engine_name in list(self._engines):
+                        self._stop_engine(engine_name)
+            except Exception:  # the supervisor must outlive any one engine's trouble
+                log.exception("supervisor: %s %s failed", op, name)
+            finally:
+                done.set()
+            self._watch()
+
+    def _spawn(self, engine: _Engine) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **engine.spec.env}
+        out = engine.log_path.open("ab")
+        try:
+            procs = [
+                subprocess.Popen(
+                    list(argv), env=env, stdout=out, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                    start_new_session=True, preexec_fn=_die_with_parent,
+                )
+                for argv in (*engine.spec.sidecars, engine.spec.argv)
+            ]  # fmt: skip
+        except OSError as exc:
+            engine.state = ReplicaState.FAILED
+            engine.message = f"cannot start {engine.spec.argv[0]}: {exc.strerror or exc}"
+            engine.restart_at = None
+            return
+        finally:
+            out.close()
+        engine.procs = procs
+        engine.state, engine.message = ReplicaState.STARTING, "loading"
+        for proc in procs:
+            threading.Thread(target=self._pump, args=(engine, proc.stderr), daemon=True).start()
+
+    def _pump(self, engine: _Engine, stream: IO[bytes] | None) -> None:
+        """Copy an engine's stderr to its log file, keeping the last lines for status reports."""
+        if stream is None:
+            return
+        with stream, engine.log_path.open("ab") as out:
+            for raw in stream:
+                out.write(raw)
+                out.flush()
+                line = raw.decode("utf-8", errors="replace").rstrip()
+                with self._lock:
+                    engine.stderr.append(line)
+
+    def _start(self, name: str, spec: LaunchSpec) -> None:
+        with self._lock:
+            existing = self._engines.get(name)
+            if existing is not None and existing.spec == spec and existing.state is not ReplicaState.FAILED:
+                return
+        if existing is not None:
+            self._stop_engine(name)
+        engine = _Engine(name, spec, self.log_path(name))
+        with self._lock:
+            self._engines[name] = engine
+        self._spawn(engine)
+        log.info("started %s: %s", name, " ".join(spec.argv))
+
+    def _stop_engine(self, name: str) -> None:
+        with self._lock:
+            engine = self._engines.pop(name, None)
+        if engine is None:
+            return
+        engine.stopping = True
+        self._terminate(engine.procs)
+        log.info("stopped %s", name)
+
+    def _terminate(self, procs: list[subprocess.Popen[bytes]]) -> None:
+        """SIGTERM every process group, then SIGKILL what is left after the grace period."""
+        for proc in procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    def _healthy(self, url: str | None) -> bool | None:
+        if url is None:
+            return True
+        try:
+            response = self._http.get(url)
+        except httpx.HTTPError:
+            return None  # not listening yet
+        return response.status_code == 200
+
+    def _watch(self) -> None:
+        now = self.clock()
+        with self._lock:
+            engines = list(self._engines.values())
+        for engine in engines:
+            if engine.state is ReplicaState.FAILED and engine.restart_at is None:
+                continue
+            if engine.restart_at is not None:
+                if now >= engine.restart_at:
+                    engine.restart_at = None
+                    engine.restarts += 1
+                    self._spawn(engine)
+                continue
+            exited = [p for p in engine.procs if p.poll() is not None]
+            if exited:
+                code = exited[0].returncode
+                self._terminate(engine.procs)  # one process of the group died: restart it whole
+                engine.exits_since_healthy += 1
+                looping = engine.exits_since_healthy >= CRASH_LOOP_AFTER
+                engine.state = ReplicaState.CRASH_LOOP if looping else ReplicaState.STARTING
+                engine.message = (
+                    f"engine exited with status {code}; restart {engine.restarts + 1} in {engine.backoff:g}s"
+                )
+                engine.restart_at = now + engine.backoff
+                engine.backoff = min(engine.backoff * 2, BACKOFF_MAX)
+                continue
+            healthy = self._healthy(engine.spec.health_url)
+            if healthy:
+                if engine.state is not ReplicaState.RUNNING:
+                    log.info("%s is healthy", engine.name)
+                engine.state, engine.message = ReplicaState.RUNNING, "healthy"
+                engine.exits_since_healthy = 0
+                engine.backoff = BACKOFF_START
+            elif engine.state is ReplicaState.RUNNING:
+                engine.state, engine.message = ReplicaState.STARTING, "health check failing"

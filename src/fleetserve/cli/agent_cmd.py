@@ -1,0 +1,88 @@
+"""``fleetserve agent``: discover this machine, register it, run the replicas assigned to it."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fleetserve.agent.cache import ModelCache
+from fleetserve.agent.client import AgentClient
+from fleetserve.agent.describe import make_describe
+from fleetserve.agent.matching import FabricMap
+from fleetserve.agent.runtime import Agent, AgentSettings
+from fleetserve.agent.supervisor import Supervisor
+from fleetserve.engines.binaries import parse_overrides
+from fleetserve.errors import ConfigError, Problem
+
+
+def parse_labels(items: list[str]) -> dict[str, str]:
+    """``KEY=VALUE`` items as labels; a malformed one is a ConfigError naming it."""
+    labels = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError([Problem("--label", item, "write KEY=VALUE, e.g. --label rack=r7")])
+        labels[key] = value
+    return labels
+
+
+def load_fabric_map(path: Path | None) -> FabricMap:
+    """The fabric map file (YAML: portGuids / subnetPrefixes → fabric), or an empty map."""
+    if path is None:
+        return FabricMap()
+    try:
+        raw: Any = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError([Problem(str(path), "", f"cannot read the fabric map: {exc}")]) from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            [Problem(str(path), "", "a fabric map is a mapping with portGuids and/or subnetPrefixes")]
+        )
+    return FabricMap.from_dict(raw, location=str(path))
+
+
+def run_agent(
+    server: str,
+    token: str,
+    name: str,
+    labels: dict[str, str],
+    address: str,
+    engine_host: str,
+    cache_dir: Path,
+    cache_max: int | None,
+    inventory_file: Path | None,
+    fabric_map: Path | None,
+    engine_binaries: list[str],
+    interval: float,
+    log_dir: Path,
+    root: Path,
+    log_level: str,
+) -> None:
+    """Run the agent until SIGTERM or SIGINT; then stop every engine it started."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # One line per heartbeat and health probe would drown what matters.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    settings = AgentSettings(
+        engine_host=engine_host, interval=interval, binaries=parse_overrides(engine_binaries)
+    )
+    describe = make_describe(name, labels, address, load_fabric_map(fabric_map), inventory_file, root)
+    client = AgentClient(server, token)
+    cache = ModelCache(cache_dir, max_bytes=cache_max, control_plane=(server, token))
+    supervisor = Supervisor(log_dir)
+    agent = Agent(client, describe, supervisor, cache, settings)
+    stop = threading.Event()
+
+    def _stop(signum: int, frame: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    try:
+        agent.run(stop)
+    finally:
+        client.close()

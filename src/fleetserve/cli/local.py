@@ -1,0 +1,180 @@
+"""Commands that need no control plane, or drive one locally: ``dev tiny-model`` and ``up``."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+from rich.console import Console
+
+from fleetserve.agent.supervisor import _die_with_parent
+from fleetserve.dev.tinymodel import write_tiny_model
+from fleetserve.errors import FleetserveError
+
+TINY_DEPLOYMENT = "tiny"
+
+
+class UpError(FleetserveError):
+    """``fleetserve up`` could not bring the stack up."""
+
+
+def tiny_model(out: Path, console: Console) -> None:
+    """Write the tiny GGUF and say how big and how fast."""
+    started = time.perf_counter()
+    write_tiny_model(out)
+    console.print(
+        f"wrote {out} ({out.stat().st_size / 1e6:.2f} MB) in {(time.perf_counter() - started) * 1000:.0f} ms",
+        markup=False,
+    )
+
+
+def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+    out = log.open("ab")
+    try:
+        return subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent
+        )
+    finally:
+        out.close()
+
+
+def _wait(
+    what: str, check: Any, timeout: float, procs: list[subprocess.Popen[bytes]], logs: list[Path]
+) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for proc, log in zip(procs, logs, strict=False):
+            if proc.poll() is not None:
+                tail = log.read_text(errors="replace").splitlines()[-15:]
+                raise UpError(f"{what}: the {log.stem} exited ({proc.returncode}):\n" + "\n".join(tail))
+        result = check()
+        if result:
+            return result
+        time.sleep(0.25)
+    raise UpError(f"{what}: not done after {timeout:.0f} s (logs in {logs[0].parent})")
+
+
+def up(data_dir: Path, port: int, model: str | None, console: Console, ready_timeout: float) -> None:
+    """Server and agent over a SQLite file in ``data_dir``; with ``--model tiny``, serve the tiny model."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    exe = str(Path(sys.executable).with_name("fleetserve"))
+    server_url = f"http://127.0.0.1:{port}"
+    token_file = data_dir / "tokens.yaml"
+    logs = [data_dir / "server.log", data_dir / "agent.log"]
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        procs.append(
+            _spawn(
+                [exe, "server", "--database-url", str(data_dir / "fleetserve.db"), "--port", str(port),
+                 "--token-file", str(token_file), "--models-dir", str(data_dir / "server-models"),
+                 "--reconcile-interval", "0.5"],
+                logs[0],
+            )
+        )  # fmt: skip
+
+        def healthy() -> bool:
+            try:
+                return httpx.get(f"{server_url}/healthz", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        _wait("starting the server", healthy, 60, procs, logs[:1])
+        if not token_file.exists():
+            raise UpError(
+                f"{data_dir} already has a state store whose tokens were shown once and not kept in "
+                f"{token_file}; use a new --data-dir"
+            )
+        tokens = yaml.safe_load(token_file.read_text(encoding="utf-8"))
+        console.print(
+            f"server  {server_url}   (state: {data_dir / 'fleetserve.db'}; tokens: {token_file})",
+            markup=False,
+        )
+        procs.append(
+            _spawn(
+                [exe, "agent", "--server", server_url, "--token", tokens["join"], "--address", "127.0.0.1",
+                 "--cache-dir", str(data_dir / "cache"), "--log-dir", str(data_dir / "engine-logs"),
+                 "--interval", "1"],
+                logs[1],
+            )
+        )  # fmt: skip
+        admin = httpx.Client(
+            base_url=server_url, headers={"Authorization": f"Bearer {tokens['admin']}"}, timeout=30
+        )
+        with admin:
+            _wait("registering this machine", lambda: admin.get("/api/v1/nodes").json(), 60, procs, logs)
+            node = admin.get("/api/v1/nodes").json()[0]
+            console.print(
+                f"agent   node {node['name']}: {node['cpu']['cores']} cores registered", markup=False
+            )
+            if model is not None:
+                _serve_tiny(admin, data_dir, console, procs, logs, ready_timeout)
+        console.print("Ctrl-C stops everything.")
+        while all(p.poll() is None for p in procs):
+            time.sleep(0.5)
+        raise UpError("a process of the stack exited; see " + ", ".join(str(x) for x in logs))
+    except KeyboardInterrupt:
+        console.print("\nstopping…")
+    finally:
+        for proc in reversed(procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in reversed(procs):
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _serve_tiny(
+    admin: httpx.Client,
+    data_dir: Path,
+    console: Console,
+    procs: list[subprocess.Popen[bytes]],
+    logs: list[Path],
+    ready_timeout: float,
+) -> None:
+    path = write_tiny_model(data_dir / "models" / "tiny.gguf")
+    documents = [
+        {"kind": "Model", "name": "tiny", "source": str(path), "format": "gguf"},
+        {
+            "kind": "Deployment",
+            "name": TINY_DEPLOYMENT,
+            "model": "tiny",
+            "replicas": 1,
+            "profiles": [{"name": "cpu", "engine": "llama.cpp", "cpu": {"cores": 2}, "context": 256}],
+        },
+    ]
+    response = admin.post("/api/v1/apply", json={"documents": documents})
+    if response.status_code != 200:
+        raise UpError(f"applying the tiny deployment failed: {response.text}")
+    console.print(
+        f"model   tiny ({path}) deployed with llama.cpp on the CPU; waiting for the engine…", markup=False
+    )
+
+    def running() -> dict[str, Any] | None:
+        for replica in admin.get("/api/v1/replicas", params={"deployment": TINY_DEPLOYMENT}).json():
+            status = admin.get(f"/api/v1/replicas/{replica['name']}").json()
+            if status["state"] == "Running" and status["status"].get("port"):
+                return dict(status)
+            if status["state"] in ("Failed", "CrashLoop"):
+                raise UpError(f"replica {replica['name']} is {status['state']}: {status['status']}")
+        return None
+
+    replica = _wait("starting llama-server", running, ready_timeout, procs, logs)
+    port = replica["status"]["port"]
+    console.print(f"ready   replica {replica['name']} (llama-server on 127.0.0.1:{port})", markup=False)
+    console.print("try:", markup=False)
+    body = '{"model": "tiny", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16}'
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    console.print(
+        f"  curl -s {url} -H 'Content-Type: application/json' -d '{body}'",
+        markup=False,
+        highlight=False,
+    )

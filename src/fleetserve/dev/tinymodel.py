@@ -1,0 +1,107 @@
+"""A tiny llama-architecture GGUF written with the ``gguf`` package, so tests and the quickstart
+never download a model.
+
+Two layers, 64 wide, 4 heads, 256 tokens of context, F32 weights from a seeded generator; a
+SentencePiece-style vocabulary of the 256 byte-fallback tokens plus ``<unk>``/``<s>``/``</s>``,
+the two ChatML control tokens and printable pieces; a ChatML chat template. About 0.8 MB. It
+generates gibberish, fast — which is what a control plane's tests need.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+EMBED = 64
+HEADS = 4
+LAYERS = 2
+CONTEXT = 256
+FEED_FORWARD = 128
+SEED = 20261202
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+_WORDS = (
+    "the", "and", "fleet", "serve", "model", "node", "gpu", "cpu", "hello", "world", "token",
+    "replica", "place", "you", "is", "of", "to", "a", "in", "it",
+)  # fmt: skip
+
+
+def vocabulary() -> tuple[list[str], list[float], list[int]]:
+    """Tokens, scores and token types of the tiny SentencePiece-style vocabulary."""
+    tokens: list[str] = ["<unk>", "<s>", "</s>"]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+    scores = [0.0, 0.0, 0.0]
+    for byte in range(256):
+        tokens.append(f"<0x{byte:02X}>")
+        types.append(gguf.TokenType.BYTE)
+        scores.append(0.0)
+    for control in ("<|im_start|>", "<|im_end|>"):
+        tokens.append(control)
+        types.append(gguf.TokenType.CONTROL)
+        scores.append(0.0)
+    characters = list(string.ascii_letters + string.digits + string.punctuation)
+    pieces = ["▁", *(f"▁{w}" for w in _WORDS), *characters]
+    for rank, piece in enumerate(pieces):
+        tokens.append(piece)
+        types.append(gguf.TokenType.NORMAL)
+        # Longer pieces first when merging; ties broken by order.
+        scores.append(-float(rank) / 100.0 + len(piece))
+    return tokens, scores, [int(t) for t in types]
+
+
+def write_tiny_model(path: Path) -> Path:
+    """Write the tiny model to ``path`` (parent folders created); return the path."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tokens, scores, types = vocabulary()
+    rng = np.random.default_rng(SEED)
+
+    def weights(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.02).astype(np.float32)
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("fleetserve-tiny")
+    writer.add_context_length(CONTEXT)
+    writer.add_embedding_length(EMBED)
+    writer.add_block_count(LAYERS)
+    writer.add_feed_forward_length(FEED_FORWARD)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(HEADS)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(EMBED // HEADS)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    writer.add_eot_token_id(tokens.index("<|im_end|>"))
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML_TEMPLATE)
+    vocab = len(tokens)
+    writer.add_tensor("token_embd.weight", weights(vocab, EMBED))
+    for i in range(LAYERS):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(EMBED, dtype=np.float32))
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            writer.add_tensor(f"blk.{i}.{name}.weight", weights(EMBED, EMBED))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(EMBED, dtype=np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_gate.weight", weights(FEED_FORWARD, EMBED))
+        writer.add_tensor(f"blk.{i}.ffn_up.weight", weights(FEED_FORWARD, EMBED))
+        writer.add_tensor(f"blk.{i}.ffn_down.weight", weights(EMBED, FEED_FORWARD))
+    writer.add_tensor("output_norm.weight", np.ones(EMBED, dtype=np.float32))
+    writer.add_tensor("output.weight", weights(vocab, EMBED))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -1,0 +1,78 @@
+"""Launch specs: what an engine adapter turns (profile, model file, shard, port) into.
+
+A launch spec is data: the argv list (never a shell string), the environment (the driver
+table's visible-devices variables for the runtime variant), the health and metrics URLs. The
+supervisor runs it; the adapters in ``ADAPTERS`` (one per engine) build it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Protocol
+
+from fleetserve.drivers import DRIVERS, Driver, RuntimeVariant
+from fleetserve.spec.resources import Profile, Replica
+
+
+@dataclass(frozen=True)
+class LaunchContext:
+    """Everything an adapter needs to start one shard of one replica."""
+
+    replica: Replica
+    shard_index: int
+    profile: Profile
+    variant: RuntimeVariant
+    driver: Driver
+    model_path: Path
+    binary: str
+    host: str
+    port: int
+    context: int | None
+    # Addresses of the replica's nodes, shard order; the first is the head of a multi-node group.
+    peer_addresses: tuple[str, ...] = ()
+
+    @property
+    def shard(self) -> object:
+        return self.replica.shards[self.shard_index]
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        return self.replica.shards[self.shard_index].devices
+
+    @property
+    def is_head(self) -> bool:
+        return self.shard_index == 0
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """One shard's processes: sidecars started first (e.g. a Ray worker), then the engine."""
+
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    health_url: str | None
+    metrics_url: str | None
+    sidecars: tuple[tuple[str, ...], ...] = ()
+    served_name: str = ""
+    port: int = 0
+    notes: tuple[str, ...] = field(default=())
+
+
+class EngineAdapter(Protocol):
+    """Builds launch specs for one engine."""
+
+    def launch(self, ctx: LaunchContext) -> LaunchSpec:
+        """The launch spec of one shard."""
+        ...
+
+
+def visible_devices_env(
+    driver: Driver, variant: RuntimeVariant, devices: tuple[int, ...]
+) -> Mapping[str, str]:
+    """The driver table's visible-devices variables for ``variant``, set to ``devices``."""
+    names = DRIVERS[driver].visible_devices_env.get(variant, ())
+    value = ",".join(str(d) for d in devices)
+    return MappingProxyType({name: value for name in names})

@@ -1,0 +1,54 @@
+"""The llama.cpp adapter: ``llama-server`` for the cpu, cuda, vulkan and rocm variants.
+
+``llama-server`` answers ``GET /health`` with 503 while loading and 200 when ready, serves the
+OpenAI API, and exposes ``/metrics`` with ``--metrics`` and per-slot state with ``--slots``. It
+ignores the request's model name; fleetserve's gateway checks names itself.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+from fleetserve.drivers import Driver
+from fleetserve.engines.launch import LaunchContext, LaunchSpec, visible_devices_env
+
+# Parallel slots a replica serves when the profile does not say (engineArgs cannot: --parallel
+# sizes the KV cache, which placement accounted for).
+DEFAULT_SLOTS = 4
+# Offload every layer on GPU variants; llama.cpp caps it at the model's layer count.
+ALL_LAYERS = "999"
+
+
+class LlamaCppAdapter:
+    """Builds ``llama-server`` command lines."""
+
+    def launch(self, ctx: LaunchContext) -> LaunchSpec:
+        served = ctx.replica.deployment
+        argv: list[str] = [
+            ctx.binary,
+            "--model", str(ctx.model_path),
+            "--host", ctx.host,
+            "--port", str(ctx.port),
+            "--alias", served,
+            "--parallel", str(DEFAULT_SLOTS),
+            "--metrics",
+            "--slots",
+        ]  # fmt: skip
+        if ctx.context is not None:
+            # The context is shared by the slots: each gets context / slots tokens.
+            argv += ["--ctx-size", str(ctx.context)]
+        shard = ctx.replica.shards[ctx.shard_index]
+        if ctx.driver is Driver.CPU:
+            argv += ["--threads", str(max(1, shard.cpu_cores)), "--n-gpu-layers", "0"]
+        else:
+            argv += ["--n-gpu-layers", ALL_LAYERS]
+        argv += list(ctx.profile.engine_args)
+        base = f"http://{ctx.host}:{ctx.port}"
+        return LaunchSpec(
+            argv=tuple(argv),
+            env=MappingProxyType(dict(visible_devices_env(ctx.driver, ctx.variant, ctx.devices))),
+            health_url=f"{base}/health",
+            metrics_url=f"{base}/metrics",
+            served_name=served,
+            port=ctx.port,
+        )

@@ -1,0 +1,222 @@
+"""NVIDIA discovery through NVML: a recorded 8-GPU HGX H100 replayed, and this machine (no driver) for real."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pynvml  # type: ignore[import-untyped]
+import pytest
+
+from fleetserve.agent.discovery.base import Discovery, HostFacts
+from fleetserve.agent.discovery.nvidia import NvidiaDiscoverer
+from fleetserve.agent.discovery.nvml_replay import NvmlReplay
+from fleetserve.agent.matching import FabricMap, to_node
+from fleetserve.drivers import Driver
+from fleetserve.spec.resources import DeviceClass, DeviceHealth
+
+HGX = Path(__file__).parent.parent / "fixtures/discovery/nvml/linux_nvidia_8_h100_80gx8.json"
+HOST = HostFacts(
+    "hgx-01", physical_cores=112, logical_cpus=224, numa_nodes=2, memory_total=2**41, memory_available=2**40
+)
+H100 = DeviceClass.model_validate(
+    {
+        "name": "nvidia-h100-80gb",
+        "driver": "gpu.nvidia.com",
+        "memory": "80GiB",
+        "match": {
+            "productName": "NVIDIA H100 80GB HBM3",
+            "pciVendorId": "0x10de",
+            "pciDeviceIds": ["0x2330"],
+        },
+    }
+)
+OWN_PID = 31337  # the fixture's process on GPU 1 that fleetserve started
+FOREIGN_PID = 48213  # the fixture's process on GPU 3 that it did not
+
+
+def recording() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(HGX.read_text())
+    return data
+
+
+def discover(data: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+    return NvidiaDiscoverer(NvmlReplay(data if data is not None else recording()), **kwargs).discover()
+
+
+@pytest.mark.parametrize(
+    ("index", "uuid", "bus_id"),
+    [
+        (0, "GPU-b42dd28e-ffdd-8720-1df0-98bd8cdc05b1", "0000:18:00.0"),
+        (1, "GPU-7c3cadbd-17e5-0913-f69b-c618122ea0cd", "0000:2a:00.0"),
+        (2, "GPU-2d50cdf6-dd67-9f2e-855e-0d4d6d395a2f", "0000:3a:00.0"),
+        (3, "GPU-d1838e76-90e6-4408-711d-aeeaa2e1fd14", "0000:5d:00.0"),
+        (4, "GPU-72be6e5d-3c1b-0d37-98ac-d3ef159f2589", "0000:9a:00.0"),
+        (5, "GPU-52378fbc-3124-3895-13b6-1dd179563e0f", "0000:ab:00.0"),
+        (6, "GPU-83a5aebb-b71c-c570-aa83-185e1233fe97", "0000:ba:00.0"),
+        (7, "GPU-33135771-a848-ece1-b61e-489e221d663c", "0000:db:00.0"),
+    ],
+)
+def test_each_recorded_h100_is_found_with_its_identity_memory_and_pci_ids(
+    index: int, uuid: str, bus_id: str
+) -> None:
+    found = discover()
+    assert found.problems == ()
+    gpu = found.gpus[index]
+    assert (gpu.index, gpu.uuid, gpu.pci_bus_id) == (index, uuid, bus_id)
+    assert (gpu.driver, gpu.name, gpu.memory) == (Driver.NVIDIA, "NVIDIA H100 80GB HBM3", 81559 * 2**20)
+    assert (gpu.pci_vendor_id, gpu.pci_device_id, gpu.gfx_target, gpu.source) == (
+        "0x10de",
+        "0x2330",
+        None,
+        "nvml",
+    )
+    assert gpu.nvlink_peers == tuple(i for i in range(8) if i != index)
+
+
+def test_an_hgx_h100_node_has_all_eight_gpus_in_one_nvlink_domain_through_its_nvswitches() -> None:
+    node, unmatched = to_node(
+        Discovery(HOST, discover().gpus, (), ()),
+        {"nvidia-h100-80gb": H100},
+        FabricMap(),
+        "hgx-01",
+        {},
+        frozenset(),
+    )
+    assert unmatched == ()
+    assert [d.index for d in node.devices] == list(range(8))
+    assert {d.device_class for d in node.devices} == {"nvidia-h100-80gb"}
+    assert node.nvlink_domains == ((0, 1, 2, 3, 4, 5, 6, 7),)
+
+
+@pytest.mark.parametrize(
+    ("index", "health"),
+    [
+        pytest.param(5, DeviceHealth(ecc_uncorrected=2), id="uncorrected-ecc-errors-make-it-unhealthy"),
+        pytest.param(
+            3, DeviceHealth(foreign_processes=(FOREIGN_PID,)), id="a-process-fleetserve-did-not-start"
+        ),
+        pytest.param(1, DeviceHealth(), id="a-process-fleetserve-started-leaves-it-free"),
+        pytest.param(0, DeviceHealth(), id="an-idle-gpu-is-free"),
+    ],
+)
+def test_gpu_health_comes_from_ecc_counts_and_processes_not_in_own_pids(
+    index: int, health: DeviceHealth
+) -> None:
+    node, _ = to_node(
+        Discovery(HOST, discover().gpus, (), ()),
+        {"nvidia-h100-80gb": H100},
+        FabricMap(),
+        "hgx-01",
+        {},
+        frozenset({OWN_PID}),
+    )
+    device = node.devices[index]
+    assert device.health == health
+    assert device.health.healthy is (health == DeviceHealth())
+
+
+def test_without_an_nvidia_driver_nvml_reports_one_problem_and_no_gpu_on_this_machine() -> None:
+    found = NvidiaDiscoverer().discover()  # the real pynvml
+    if found.gpus:
+        pytest.skip("this machine has an NVIDIA driver; the no-driver path cannot be seen here")
+    assert len(found.problems) == 1
+    assert found.problems[0].startswith("nvidia: NVML could not start (")
+    assert "no NVIDIA GPU is reported" in found.problems[0]
+
+
+@pytest.mark.parametrize("error", ["LIBRARY_NOT_FOUND", "DRIVER_NOT_LOADED", "NO_PERMISSION"])
+def test_an_nvml_that_cannot_start_gives_no_gpu_and_one_problem_naming_the_error(error: str) -> None:
+    found = discover({"init_error": error, "devices": recording()["devices"]})
+    assert found.gpus == ()
+    assert len(found.problems) == 1
+    assert str(pynvml.NVMLError(getattr(pynvml, f"NVML_ERROR_{error}"))) in found.problems[0]
+
+
+def _edit(change: str) -> dict[str, Any]:
+    data = copy.deepcopy(recording())
+    devices = data["devices"]
+    if change == "no-ecc":
+        devices[0]["ecc_uncorrected_volatile"] = None
+    elif change == "no-process-list":
+        devices[0]["compute_processes"] = None
+    elif change == "links-idle":
+        for link in devices[0]["nvlinks"]:
+            link["state"] = 0
+    elif change == "no-nvlink":
+        for device in devices:
+            device["nvlinks"] = []
+    return data
+
+
+@pytest.mark.parametrize(
+    ("change", "ecc", "pids", "peers_of_0", "peers_of_1"),
+    [
+        pytest.param(
+            "no-ecc", 0, (), (1, 2, 3, 4, 5, 6, 7), (0, 2, 3, 4, 5, 6, 7), id="a-gpu-without-ecc-counts-zero"
+        ),
+        pytest.param(
+            "no-process-list", 0, (), (1, 2, 3, 4, 5, 6, 7), (0, 2, 3, 4, 5, 6, 7), id="no-process-list"
+        ),
+        pytest.param("links-idle", 0, (), (), (2, 3, 4, 5, 6, 7), id="idle-links-make-no-peers"),
+        pytest.param("no-nvlink", 0, (), (), (), id="a-gpu-without-nvlink-has-no-peers"),
+    ],
+)
+def test_absent_features_are_quietly_empty_not_problems(
+    change: str, ecc: int, pids: tuple[int, ...], peers_of_0: tuple[int, ...], peers_of_1: tuple[int, ...]
+) -> None:
+    found = discover(_edit(change))
+    assert found.problems == ()
+    assert (found.gpus[0].ecc_uncorrected, found.gpus[0].compute_pids) == (ecc, pids)
+    assert (found.gpus[0].nvlink_peers, found.gpus[1].nvlink_peers) == (peers_of_0, peers_of_1)
+
+
+def _bridged_pair(remote_type: int | None, second_remote: str) -> dict[str, Any]:
+    """Two GPUs joined by an NVLink bridge (no switch), as on workstation boards."""
+    devices = copy.deepcopy(recording()["devices"][:2])
+    devices[0]["nvlinks"] = [
+        {"state": 1, "remote_bus_id": devices[1]["pci_bus_id"], "remote_type": remote_type}
+    ]
+    devices[1]["nvlinks"] = [{"state": 1, "remote_bus_id": second_remote, "remote_type": remote_type}]
+    return {"devices": devices}
+
+
+@pytest.mark.parametrize(
+    ("remote_type", "second_remote", "peers"),
+    [
+        pytest.param(0, "00000000:18:00.0", [(1,), (0,)], id="gpu-to-gpu-links-are-peers"),
+        pytest.param(
+            None, "00000000:18:00.0", [(1,), (0,)], id="an-old-driver-without-remote-type-still-finds-them"
+        ),
+        pytest.param(None, "00000000:07:00.0", [(1,), (0,)], id="one-side-seeing-the-other-is-enough"),
+        pytest.param(1, "00000000:18:00.0", [(), ()], id="links-to-an-ibm-npu-are-not-gpu-peers"),
+    ],
+)
+def test_direct_nvlinks_between_gpus_make_peers(
+    remote_type: int | None, second_remote: str, peers: list[tuple[int, ...]]
+) -> None:
+    found = discover(_bridged_pair(remote_type, second_remote))
+    assert found.problems == ()
+    assert [g.nvlink_peers for g in found.gpus] == peers
+
+
+class _FailingUuid(NvmlReplay):
+    def nvmlDeviceGetUUID(self, handle: object, /) -> str:
+        if handle == 2:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return super().nvmlDeviceGetUUID(handle)
+
+
+def test_a_gpu_nvml_cannot_read_is_reported_and_the_others_keep_their_indices() -> None:
+    found = NvidiaDiscoverer(_FailingUuid(recording())).discover()
+    assert [g.index for g in found.gpus] == [0, 1, 3, 4, 5, 6, 7]
+    assert found.problems == ("nvidia: GPU 2: NVML cannot read it (GPU is lost); it is not reported",)
+    assert found.gpus[0].nvlink_peers == (1, 3, 4, 5, 6, 7)
+
+
+def test_the_replay_shuts_nvml_down_after_discovery() -> None:
+    replay = NvmlReplay(recording())
+    NvidiaDiscoverer(replay).discover()
+    assert replay.initialized is False
