@@ -507,11 +507,17 @@ class SqlStore:
 
     @staticmethod
     def _check_epoch(row: NodeRow, epoch: int | None) -> None:
-        if epoch is not None and epoch != row.epoch:
+        if epoch is None:
+            return
+        if epoch != row.epoch:
             raise StaleEpoch(
                 f"node {row.name} is at epoch {row.epoch}, not {epoch}: it registered again since; "
                 "register again and stop every replica not assigned"
             )
+        if row.state != NodeState.READY.value:
+            # Judged NotReady or Lost while silent: only a registration brings it back, and tells
+            # the agent which of its replicas were moved away meanwhile.
+            raise StaleEpoch(f"node {row.name} was marked {row.state} while silent; register again")
 
     def assignments(self, node: str) -> list[Replica]:
         """The replicas with a shard on ``node``, by name: what its agent must run."""
