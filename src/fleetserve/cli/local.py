@@ -170,6 +170,16 @@ def _serve_tiny(
     replica = _wait("starting llama-server", running, ready_timeout, procs, logs)
     port = replica["status"]["port"]
     console.print(f"ready   replica {replica['name']} (llama-server on 127.0.0.1:{port})", markup=False)
+    # One real request, so the quickstart ends with an answer, not just a promise.
+    hello = [{"role": "user", "content": "Hello!"}]
+    request = {"model": TINY_DEPLOYMENT, "messages": hello, "max_tokens": 16}
+    answer = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=request, timeout=60).json()
+    usage = answer.get("usage", {})
+    console.print(
+        f"answer  {answer['choices'][0]['message']['content']!r} "
+        f"({usage.get('completion_tokens')} tokens from llama-server; the tiny model speaks gibberish)",
+        markup=False,
+    )
     console.print("try:", markup=False)
     body = '{"model": "tiny", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16}'
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
