@@ -47,6 +47,16 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 @dataclass(frozen=True)
 class EngineStatus:
     """What the supervisor knows about one replica's engine."""
@@ -181,15 +191,18 @@ class Supervisor:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **engine.spec.env}
         out = engine.log_path.open("ab")
+        procs: list[subprocess.Popen[bytes]] = []
         try:
-            procs = [
-                subprocess.Popen(
-                    list(argv), env=env, stdout=out, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                    start_new_session=True, preexec_fn=_die_with_parent,
-                )
-                for argv in (*engine.spec.sidecars, engine.spec.argv)
-            ]  # fmt: skip
+            for argv in (*engine.spec.sidecars, engine.spec.argv):
+                procs.append(
+                    subprocess.Popen(
+                        list(argv), env=env, stdout=out, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                        start_new_session=True, preexec_fn=_die_with_parent,
+                    )
+                )  # fmt: skip
         except OSError as exc:
+            self._terminate(procs)  # sidecars already started must not outlive the failed start
+            engine.procs = []
             engine.state = ReplicaState.FAILED
             engine.message = f"cannot start {engine.spec.argv[0]}: {exc.strerror or exc}"
             engine.restart_at = None
@@ -197,7 +210,10 @@ class Supervisor:
         finally:
             out.close()
         engine.procs = procs
-        engine.state, engine.message = ReplicaState.STARTING, "loading"
+        # A restart after a crash loop stays marked CrashLoop until the engine is healthy again.
+        looping = engine.exits_since_healthy >= CRASH_LOOP_AFTER
+        engine.state = ReplicaState.CRASH_LOOP if looping else ReplicaState.STARTING
+        engine.message = engine.message if looping else "loading"
         for proc in procs:
             threading.Thread(target=self._pump, args=(engine, proc.stderr), daemon=True).start()
 
@@ -236,19 +252,24 @@ class Supervisor:
         log.info("stopped %s", name)
 
     def _terminate(self, procs: list[subprocess.Popen[bytes]]) -> None:
-        """SIGTERM every process group, then SIGKILL what is left after the grace period."""
-        for proc in procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
+        """SIGTERM every process group, then SIGKILL every group with anything left after the grace
+        period — whether or not its leader (the engine) is still alive: an engine that exited may
+        have left children in its group, and only the leader has the parent-death signal."""
+        groups = [proc.pid for proc in procs]  # each was started as its own session: pgid == pid
+        for pgid in groups:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGTERM)
         deadline = time.monotonic() + self.grace
         for proc in procs:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        while time.monotonic() < deadline and any(_group_alive(g) for g in groups):
+            time.sleep(0.05)
+        for pgid in groups:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+        for proc in procs:
+            proc.wait()
 
     def _healthy(self, url: str | None) -> bool | None:
         if url is None:

@@ -269,3 +269,68 @@ def register(app: typer.Typer) -> None:
         except FleetserveError as err:
             raise fail(err) from None
         console.print(f"model/{model}: {data['size']} bytes, sha256 {data['sha256']}", markup=False)
+
+    keys = typer.Typer(help="Gateway API keys: create (shown once), list, revoke.", no_args_is_help=True)
+    app.add_typer(keys, name="keys")
+
+    @keys.command("create")
+    def keys_create(
+        name: Annotated[str, typer.Argument(help="A name for the key (who or what uses it).")],
+        models: Annotated[str, typer.Option(help="Comma-separated models it may use; * for all.")] = "*",
+        rpm: Annotated[
+            int | None, typer.Option(help="Requests per minute (default: unlimited).", min=1)
+        ] = None,
+        tpm: Annotated[
+            int | None, typer.Option(help="Tokens per minute (default: unlimited).", min=1)
+        ] = None,
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+        output: FormatOpt = Format.TABLE,
+    ) -> None:
+        """Create an API key for the OpenAI-compatible gateway; the key is shown this once."""
+        console = Console(soft_wrap=True)
+        body = {
+            "name": name,
+            "models": [m.strip() for m in models.split(",") if m.strip()],
+            "rpm": rpm,
+            "tpm": tpm,
+        }
+        try:
+            with client(server, token) as api:
+                data = api.request("POST", "/keys", json=body)
+        except FleetserveError as err:
+            raise fail(err) from None
+        if output is Format.TABLE:
+            console.print(f"key {data['id']} ({data['name']}): {data['key']}", markup=False, highlight=False)
+            console.print("shown once; only its hash is stored.", markup=False)
+        else:
+            emit(data, output, console)
+
+    @keys.command("list")
+    def keys_list(server: ServerOpt = None, token: TokenOpt = None, output: FormatOpt = Format.TABLE) -> None:
+        """List API keys (no secrets)."""
+        console = Console(soft_wrap=True)
+        try:
+            with client(server, token) as api:
+                data = api.request("GET", "/keys")
+        except FleetserveError as err:
+            raise fail(err) from None
+        columns = (
+            ("id", lambda k: k["id"]), ("name", lambda k: k["name"]), ("models", lambda k: k["models"]),
+            ("rpm", lambda k: k["rpm"]), ("tpm", lambda k: k["tpm"]), ("revoked", lambda k: k["revoked"]),
+        )  # fmt: skip
+        emit(data, output, console, columns)
+
+    @keys.command("revoke")
+    def keys_revoke(
+        key_id: Annotated[int, typer.Argument(help="The key's id (see `fleetserve keys list`).")],
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+    ) -> None:
+        """Revoke an API key; requests with it get 401 from then on."""
+        try:
+            with client(server, token) as api:
+                api.request("DELETE", f"/keys/{key_id}")
+        except FleetserveError as err:
+            raise fail(err) from None
+        Console().print(f"key {key_id} revoked")

@@ -35,10 +35,6 @@ class LaunchContext:
     peer_addresses: tuple[str, ...] = ()
 
     @property
-    def shard(self) -> object:
-        return self.replica.shards[self.shard_index]
-
-    @property
     def devices(self) -> tuple[int, ...]:
         return self.replica.shards[self.shard_index].devices
 
@@ -67,6 +63,11 @@ class EngineAdapter(Protocol):
     def launch(self, ctx: LaunchContext) -> LaunchSpec:
         """The launch spec of one shard."""
         ...
+
+
+def url_host(host: str) -> str:
+    """``host`` as it goes into a URL or host:port: IPv6 addresses in brackets."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def visible_devices_env(

@@ -10,7 +10,7 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from fleetserve.drivers import Driver
-from fleetserve.engines.launch import LaunchContext, LaunchSpec, visible_devices_env
+from fleetserve.engines.launch import LaunchContext, LaunchSpec, url_host, visible_devices_env
 
 # Parallel slots a replica serves when the profile does not say (engineArgs cannot: --parallel
 # sizes the KV cache, which placement accounted for).
@@ -43,7 +43,7 @@ class LlamaCppAdapter:
         else:
             argv += ["--n-gpu-layers", ALL_LAYERS]
         argv += list(ctx.profile.engine_args)
-        base = f"http://{ctx.host}:{ctx.port}"
+        base = f"http://{url_host(ctx.host)}:{ctx.port}"
         return LaunchSpec(
             argv=tuple(argv),
             env=MappingProxyType(dict(visible_devices_env(ctx.driver, ctx.variant, ctx.devices))),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from fleetserve.engines.launch import LaunchContext, LaunchSpec, visible_devices_env
+from fleetserve.engines.launch import LaunchContext, LaunchSpec, url_host, visible_devices_env
 
 # The share of each GPU's memory vLLM may take (weights, activations, KV cache).
 GPU_MEMORY_UTILIZATION = "0.90"
@@ -30,7 +30,7 @@ class VllmAdapter:
         if nodes > 1 and not ctx.is_head:
             # A worker shard runs only its Ray worker; the head's vllm serve drives its GPUs.
             return LaunchSpec(
-                argv=(ray, "start", "--block", f"--address={head}:{RAY_PORT}"),
+                argv=(ray, "start", "--block", f"--address={url_host(head)}:{RAY_PORT}"),
                 env=MappingProxyType(env),
                 health_url=None,
                 metrics_url=None,
@@ -51,7 +51,7 @@ class VllmAdapter:
             argv += ["--pipeline-parallel-size", str(nodes), "--distributed-executor-backend", "ray"]
             sidecars = ((ray, "start", "--block", "--head", f"--port={RAY_PORT}"),)
         argv += list(ctx.profile.engine_args)
-        base = f"http://{ctx.host}:{ctx.port}"
+        base = f"http://{url_host(ctx.host)}:{ctx.port}"
         return LaunchSpec(
             argv=tuple(argv),
             env=MappingProxyType(env),

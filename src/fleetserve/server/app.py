@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi import Path as FastApiPath
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
@@ -24,7 +26,7 @@ from fleetserve.server.auth import admin
 from fleetserve.server.modelfiles import ModelFiles
 from fleetserve.server.params import TEXT_PATTERN, NameParam, NameQuery
 from fleetserve.spec.resources import Node, Replica
-from fleetserve.store.sql import SqlStore
+from fleetserve.store.sql import ApiKey, SqlStore
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
@@ -36,6 +38,18 @@ class ApplyRequest(BaseModel):
     documents: list[dict[str, Any]] = Field(min_length=1, max_length=10_000)
 
 
+class KeyRequest(BaseModel):
+    """A new gateway API key: its name, the models it may use ("*" for all), its rate limits."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    models: list[
+        Annotated[str, Field(min_length=1, max_length=63, pattern=r"^(\*|[a-z0-9]([a-z0-9.-]*[a-z0-9])?)$")]
+    ] = Field(min_length=1, max_length=1000)
+    rpm: int | None = Field(default=None, ge=1, le=10_000_000, description="Requests per minute.")
+    tpm: int | None = Field(default=None, ge=1, le=10_000_000_000, description="Tokens per minute.")
+
+
 class CordonRequest(BaseModel):
     """Why the node is cordoned; shown to every operator who looks at it."""
 
@@ -45,6 +59,13 @@ class CordonRequest(BaseModel):
 
 def _doc(resource: BaseModel) -> dict[str, Any]:
     return resource.model_dump(mode="json", by_alias=True)
+
+
+def _key_view(key: ApiKey) -> dict[str, Any]:
+    return {
+        "id": key.id, "name": key.name, "models": list(key.models), "rpm": key.rpm, "tpm": key.tpm,
+        "createdAt": key.created_at.isoformat(), "revoked": key.revoked,
+    }  # fmt: skip
 
 
 def _replicas_by_node(replicas: list[Replica]) -> dict[str, list[Replica]]:
@@ -78,6 +99,20 @@ def build_admin_router(store: SqlStore, files: ModelFiles) -> APIRouter:
     def apply(body: ApplyRequest) -> dict[str, Any]:
         applied = apply_batch(body.documents, store)
         return {"applied": [{"kind": a.kind, "name": a.name, "result": a.result} for a in applied]}
+
+    @api.post("/keys", tags=["keys"], summary="Create a gateway API key (shown once, stored hashed)")
+    def create_key(body: KeyRequest) -> dict[str, Any]:
+        key, plaintext = store.create_api_key(body.name, body.models, body.rpm, body.tpm, datetime.now(UTC))
+        return {**_key_view(key), "key": plaintext}
+
+    @api.get("/keys", tags=["keys"], summary="Gateway API keys (no secrets)")
+    def list_keys() -> list[dict[str, Any]]:
+        return [_key_view(k) for k in store.list_api_keys()]
+
+    @api.delete("/keys/{key_id}", tags=["keys"], summary="Revoke a gateway API key")
+    def revoke_key(key_id: Annotated[int, FastApiPath(ge=1, le=2**31 - 1)]) -> dict[str, Any]:
+        store.revoke_api_key(key_id)
+        return {"revoked": key_id}
 
     @api.get("/classes", tags=["classes"])
     def list_classes() -> list[dict[str, Any]]:

@@ -55,6 +55,7 @@ from fleetserve.spec.resources import (
 from fleetserve.store.db import converted, describe, make_engine, read_only
 from fleetserve.store.schema import migrate
 from fleetserve.store.tables import (
+    ApiKeyRow,
     Base,
     DecisionRow,
     DeploymentRow,
@@ -120,6 +121,27 @@ class IssuedToken:
     id: int
     kind: TokenKind
     plaintext: str
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """A gateway API key, without its secret."""
+
+    id: int
+    name: str
+    models: tuple[str, ...]
+    rpm: int | None
+    tpm: int | None
+    created_at: datetime
+    revoked: bool
+
+    def allows(self, model: str) -> bool:
+        """Whether this key may use ``model``."""
+        return "*" in self.models or model in self.models
+
+
+def _api_key(row: ApiKeyRow) -> ApiKey:
+    return ApiKey(row.id, row.name, tuple(row.models), row.rpm, row.tpm, row.created_at, row.revoked)
 
 
 @dataclass(frozen=True)
@@ -745,6 +767,55 @@ class SqlStore:
         with self._read("listing tokens") as s:
             rows = s.scalars(select(TokenRow).order_by(TokenRow.id))
             return [TokenRecord(r.id, TokenKind(r.kind), r.created_at, r.revoked) for r in rows]
+
+    # --- gateway API keys -------------------------------------------------------------------
+
+    def create_api_key(
+        self, name: str, models: Sequence[str], rpm: int | None, tpm: int | None, now: datetime
+    ) -> tuple[ApiKey, str]:
+        """A new API key; the plaintext is returned this once, only its sha256 is stored."""
+        plaintext = f"fs_key_{secrets.token_urlsafe(32)}"
+        when = stamp(now)
+        with self._write(f"creating API key {name}") as s:
+            row = ApiKeyRow(
+                name=name, key_hash=_hash(plaintext), models=list(models), rpm=rpm, tpm=tpm,
+                created_at=when, revoked=False,
+            )  # fmt: skip
+            s.add(row)
+            s.flush()
+            return _api_key(row), plaintext
+
+    def list_api_keys(self) -> list[ApiKey]:
+        """Every API key (no secrets), by id."""
+        with self._read("listing API keys") as s:
+            return [_api_key(r) for r in s.scalars(select(ApiKeyRow).order_by(ApiKeyRow.id))]
+
+    def revoke_api_key(self, key_id: int) -> None:
+        """Revoke an API key for good; raises NotFound."""
+        with self._write(f"revoking API key {key_id}") as s:
+            result = s.connection().execute(
+                update(ApiKeyRow).where(ApiKeyRow.id == key_id).values(revoked=True)
+            )
+            if result.rowcount == 0:
+                raise NotFound(f"no API key with id {key_id}")
+
+    def verify_api_key(self, plaintext: str) -> ApiKey | None:
+        """The unrevoked key ``plaintext`` is, or None."""
+        with self._read("verifying an API key") as s:
+            row = s.scalars(
+                select(ApiKeyRow).where(ApiKeyRow.key_hash == _hash(plaintext), ApiKeyRow.revoked.is_(False))
+            ).one_or_none()
+            return _api_key(row) if row is not None else None
+
+    def replica_endpoints(self) -> list[tuple[Replica, str, dict[str, Any]]]:
+        """Every replica with the address of its first shard's node and its reported status."""
+        with self._read("listing replica endpoints") as s:
+            addresses = {r.name: r.spec.get("address", "") for r in s.scalars(select(NodeRow))}
+            out = []
+            for row in s.scalars(select(ReplicaRow)):
+                replica = _replica(row.spec, row.state)
+                out.append((replica, addresses.get(replica.shards[0].node, ""), dict(row.status or {})))
+        return sorted(out, key=lambda t: t[0].name)
 
     # --- leadership -----------------------------------------------------------------------
 

@@ -181,6 +181,22 @@ class TokenRow(Base):
     revoked: Mapped[bool] = mapped_column(Boolean, default=False)
 
 
+class ApiKeyRow(Base):
+    """A gateway API key: its sha256 (never the key), the models it may use, its rate limits."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(63))
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    # Model (deployment) names this key may use; ["*"] for every model.
+    models: Mapped[list[str]] = mapped_column(JSON)
+    rpm: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    tpm: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    created_at: Mapped[datetime]
+    revoked: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
 class LeaderLeaseRow(Base):
     __tablename__ = "leader_lease"
 

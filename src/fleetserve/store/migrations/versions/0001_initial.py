@@ -120,6 +120,19 @@ def upgrade() -> None:
         sa.UniqueConstraint("token_hash", name=op.f("uq_tokens_token_hash")),
     )
     op.create_table(
+        "api_keys",
+        sa.Column("id", sa.Integer(), autoincrement=True, nullable=False),
+        sa.Column("name", sa.String(63), nullable=False),
+        sa.Column("key_hash", sa.String(64), nullable=False),
+        sa.Column("models", sa.JSON(), nullable=False),
+        sa.Column("rpm", sa.Integer(), nullable=True),
+        sa.Column("tpm", sa.Integer(), nullable=True),
+        sa.Column("created_at", STAMP, nullable=False),
+        sa.Column("revoked", sa.Boolean(), nullable=False),
+        sa.PrimaryKeyConstraint("id", name=op.f("pk_api_keys")),
+        sa.UniqueConstraint("key_hash", name=op.f("uq_api_keys_key_hash")),
+    )
+    op.create_table(
         "leader_lease",
         sa.Column("name", sa.String(255), nullable=False),
         sa.Column("holder", sa.String(255), nullable=False),
@@ -131,6 +144,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     for table in (
         "leader_lease",
+        "api_keys",
         "tokens",
         "decisions",
         "device_allocations",
