@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -168,23 +169,39 @@ def _serve_tiny(
         return None
 
     replica = _wait("starting llama-server", running, ready_timeout, procs, logs)
-    port = replica["status"]["port"]
-    console.print(f"ready   replica {replica['name']} (llama-server on 127.0.0.1:{port})", markup=False)
-    # One real request, so the quickstart ends with an answer, not just a promise.
+    console.print(
+        f"ready   replica {replica['name']} (llama-server on 127.0.0.1:{replica['status']['port']})",
+        markup=False,
+    )
+    created = admin.post("/api/v1/keys", json={"name": "quickstart", "models": ["*"]})
+    if created.status_code != 200:
+        raise UpError(f"creating an API key failed: {created.text}")
+    key = created.json()["key"]
+    key_file = data_dir / "api-key"
+    key_file.write_text(key + "\n", encoding="utf-8")
+    key_file.chmod(0o600)
+    gateway = f"{admin.base_url}/v1/chat/completions".replace("//v1", "/v1")
+    # One real request through the gateway, so the quickstart ends with an answer, not a promise.
     hello = [{"role": "user", "content": "Hello!"}]
     request = {"model": TINY_DEPLOYMENT, "messages": hello, "max_tokens": 16}
-    answer = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=request, timeout=60).json()
+
+    def answered() -> dict[str, Any] | None:
+        reply = httpx.post(gateway, json=request, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        return dict(reply.json()) if reply.status_code == 200 else None
+
+    answer = _wait("the first request through the gateway", answered, 30, procs, logs)
     usage = answer.get("usage", {})
     console.print(
         f"answer  {answer['choices'][0]['message']['content']!r} "
-        f"({usage.get('completion_tokens')} tokens from llama-server; the tiny model speaks gibberish)",
+        f"({usage.get('completion_tokens')} tokens from llama-server, through the gateway; the tiny model "
+        "speaks gibberish)",
         markup=False,
     )
-    console.print("try:", markup=False)
-    body = '{"model": "tiny", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16}'
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    console.print(f"try (API key in {key_file}):", markup=False)
+    body = json.dumps(request)
     console.print(
-        f"  curl -s {url} -H 'Content-Type: application/json' -d '{body}'",
+        f'  curl -s {gateway} -H "Authorization: Bearer $(cat {key_file})" '
+        f"-H 'Content-Type: application/json' -d '{body}'",
         markup=False,
         highlight=False,
     )

@@ -24,7 +24,8 @@ app = typer.Typer(
         "`agent` runs on every machine: it discovers the hardware, registers, and supervises the "
         "engines assigned to it. `up` runs server and agent on this machine. `apply`, `get`, "
         "`describe`, `explain`, `logs`, `cordon`, `uncordon`, `drain`, `delete` and `upload` talk "
-        "to the control plane over HTTP. The gateway arrives in a later release."
+        "to the control plane over HTTP; `keys` manages the gateway's API keys. The OpenAI API is "
+        "served under /v1 by `server` (and `up`), and by `gateway` processes to scale out."
     ),
     no_args_is_help=True,
     add_completion=False,
@@ -268,3 +269,37 @@ def tiny_model_command(out: Annotated[Path, typer.Argument(help="Where to write 
     from fleetserve.cli.local import tiny_model
 
     tiny_model(out, Console())
+
+
+@app.command("gateway")
+def gateway_command(
+    database_url: Annotated[
+        str,
+        typer.Option(
+            "--database-url", envvar="FLEETSERVE_DATABASE_URL", help="The control plane's database."
+        ),
+    ] = "fleetserve.db",
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.", min=1, max=65535)] = 8081,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+) -> None:
+    """Run an extra OpenAI-compatible gateway process over the control plane's database.
+
+    `fleetserve server` serves the same API under /v1 already; run more gateways (behind a load
+    balancer) to scale out. Every gateway follows replica changes from the database, no restart.
+    """
+    import uvicorn
+
+    from fleetserve.server.app import create_gateway_app
+    from fleetserve.store.sql import SqlStore
+
+    try:
+        store = SqlStore.open(database_url)
+    except FleetserveError as err:
+        raise fail(err) from None
+    try:
+        uvicorn.run(
+            create_gateway_app(store), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3
+        )
+    finally:
+        store.close()

@@ -6,8 +6,8 @@ Admin routes need an admin token; agent routes a join token. Every error is JSON
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
@@ -19,6 +19,7 @@ from starlette.concurrency import run_in_threadpool
 
 from fleetserve import __version__
 from fleetserve.errors import NotFound
+from fleetserve.gateway.app import Gateway, build_gateway_router
 from fleetserve.server import auth, problems
 from fleetserve.server.agents import build_agent_router
 from fleetserve.server.apply import apply_batch
@@ -261,16 +262,36 @@ def build_admin_router(store: SqlStore, files: ModelFiles) -> APIRouter:
     return api
 
 
-def create_app(store: SqlStore, lifespan: Lifespan | None = None, models_dir: Path | None = None) -> FastAPI:
-    """The control plane's ASGI app over ``store``; ``lifespan`` runs background work with it;
-    ``models_dir`` holds the model files it serves to agents (default ./fleetserve-models)."""
+def create_app(
+    store: SqlStore, lifespan: Lifespan | None = None, models_dir: Path | None = None, gateway: bool = True
+) -> FastAPI:
+    """The control plane's ASGI app over ``store``: admin API, agents' API and, unless told not,
+    the OpenAI-compatible gateway. ``lifespan`` runs background work with it; ``models_dir``
+    holds the model files it serves to agents (default ./fleetserve-models)."""
     files = ModelFiles(models_dir or Path("fleetserve-models"))
+    gw = Gateway(store) if gateway else None
+
+    @asynccontextmanager
+    async def combined(app: FastAPI) -> AsyncIterator[None]:
+        if gw is not None:
+            await gw.start()
+        try:
+            if lifespan is None:
+                yield
+            else:
+                async with lifespan(app):
+                    yield
+        finally:
+            if gw is not None:
+                await gw.stop()
+
     app = FastAPI(
-        lifespan=lifespan,
+        lifespan=combined,
         title="fleetserve control plane",
         version=__version__,
         description="Admin API: device classes, nodes, models, deployments, replicas and placement "
-        "explanations. Authenticate with `Authorization: Bearer <admin token>`.",
+        "explanations (`Authorization: Bearer <admin token>`). Agents' API (join token). The "
+        "OpenAI-compatible API under /v1 (gateway API keys).",
     )
     app.state.store = store
     problems.install(app)
@@ -282,4 +303,28 @@ def create_app(store: SqlStore, lifespan: Lifespan | None = None, models_dir: Pa
 
     app.include_router(build_admin_router(store, files))
     app.include_router(build_agent_router(store, files))
+    if gw is not None:
+        app.include_router(build_gateway_router(gw))
+    return app
+
+
+def create_gateway_app(store: SqlStore) -> FastAPI:
+    """A gateway process on its own (``fleetserve gateway``): the OpenAI API over a shared store."""
+    gw = Gateway(store)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await gw.start()
+        try:
+            yield
+        finally:
+            await gw.stop()
+
+    app = FastAPI(lifespan=lifespan, title="fleetserve gateway", version=__version__)
+
+    @app.get("/healthz", tags=["health"])
+    def healthz() -> dict[str, str]:
+        return {"status": "ok", "version": __version__}
+
+    app.include_router(build_gateway_router(gw))
     return app

@@ -1,0 +1,109 @@
+"""Which replicas can serve each deployment, refreshed from the state store.
+
+Every gateway process reads the same store, so a replica that starts, stops or moves reaches all
+of them within one refresh, without a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from starlette.concurrency import run_in_threadpool
+
+from fleetserve.errors import FleetserveError
+from fleetserve.gateway.picker import Endpoint
+from fleetserve.spec.resources import AdmissionPolicy, Deployment, ReplicaState
+from fleetserve.store.sql import SqlStore
+
+log = logging.getLogger("fleetserve.gateway")
+
+
+@dataclass(frozen=True)
+class Route:
+    """One deployment as the gateway sees it: its Ready endpoints and admission policy."""
+
+    deployment: str
+    endpoints: tuple[Endpoint, ...]
+    policy: AdmissionPolicy
+    scales_from_zero: bool
+    prefix_affinity: bool = False
+    created: int = 0
+
+
+@dataclass
+class EndpointTable:
+    """The routes, refreshed every ``refresh_seconds`` from the store."""
+
+    store: SqlStore
+    refresh_seconds: float = 1.0
+    routes: dict[str, Route] = field(default_factory=dict)
+    on_change: Callable[[str], None] | None = None
+    _task: asyncio.Task[None] | None = None
+
+    def load(self) -> dict[str, Route]:
+        """Read the routes from the store now (blocking)."""
+        deployments: dict[str, Deployment] = {
+            d.deployment.name: d.deployment for d in self.store.list_deployments()
+        }
+        endpoints: dict[str, list[Endpoint]] = {name: [] for name in deployments}
+        for replica, address, status in self.store.replica_endpoints():
+            port = status.get("port")
+            if replica.state is not ReplicaState.RUNNING or not port or not address:
+                continue
+            host = f"[{address}]" if ":" in address else address
+            # Capacity across mixed hardware: a replica on more devices serves more at once.
+            weight = float(max(1, sum(len(s.devices) for s in replica.shards)))
+            endpoints.setdefault(replica.deployment, []).append(
+                Endpoint(replica=replica.name, url=f"http://{host}:{port}", weight=weight)
+            )
+        return {
+            name: Route(
+                deployment=name,
+                endpoints=tuple(endpoints.get(name, ())),
+                policy=dep.admission,
+                scales_from_zero=not isinstance(dep.replicas, int) and dep.replicas.min == 0,
+                prefix_affinity=dep.routing.prefix_affinity,
+            )
+            for name, dep in deployments.items()
+        }
+
+    async def refresh(self) -> None:
+        """Reload the routes; tell ``on_change`` which deployments' endpoints changed."""
+        fresh = await run_in_threadpool(self.load)
+
+        def endpoints(routes: dict[str, Route], name: str) -> tuple[Endpoint, ...]:
+            route = routes.get(name)
+            return route.endpoints if route else ()
+
+        changed = [
+            n for n in set(fresh) | set(self.routes) if endpoints(fresh, n) != endpoints(self.routes, n)
+        ]
+        self.routes = fresh
+        if self.on_change is not None:
+            for name in changed:
+                self.on_change(name)
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except FleetserveError as exc:
+                log.warning("refreshing the routes failed: %s", exc)
+            await asyncio.sleep(self.refresh_seconds)
+
+    def start(self) -> None:
+        """Refresh in the background of the running event loop."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        """Stop refreshing."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
