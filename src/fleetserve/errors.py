@@ -18,6 +18,10 @@
         ├── InsufficientSpace    too little free disk for a download (sizes, cache dir); nothing written
         └── ModelPinned          an explicit eviction of a model that running replicas use
 
+The gateway's refusals (``fleetserve.gateway.admission``: GatewayRejection → QueueFull,
+QueueTimeout, NoReplica) carry an HTTP status and a Retry-After; the engines' (EngineUnavailable,
+``fleetserve.engines.binaries``) name the flag that fixes them.
+
 Expected placement outcomes (a replica that does not fit) are values, not exceptions: see
 ``fleetserve.placement.report``. Third-party exceptions are converted at the boundary and
 chained as ``__cause__``.
