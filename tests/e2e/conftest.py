@@ -17,7 +17,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
-from e2e_support import ServerFactory, State, read_state, sql_poller, wait_for
+from e2e_support import AgentFactory, ServerFactory, State, read_state, sql_poller, wait_for
 
 
 @pytest.fixture
@@ -70,3 +70,16 @@ def poller() -> Callable[[str], contextlib.AbstractContextManager[Callable[[str]
 @pytest.fixture
 def eventually() -> Callable[..., Any]:
     return wait_for
+
+
+@pytest.fixture
+def agents(tmp_path: Path) -> Iterator[AgentFactory]:
+    """Starts ``fleetserve agent`` subprocesses; at teardown every one is stopped, every engine
+    left naming the test's tmp_path is killed, and such an orphan fails the test."""
+    factory = AgentFactory(tmp_path)
+    try:
+        yield factory
+    finally:
+        orphans = factory.close()
+    if orphans:
+        pytest.fail("llama-server processes outlived their agents (killed now):\n" + "\n".join(orphans))

@@ -397,3 +397,233 @@ def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: 
             return last
         time.sleep(interval)
     pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}; last seen: {last!r}")
+
+
+# --- agents, engines and the CLI as real processes ------------------------------------------------
+#
+# ``AgentFactory.start(server, name)`` runs ``fleetserve agent`` with its own cache and engine-log
+# directories under the test's tmp_path (so every engine it starts names that path in its argv, and
+# its stdout is ``<log-dir>/<replica>.log``: which replica a llama-server serves is readable from
+# /proc). At teardown every agent is resumed (SIGCONT), stopped (SIGTERM, then SIGKILL), and any
+# llama-server still naming the test's tmp_path (an orphaned engine) or process naming an agent's
+# directory is killed.
+
+
+def processes_mentioning(marker: Path | str, program: str | None = None) -> list[Any]:
+    """Live (non-zombie) processes with an argument containing ``marker`` (a directory: matched
+    with its trailing slash), optionally only those whose program's base name is ``program``."""
+    import psutil
+
+    needle = str(marker).rstrip("/") + "/"
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
+        try:
+            cmdline = proc.info["cmdline"] or []
+            if proc.info["status"] == psutil.STATUS_ZOMBIE or not cmdline:
+                continue
+            if program is not None and Path(cmdline[0]).name != program:
+                continue
+            if any(needle in arg or arg == needle.rstrip("/") for arg in cmdline):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def llama_servers(marker: Path | str) -> list[Any]:
+    """The live llama-server processes whose argv names ``marker`` (their model under a cache there)."""
+    return processes_mentioning(marker, program="llama-server")
+
+
+def engine_identity(proc: Any) -> tuple[str, str] | None:
+    """(node, replica) an engine serves, read from its stdout — ``<tmp>/<node>/logs/<replica>.log``
+    as AgentFactory lays the directories out; None when it is gone or not laid out so."""
+    try:
+        target = Path(os.readlink(f"/proc/{proc.pid}/fd/1"))
+    except OSError:
+        return None
+    if target.suffix != ".log" or target.parent.name != "logs":
+        return None
+    return target.parent.parent.name, target.stem
+
+
+def port_answers(port: int, path: str = "/health", timeout: float = 1.0) -> bool:
+    """Whether anything answers HTTP on 127.0.0.1:``port``."""
+    try:
+        with httpx.Client(timeout=timeout) as http:
+            http.get(f"http://127.0.0.1:{port}{path}")
+        return True
+    except httpx.HTTPError:
+        return False
+
+
+def kill_processes_mentioning(marker: Path | str) -> list[str]:
+    """SIGKILL every live process naming ``marker``; their command lines, for a report."""
+    import psutil
+
+    killed = []
+    for proc in processes_mentioning(marker):
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            killed.append(" ".join(proc.cmdline()))
+            proc.kill()
+    return killed
+
+
+@dataclass
+class AgentProcess:
+    """One running ``fleetserve agent``."""
+
+    name: str
+    root: Path  # <tmp>/<name>: cache/ and logs/ of this agent
+    log_path: Path
+    proc: subprocess.Popen[bytes]
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.root / "cache"
+
+    @property
+    def engine_log_dir(self) -> Path:
+        return self.root / "logs"
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def signal(self, signum: int) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signum)
+
+    def stop(self, timeout: float = 20.0) -> int:
+        """Resume if stopped, SIGTERM, then SIGKILL if it does not end in time; its exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait(timeout=30)
+
+    def log(self) -> str:
+        return self.log_path.read_text(encoding="utf-8", errors="replace")
+
+    def engines(self) -> list[Any]:
+        """The live llama-server processes this agent started (their model is in its cache)."""
+        return llama_servers(self.cache_dir)
+
+
+class AgentFactory:
+    """Starts agents for one test; stops every one of them, and every orphan, at teardown."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.started: list[AgentProcess] = []
+        self._handles: list[Any] = []
+
+    def start(
+        self,
+        server_url: str,
+        token: str,
+        name: str,
+        *,
+        interval: float = 0.5,
+        extra_args: tuple[str, ...] = (),
+    ) -> AgentProcess:
+        root = self.tmp_path / name
+        root.mkdir(parents=True, exist_ok=True)
+        log_path = root / f"agent-{sum(a.name == name for a in self.started) + 1}.log"
+        handle = open(log_path, "wb")  # noqa: SIM115 - closed at teardown, after the process ended
+        self._handles.append(handle)
+        args = [
+            str(FLEETSERVE), "agent", "--server", server_url, "--token", token, "--name", name,
+            "--address", "127.0.0.1", "--cache-dir", str(root / "cache"), "--log-dir", str(root / "logs"),
+            "--interval", str(interval), *extra_args,
+        ]  # fmt: skip
+        proc = subprocess.Popen(
+            args,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=clean_env(PYTHONUNBUFFERED="1"),
+        )
+        agent = AgentProcess(name, root, log_path, proc)
+        self.started.append(agent)
+        return agent
+
+    def close(self) -> list[str]:
+        """Stop every agent, then kill every llama-server still naming the test's tmp_path and
+        anything still naming an agent's directory; the llama-servers that were left (orphans)."""
+        for agent in reversed(self.started):
+            with contextlib.suppress(Exception):
+                agent.stop(timeout=15)
+            if agent.proc.poll() is None:  # pragma: no cover - stop() kills; belt and braces
+                agent.proc.kill()
+                agent.proc.wait()
+        # An engine dies with its agent (SIGTERM: stopped; SIGKILL: parent-death signal), but give
+        # a dying one a moment before calling it an orphan.
+        deadline = time.monotonic() + 5.0
+        while llama_servers(self.tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        orphans = [" ".join(p.cmdline()) for p in llama_servers(self.tmp_path)]
+        for proc in llama_servers(self.tmp_path):
+            with contextlib.suppress(Exception):
+                proc.kill()
+        for root in {agent.root for agent in self.started}:  # anything else an agent started
+            kill_processes_mentioning(root)
+        for handle in self._handles:
+            handle.close()
+        return orphans
+
+
+def cli_env(server: ServerProcess, home: Path, **extra: str) -> dict[str, str]:
+    """The environment of an admin CLI run against ``server``: FLEETSERVE_SERVER/FLEETSERVE_TOKEN
+    set, HOME and XDG_CONFIG_HOME under ``home`` so no real config file is read or written."""
+    return clean_env(
+        HOME=str(home / "home"),
+        XDG_CONFIG_HOME=str(home / "xdg"),
+        FLEETSERVE_SERVER=server.url,
+        FLEETSERVE_TOKEN=server.admin_token,
+        COLUMNS="250",
+        **extra,
+    )
+
+
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """Run the installed ``fleetserve`` console script; never raises on a non-zero exit."""
+    return subprocess.run(
+        [str(FLEETSERVE), *args],
+        capture_output=True,
+        text=True,
+        env=env if env is not None else clean_env(),
+        timeout=timeout,
+        check=False,
+    )
+
+
+def tiny_documents(
+    model_path: Path, name: str = "tiny", *, cores: int = 1, replicas: int = 1
+) -> list[dict[str, Any]]:
+    """A Model of the tiny GGUF at ``model_path`` and a Deployment with one llama.cpp CPU profile."""
+    return [
+        {"kind": "Model", "name": name, "source": str(model_path.resolve()), "format": "gguf"},
+        {
+            "kind": "Deployment",
+            "name": name,
+            "model": name,
+            "replicas": replicas,
+            "profiles": [{"name": "cpu", "engine": "llama.cpp", "cpu": {"cores": cores}, "context": 256}],
+        },
+    ]
+
+
+def short_deadline_args(tmp_path: Path) -> tuple[str, ...]:
+    """Server arguments for tests with real agents: NotReady after 2 s, Lost after 4 s, and the
+    server's model-file directory under the test's tmp_path (these override ServerFactory's
+    "no heartbeats" defaults: the last value of an option wins)."""
+    return ("--not-ready-after", "2", "--lost-after", "4", "--models-dir", str(tmp_path / "server-models"))

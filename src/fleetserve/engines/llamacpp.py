@@ -34,8 +34,11 @@ class LlamaCppAdapter:
             "--metrics",
             "--slots",
         ]  # fmt: skip
+        # One KV cache of the context's tokens shared by every slot, as placement accounted for
+        # (the profile's context, else the model's own); without --kv-unified llama-server gives
+        # each slot a cache of its own: slots × the memory.
+        argv.append("--kv-unified")
         if ctx.context is not None:
-            # The context is shared by the slots: each gets context / slots tokens.
             argv += ["--ctx-size", str(ctx.context)]
         shard = ctx.replica.shards[ctx.shard_index]
         if ctx.driver is Driver.CPU:
