@@ -167,7 +167,9 @@ def explicit_happy_paths(schema, rec: Recorder, eventually) -> None:
     names = existing_names(rec.server)
     for result in schema.get_all_operations():
         operation = result.ok()
-        if operation.method.upper() != "GET":
+        # The agents' routes need a join token and the OpenAI routes an API key: the generated
+        # requests below cover them (never a 5xx); this walk checks the admin reads answer 200.
+        if operation.method.upper() != "GET" or operation.path.startswith(("/api/v1/agent/", "/v1/")):
             continue
         params = {"name": names[operation.path.split("{name}")[0]]} if "{name}" in operation.path else None
         got = rec.run(operation.Case(path_parameters=params), "explicit")
@@ -201,6 +203,7 @@ def existing_names(server) -> dict[str, str]:
         "/api/v1/classes/": GPU_CLASS,
         "/api/v1/nodes/": "gpu-1",
         "/api/v1/models/": "m-gpu",
+        "/api/v1/agent/models/": "m-gpu",
         "/api/v1/deployments/": "gpu-tp2",
         "/api/v1/replicas/": replica,
     }
