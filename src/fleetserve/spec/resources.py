@@ -328,6 +328,26 @@ class AdmissionPolicy(Spec):
     max_wait_seconds: float = Field(default=30.0, gt=0)
 
 
+LoadMetric = Literal["in_flight", "waiting", "outstanding"]
+"""Which per-replica number the autoscaler compares with its target: running, waiting, or both."""
+
+_MAX_SECONDS = 7 * 24 * 3600.0  # a week: longer waits are typos, and the bound keeps values finite
+
+
+class AutoscalePolicy(Spec):
+    """How an autoscaled deployment follows its load between ``replicas.min`` and ``replicas.max``."""
+
+    # Requests per replica the deployment aims for, counted by ``metric``.
+    target: float = Field(default=4.0, gt=0, le=1_000_000)
+    metric: LoadMetric = "outstanding"
+    # Load must stay above target this long before scaling up (0: at once).
+    scale_up_stabilization_seconds: float = Field(default=0.0, ge=0, le=_MAX_SECONDS)
+    # Load must stay below what fewer replicas serve this long before scaling down.
+    scale_down_cooldown_seconds: float = Field(default=120.0, ge=0, le=_MAX_SECONDS)
+    # With ``replicas.min == 0``: no request for this long scales the deployment to zero.
+    scale_to_zero_after_seconds: float = Field(default=300.0, ge=0, le=_MAX_SECONDS)
+
+
 class Deployment(Spec):
     """A model, its ordered profiles, replica count, routing and admission policy."""
 
@@ -338,6 +358,8 @@ class Deployment(Spec):
     profiles: tuple[Profile, ...] = Field(min_length=1)
     routing: RoutingPolicy = RoutingPolicy()
     admission: AdmissionPolicy = AdmissionPolicy()
+    # Only with ``replicas: {min, max}``; a range without it follows the default policy.
+    autoscale: AutoscalePolicy | None = None
 
     @field_validator("replicas")
     @classmethod
@@ -352,6 +374,12 @@ class Deployment(Spec):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"profile names must be unique within a deployment; repeated: {dupes}")
+        return self
+
+    @model_validator(mode="after")
+    def _autoscale_needs_range(self) -> Deployment:
+        if self.autoscale is not None and isinstance(self.replicas, int):
+            raise ValueError("autoscale needs replicas: {min, max}; a fixed replica count is never scaled")
         return self
 
     @property
