@@ -327,7 +327,8 @@ def register(app: typer.Typer) -> None:
         server: ServerOpt = None,
         token: TokenOpt = None,
     ) -> None:
-        """Revoke an API key; requests with it get 401 from then on."""
+        """Revoke an API key: the server's gateway refuses it at once (401), separate gateway
+        processes within 5 seconds (they cache key lookups that long)."""
         try:
             with client(server, token) as api:
                 api.request("DELETE", f"/keys/{key_id}")

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -17,8 +18,8 @@ import math
 import random
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 import httpx
 from fastapi import APIRouter, Request, Response
@@ -32,6 +33,7 @@ from fleetserve.gateway.ratelimit import Limits, RateLimiter
 from fleetserve.store.sql import ApiKey, SqlStore
 
 log = logging.getLogger("fleetserve.gateway")
+T = TypeVar("T")
 
 # Requests larger than this are refused with 413 before they are parsed.
 BODY_LIMIT = 8 << 20
@@ -39,6 +41,8 @@ BODY_LIMIT = 8 << 20
 HOLD_SECONDS = 30.0
 # API-key lookups are cached this long, so the database is not hit on every request.
 KEY_CACHE_SECONDS = 5.0
+# How often a request waiting on its engine checks that its client is still there.
+DISCONNECT_POLL_SECONDS = 0.25
 HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
 
 
@@ -71,6 +75,10 @@ def _stream_usage(tail: bytes) -> int:
             with contextlib.suppress(ValueError):
                 return _usage_tokens(json.loads(line[6:]))
     return 0
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready; the upstream request was cancelled."""
 
 
 class Gateway:
@@ -117,6 +125,10 @@ class Gateway:
             self._keys.clear()
         self._keys[token] = (key, now + KEY_CACHE_SECONDS)
         return key
+
+    def forget_keys(self) -> None:
+        """Drop cached API-key lookups (after a revocation): the next request checks the store."""
+        self._keys.clear()
 
     def route_of(self, model: str) -> Route | None:
         return self.table.routes.get(model)
@@ -212,7 +224,10 @@ class Gateway:
                 headers={"Retry-After": str(max(1, math.ceil(exc.retry_after)))},
             )
         try:
-            response = await self._forward(key, model, path, body, stream, prefix, exits)
+            response = await self._forward(request, key, model, path, body, stream, prefix, exits)
+        except ClientGone:
+            await exits.aclose()
+            return Response(status_code=499)
         except BaseException:
             await exits.aclose()
             raise
@@ -220,8 +235,25 @@ class Gateway:
             await exits.aclose()
         return response
 
+    async def _unless_gone(self, request: Request, work: Awaitable[T]) -> T:
+        """Await ``work``, cancelling it (and so the upstream request) if the client disconnects."""
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    raise ClientGone()
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                    await task
+
     async def _forward(
         self,
+        request: Request,
         key: ApiKey,
         model: str,
         path: str,
@@ -243,7 +275,10 @@ class Gateway:
                 "POST", endpoint.url + path, content=body, headers={"content-type": "application/json"}
             )
             try:
-                response = await self.http.send(upstream, stream=True)
+                response = await self._unless_gone(request, self.http.send(upstream, stream=True))
+            except ClientGone:
+                self.in_flight[endpoint.replica] -= 1
+                raise
             except httpx.TransportError as exc:
                 self.in_flight[endpoint.replica] -= 1
                 last_error = f"replica {endpoint.replica}: {exc.__class__.__name__}"
@@ -256,7 +291,7 @@ class Gateway:
             headers = {k: v for k, v in response.headers.items() if k.lower() not in HOP_HEADERS}
             if not stream:
                 try:
-                    content = await response.aread()
+                    content = await self._unless_gone(request, response.aread())
                 except httpx.TransportError as exc:  # failed mid-body: nothing reached the client yet
                     last_error = f"replica {endpoint.replica}: {exc.__class__.__name__}"
                     continue

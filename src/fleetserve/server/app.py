@@ -92,7 +92,9 @@ def _node_view(node: Node, store: SqlStore, replicas: list[Replica], beats: dict
     }
 
 
-def build_admin_router(store: SqlStore, files: ModelFiles) -> APIRouter:
+def build_admin_router(
+    store: SqlStore, files: ModelFiles, on_key_revoked: Callable[[], None] | None = None
+) -> APIRouter:
     """Every admin route; each needs an admin token."""
     api = APIRouter(prefix="/api/v1", dependencies=[admin])
 
@@ -113,6 +115,8 @@ def build_admin_router(store: SqlStore, files: ModelFiles) -> APIRouter:
     @api.delete("/keys/{key_id}", tags=["keys"], summary="Revoke a gateway API key")
     def revoke_key(key_id: Annotated[int, FastApiPath(ge=1, le=2**31 - 1)]) -> dict[str, Any]:
         store.revoke_api_key(key_id)
+        if on_key_revoked is not None:
+            on_key_revoked()  # this process's gateway forgets it now; others within seconds
         return {"revoked": key_id}
 
     @api.get("/classes", tags=["classes"])
@@ -301,7 +305,7 @@ def create_app(
     def healthz() -> dict[str, str]:
         return {"status": "ok", "version": __version__}
 
-    app.include_router(build_admin_router(store, files))
+    app.include_router(build_admin_router(store, files, gw.forget_keys if gw is not None else None))
     app.include_router(build_agent_router(store, files))
     if gw is not None:
         app.include_router(build_gateway_router(gw))

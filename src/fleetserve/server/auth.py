@@ -6,13 +6,15 @@ without a token gets a 401 and the server never reads what it sent.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Annotated
 
-from fastapi import Depends, FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fleetserve.errors import StoreError
 from fleetserve.server.problems import Unauthorized, error_body
@@ -47,27 +49,41 @@ def check_bearer(store: SqlStore, authorization: str | None, kind: TokenKind) ->
         )
 
 
-def install(app: FastAPI) -> None:
-    """Register the middleware that checks every API request's token first."""
+class TokenMiddleware:
+    """Pure ASGI middleware that checks an API request's token before anything else runs.
 
-    @app.middleware("http")
-    async def _authenticate(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        kind = kind_for(request.url.path)
+    Pure ASGI, not Starlette's BaseHTTPMiddleware: that one wraps ``receive`` in a way that hides
+    a client's disconnect from the route, which the gateway needs to cancel upstream requests.
+    """
+
+    def __init__(self, app: ASGIApp, store: Callable[[], SqlStore]) -> None:
+        self.app = app
+        self.store = store
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = kind_for(scope.get("path", "")) if scope["type"] == "http" else None
         if kind is not None:
-            header = request.headers.get("authorization")
+            header = Headers(scope=scope).get("authorization")
+            response: JSONResponse | None = None
             try:
-                await run_in_threadpool(check_bearer, store_of(request), header, kind)
+                await run_in_threadpool(check_bearer, self.store(), header, kind)
             except Unauthorized as exc:
-                return JSONResponse(
+                response = JSONResponse(
                     error_body("unauthorized", str(exc)),
                     status_code=401,
                     headers={"WWW-Authenticate": "Bearer"},
                 )
             except StoreError as exc:
-                return JSONResponse(error_body("store_unavailable", str(exc)), status_code=503)
-        return await call_next(request)
+                response = JSONResponse(error_body("store_unavailable", str(exc)), status_code=503)
+            if response is not None:
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def install(app: FastAPI) -> None:
+    """Check every API request's token first (see ``TokenMiddleware``)."""
+    app.add_middleware(TokenMiddleware, store=lambda: app.state.store)
 
 
 def _declare(
