@@ -39,6 +39,9 @@ class EngineCapabilities:
     # Engine flags a profile's engineArgs may carry. Anything else is refused at apply time, so
     # no flag that changes host, port, model or served name can be smuggled in.
     allowed_args: frozenset[str] = frozenset()
+    # Requests one replica serves at once before the gateway queues the next (llama.cpp: its
+    # parallel slots; vLLM batches many sequences).
+    concurrency_per_replica: int = 8
 
     def drivers(self) -> frozenset[Driver]:
         """Every driver this engine has a variant for."""
@@ -53,6 +56,7 @@ ENGINES: Mapping[EngineKind, EngineCapabilities] = MappingProxyType(
                 {Driver.NVIDIA: RuntimeVariant.CUDA, Driver.AMD: RuntimeVariant.ROCM}
             ),
             cpu_without_class=False,
+            concurrency_per_replica=64,
             tensor_parallel=True,
             multi_node=True,
             allowed_args=frozenset(
@@ -105,6 +109,7 @@ ENGINES: Mapping[EngineKind, EngineCapabilities] = MappingProxyType(
                 }
             ),
             cpu_without_class=True,
+            concurrency_per_replica=4,
             tensor_parallel=False,
             multi_node=False,
             allowed_args=frozenset(

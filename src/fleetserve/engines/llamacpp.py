@@ -10,11 +10,11 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from fleetserve.drivers import Driver
+from fleetserve.engines.capabilities import ENGINES, EngineKind
 from fleetserve.engines.launch import LaunchContext, LaunchSpec, url_host, visible_devices_env
 
-# Parallel slots a replica serves when the profile does not say (engineArgs cannot: --parallel
-# sizes the KV cache, which placement accounted for).
-DEFAULT_SLOTS = 4
+# Parallel slots: as many as the gateway sends a replica at once (engineArgs cannot change it).
+DEFAULT_SLOTS = ENGINES[EngineKind.LLAMACPP].concurrency_per_replica
 # Offload every layer on GPU variants; llama.cpp caps it at the model's layer count.
 ALL_LAYERS = "999"
 

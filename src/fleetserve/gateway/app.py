@@ -210,7 +210,12 @@ class Gateway:
         try:
             await exits.enter_async_context(
                 self.admission.slot(
-                    model, AdmissionPolicy.of(route.policy), lambda: self._ready(model), HOLD_SECONDS
+                    model,
+                    AdmissionPolicy.of(
+                        route.policy, max_concurrency_per_replica=route.concurrency_per_replica
+                    ),
+                    lambda: self._ready(model),
+                    HOLD_SECONDS,
                 )
             )
         except GatewayRejection as exc:

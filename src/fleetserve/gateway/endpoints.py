@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from starlette.concurrency import run_in_threadpool
 
+from fleetserve.engines.capabilities import ENGINES
 from fleetserve.errors import FleetserveError
 from fleetserve.gateway.picker import Endpoint
 from fleetserve.spec.resources import AdmissionPolicy, Deployment, ReplicaState
@@ -31,6 +32,7 @@ class Route:
     policy: AdmissionPolicy
     scales_from_zero: bool
     prefix_affinity: bool = False
+    concurrency_per_replica: int = 8
     created: int = 0
 
 
@@ -67,6 +69,7 @@ class EndpointTable:
                 policy=dep.admission,
                 scales_from_zero=not isinstance(dep.replicas, int) and dep.replicas.min == 0,
                 prefix_affinity=dep.routing.prefix_affinity,
+                concurrency_per_replica=min(ENGINES[p.engine].concurrency_per_replica for p in dep.profiles),
             )
             for name, dep in deployments.items()
         }
