@@ -15,10 +15,15 @@ from fastapi import FastAPI
 from rich.console import Console
 from starlette.concurrency import run_in_threadpool
 
+from fleetserve.autoscale import Signals, load_of
 from fleetserve.reconcile.health import HeartbeatPolicy
 from fleetserve.server.app import create_app
-from fleetserve.server.reconciler import Reconciler
+from fleetserve.server.reconciler import Reconciler, SignalSource
+from fleetserve.spec.resources import AutoscalePolicy, Deployment, Replica, ReplicaState
 from fleetserve.store.sql import SqlStore, TokenKind
+
+# Engine figures older than this do not count for the autoscaler.
+FRESH_SECONDS = 5.0
 
 
 def ensure_tokens(store: SqlStore, token_file: Path | None, console: Console) -> None:
@@ -59,12 +64,14 @@ def run_server(
     store = SqlStore.open(database_url)
     try:
         ensure_tokens(store, token_file, console)
-        reconciler = Reconciler(store, policy=policy)
 
         @asynccontextmanager
         async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             # Started and stopped with the app, so a SIGTERM hands the lease over before exit.
             stop = threading.Event()
+            reconciler = Reconciler(
+                store, policy=policy, signals=autoscale_signals(app), metrics=app.state.metrics
+            )
             loop = threading.Thread(
                 target=reconciler.run_forever, args=(stop, reconcile_interval), name="reconciler", daemon=True
             )
@@ -89,6 +96,26 @@ def run_server(
         uvicorn.Server(config).run()
     finally:
         store.close()
+
+
+def autoscale_signals(app: FastAPI) -> SignalSource:
+    """What the autoscaler sees, from this server's observer (engine metrics) and gateway."""
+    observer = app.state.observer
+    gateway = app.state.gateway
+
+    def signals(dep: Deployment, replicas: list[Replica], now: float) -> Signals:
+        policy = dep.autoscale or AutoscalePolicy()
+        ready = [r for r in replicas if r.state is ReplicaState.RUNNING]
+        fresh = []
+        for replica in ready:
+            load = observer.loads.get(replica.name)
+            if load is not None and now - load.at <= FRESH_SECONDS:
+                fresh.append(load_of(policy.metric, load.running, load.waiting))
+        held = gateway.admission.depth(dep.name).waiting if gateway is not None else 0
+        last = gateway.last_request.get(dep.name) if gateway is not None else None
+        return Signals(dep.name, len(ready), len(replicas), tuple(fresh), held, last)
+
+    return signals
 
 
 def heartbeat_policy(not_ready_after: float, lost_after: float) -> HeartbeatPolicy:

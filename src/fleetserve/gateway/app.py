@@ -18,7 +18,7 @@ import math
 import random
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import httpx
@@ -30,6 +30,7 @@ from fleetserve.gateway.admission import Admission, AdmissionPolicy, GatewayReje
 from fleetserve.gateway.endpoints import EndpointTable, Route
 from fleetserve.gateway.picker import Endpoint, Load, pick, prefix_key_for
 from fleetserve.gateway.ratelimit import Limits, RateLimiter
+from fleetserve.metrics.exposition import FleetMetrics
 from fleetserve.store.sql import ApiKey, SqlStore
 
 log = logging.getLogger("fleetserve.gateway")
@@ -84,8 +85,19 @@ class ClientGone(Exception):
 class Gateway:
     """The gateway's state: routes, admission, rate limits, in-flight counts, the upstream client."""
 
-    def __init__(self, store: SqlStore, refresh_seconds: float = 1.0, seed: int | None = None) -> None:
+    def __init__(
+        self,
+        store: SqlStore,
+        refresh_seconds: float = 1.0,
+        seed: int | None = None,
+        metrics: FleetMetrics | None = None,
+        engine_waiting: Callable[[str], tuple[float, float] | None] | None = None,
+    ) -> None:
         self.store = store
+        self.metrics = metrics
+        # replica → (engine-reported waiting requests, age of that figure in seconds), if known
+        self.engine_waiting = engine_waiting
+        self.last_request: dict[str, float] = {}
         self.admission = Admission()
         self.table = EndpointTable(store, refresh_seconds=refresh_seconds, on_change=self.admission.notify)
         self.limiter = RateLimiter()
@@ -137,16 +149,32 @@ class Gateway:
         route = self.table.routes.get(model)
         return len(route.endpoints) if route else 0
 
+    def _load(self, replica: str) -> Load:
+        """Outstanding work on a replica: the gateway's in-flight count plus the engine's fresh queue."""
+        waiting = self.engine_waiting(replica) if self.engine_waiting is not None else None
+        if waiting is None:
+            return Load(self.in_flight[replica])
+        return Load(self.in_flight[replica], int(waiting[0]), waiting[1])
+
     def _pick(self, model: str, exclude: frozenset[str], prefix: str | None) -> Endpoint | None:
         route = self.table.routes.get(model)
         if route is None:
             return None
-        loads = {e.replica: Load(self.in_flight[e.replica]) for e in route.endpoints}
+        loads = {e.replica: self._load(e.replica) for e in route.endpoints}
         return pick(route.endpoints, loads, self.rng, exclude=exclude, prefix_key=prefix)
 
     # --- the request -----------------------------------------------------------------------------
 
     async def handle(self, request: Request, path: str) -> Response:
+        started = time.monotonic()
+        response = await self._handle(request, path)
+        model = getattr(request.state, "model", None)
+        if self.metrics is not None and model is not None:
+            self.metrics.gateway_request(model, response.status_code, time.monotonic() - started)
+            self.metrics.set_queue_depth(model, self.admission.depth(model).waiting)
+        return response
+
+    async def _handle(self, request: Request, path: str) -> Response:
         key = await self.authenticate(request)
         if key is None:
             return openai_error(
@@ -175,6 +203,9 @@ class Gateway:
                 400, "You must provide a model parameter.", "invalid_request_error", param="model"
             )
         route = self.route_of(model)
+        if route is not None:
+            request.state.model = model
+            self.last_request[model] = time.monotonic()
         if route is None:
             return openai_error(
                 404,
@@ -193,6 +224,8 @@ class Gateway:
             )
         decision = self.limiter.acquire(str(key.id), Limits(key.rpm, key.tpm), time.monotonic())
         if not decision.allowed:
+            if self.metrics is not None:
+                self.metrics.gateway_rejection(model, "RateLimited")
             which = decision.which.value if decision.which else "requests"
             return openai_error(
                 429,
@@ -220,6 +253,8 @@ class Gateway:
             )
         except GatewayRejection as exc:
             await exits.aclose()
+            if self.metrics is not None:
+                self.metrics.gateway_rejection(model, type(exc).__name__)
             kind = "overloaded" if exc.status == 429 else "service_unavailable"
             return openai_error(
                 exc.status,

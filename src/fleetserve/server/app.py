@@ -6,13 +6,15 @@ Admin routes need an admin token; agent routes a join token. Every error is JSON
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi import APIRouter, FastAPI, Query, Request, Response
 from fastapi import Path as FastApiPath
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
@@ -20,11 +22,13 @@ from starlette.concurrency import run_in_threadpool
 from fleetserve import __version__
 from fleetserve.errors import NotFound
 from fleetserve.gateway.app import Gateway, build_gateway_router
+from fleetserve.metrics.exposition import FleetMetrics
 from fleetserve.server import auth, problems
 from fleetserve.server.agents import build_agent_router
 from fleetserve.server.apply import apply_batch
 from fleetserve.server.auth import admin
 from fleetserve.server.modelfiles import ModelFiles
+from fleetserve.server.observer import Observer
 from fleetserve.server.params import TEXT_PATTERN, NameParam, NameQuery
 from fleetserve.spec.resources import Node, Replica
 from fleetserve.store.sql import ApiKey, SqlStore
@@ -273,10 +277,19 @@ def create_app(
     the OpenAI-compatible gateway. ``lifespan`` runs background work with it; ``models_dir``
     holds the model files it serves to agents (default ./fleetserve-models)."""
     files = ModelFiles(models_dir or Path("fleetserve-models"))
-    gw = Gateway(store) if gateway else None
+    metrics = FleetMetrics()
+    observer = Observer(store, metrics)
+
+    def engine_waiting(replica: str) -> tuple[float, float] | None:
+        load = observer.loads.get(replica)
+        return None if load is None else (load.waiting, time.monotonic() - load.at)
+
+    gw = Gateway(store, metrics=metrics, engine_waiting=engine_waiting) if gateway else None
 
     @asynccontextmanager
     async def combined(app: FastAPI) -> AsyncIterator[None]:
+        stop = asyncio.Event()
+        observing = asyncio.create_task(observer.run(stop))
         if gw is not None:
             await gw.start()
         try:
@@ -286,6 +299,8 @@ def create_app(
                 async with lifespan(app):
                     yield
         finally:
+            stop.set()
+            await observing
             if gw is not None:
                 await gw.stop()
 
@@ -298,12 +313,20 @@ def create_app(
         "OpenAI-compatible API under /v1 (gateway API keys).",
     )
     app.state.store = store
+    app.state.metrics = metrics
+    app.state.observer = observer
+    app.state.gateway = gw
     problems.install(app)
     auth.install(app)
 
     @app.get("/healthz", tags=["health"], summary="Liveness; no credentials needed")
     def healthz() -> dict[str, str]:
         return {"status": "ok", "version": __version__}
+
+    @app.get("/metrics", tags=["health"], summary="Prometheus metrics: engines, GPUs, fleetserve itself")
+    def prometheus(request: Request) -> Response:
+        body, content_type = metrics.render(request.headers.get("accept", ""))
+        return Response(body, media_type=content_type)
 
     app.include_router(build_admin_router(store, files, gw.forget_keys if gw is not None else None))
     app.include_router(build_agent_router(store, files))

@@ -19,16 +19,21 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from fleetserve.autoscale import AutoscaleState, DecisionLog, Signals, decide_for, render_decision
 from fleetserve.errors import AllocationConflict, ConfigError, FleetserveError, UnknownReplica
+from fleetserve.metrics.exposition import FleetMetrics
 from fleetserve.modelfacts import ModelFacts, model_facts
 from fleetserve.reconcile.core import reconcile
 from fleetserve.reconcile.health import HeartbeatPolicy, transitions
-from fleetserve.spec.resources import Model
+from fleetserve.spec.resources import Deployment, Model, Replica
 from fleetserve.store.sql import SqlStore
 
 log = logging.getLogger("fleetserve.reconciler")
 
 LEASE = "reconciler"
+
+# What the autoscaler sees of a deployment: (deployment, its replicas, monotonic now) → signals.
+SignalSource = Callable[[Deployment, list[Replica], float], Signals]
 
 
 def utcnow() -> datetime:
@@ -58,8 +63,14 @@ class Reconciler:
         lease_ttl: timedelta = timedelta(seconds=15),
         clock: Callable[[], datetime] = utcnow,
         holder: str | None = None,
+        signals: SignalSource | None = None,
+        metrics: FleetMetrics | None = None,
     ) -> None:
         self.store = store
+        self.signals = signals
+        self.metrics = metrics
+        self.scale_log = DecisionLog()
+        self._scale_state: dict[str, AutoscaleState] = {}
         self.policy = policy or HeartbeatPolicy()
         self.lease_ttl = lease_ttl
         self.clock = clock
@@ -95,7 +106,8 @@ class Reconciler:
             log.info("node %s: %s -> %s", change.node, change.old.value, change.new.value)
         stored = self.store.list_deployments()
         snapshot = self.store.snapshot(self._model_facts(self.store.list_models()))
-        plan = reconcile([d.deployment for d in stored], snapshot)
+        deployments = [self._autoscale(d.deployment, snapshot.replicas) for d in stored]
+        plan = reconcile(deployments, snapshot)
         for name in plan.release:
             try:
                 self.store.release(name)
@@ -117,6 +129,7 @@ class Reconciler:
         for decision in plan.decisions:
             data = decision.to_dict()
             status = {
+                "autoscaler": list(self.scale_log.entries(decision.deployment)),
                 "observedGeneration": generations.get(decision.deployment),
                 "conditions": data["conditions"],
                 "desiredReplicas": decision.desired,
@@ -142,7 +155,25 @@ class Reconciler:
                 self.store.record_decision(decision.deployment, data, now)
                 self._last_recorded[decision.deployment] = interesting
         result.seconds = time.perf_counter() - started
+        if self.metrics is not None:
+            self.metrics.observe_reconcile(result.seconds)
+            self.metrics.set_desired_replicas({d.name: d.desired_replicas for d in deployments})
         return result
+
+    def _autoscale(self, dep: Deployment, replicas: tuple[Replica, ...]) -> Deployment:
+        """The deployment with the autoscaler's replica count, for a {min, max} range; as is otherwise."""
+        if isinstance(dep.replicas, int) or self.signals is None:
+            return dep
+        now = time.monotonic()
+        mine = [r for r in replicas if r.deployment == dep.name]
+        decision = decide_for(dep, self.signals(dep, mine, now), self._scale_state.get(dep.name), now)
+        if decision is None:
+            return dep
+        self._scale_state[dep.name] = decision.state
+        self.scale_log.record(decision)
+        if decision.changed:
+            log.info("autoscaler: %s", render_decision(decision))
+        return dep.model_copy(update={"replicas": decision.desired})
 
     def run_forever(self, stop: threading.Event, interval: float) -> None:
         """Cycle every ``interval`` seconds until ``stop`` is set; a failing cycle is logged, not fatal."""

@@ -1,0 +1,117 @@
+"""The control plane's view of its engines: scrape every Running replica's ``/metrics``, map it
+onto the canonical names (one mapping per engine), publish it on ``/metrics``, and keep each
+replica's running and waiting requests for the gateway's picking and the autoscaler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+from starlette.concurrency import run_in_threadpool
+
+from fleetserve.engines.capabilities import EngineKind
+from fleetserve.errors import FleetserveError
+from fleetserve.metrics.engine import MAPPINGS, EngineLabels, effective_mapping, normalize
+from fleetserve.metrics.exposition import FleetMetrics, SeriesValue
+from fleetserve.metrics.promtext import ExpositionError
+from fleetserve.metrics.scraper import Scraper, Target
+from fleetserve.spec.resources import ReplicaState
+from fleetserve.store.sql import SqlStore
+
+log = logging.getLogger("fleetserve.observer")
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """A replica's engine-reported work, and when it was scraped (monotonic seconds)."""
+
+    deployment: str
+    running: float
+    waiting: float
+    at: float
+
+
+class Observer:
+    """Follows the replicas' engine metrics."""
+
+    def __init__(self, store: SqlStore, metrics: FleetMetrics, interval: float = 1.0) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.interval = interval
+        self.scraper = Scraper(interval=interval, timeout=min(2.0, interval * 2))
+        self.loads: dict[str, ReplicaLoad] = {}
+        self._engines: dict[str, EngineKind] = {}
+
+    def targets(self) -> list[Target]:
+        """The metrics URL of every Running replica that reported a port (blocking: reads the store)."""
+        deployments = {d.deployment.name: d.deployment for d in self.store.list_deployments()}
+        out = []
+        for replica, address, status in self.store.replica_endpoints():
+            dep = deployments.get(replica.deployment)
+            port = status.get("port")
+            if dep is None or replica.state is not ReplicaState.RUNNING or not port or not address:
+                continue
+            profile = next((p for p in dep.profiles if p.name == replica.profile), None)
+            if profile is None:
+                continue
+            self._engines[replica.name] = profile.engine
+            host = f"[{address}]" if ":" in address else address
+            labels = {
+                "deployment": dep.name, "replica": replica.name, "node": replica.shards[0].node,
+                "engine": profile.engine.value, "model": dep.model,
+            }  # fmt: skip
+            out.append(Target(key=replica.name, url=f"http://{host}:{port}/metrics", labels=labels))
+        return out
+
+    def collect(self) -> None:
+        """Map every fresh scrape onto the canonical names; publish them; keep the loads."""
+        samples: list[SeriesValue] = []
+        loads: dict[str, ReplicaLoad] = {}
+        targets = {t.key: t for t in self.scraper.targets()}
+        for key, scrape in self.scraper.snapshot().items():
+            target = targets.get(key)
+            engine = self._engines.get(key)
+            if target is None or engine is None or scrape.body is None or scrape.stale:
+                continue
+            labels = EngineLabels(**dict(target.labels))
+            try:
+                mapped = normalize(
+                    scrape.body.decode("utf-8", "replace"), effective_mapping(MAPPINGS[engine]), labels
+                )
+            except ExpositionError as exc:
+                log.warning("replica %s: unreadable metrics: %s", key, exc)
+                continue
+            samples.extend((s.name, dict(s.labels), s.value) for s in mapped)
+            values = {s.name: s.value for s in mapped}
+            loads[key] = ReplicaLoad(
+                deployment=labels.deployment,
+                running=values.get("fleetserve_requests_running", 0.0),
+                waiting=values.get("fleetserve_requests_waiting", 0.0),
+                at=time.monotonic() - (scrape.age or 0.0),
+            )
+        self.loads = loads
+        try:
+            self.metrics.set_engine_samples(samples)
+        except ValueError as exc:
+            log.warning("engine metrics refused: %s", exc)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Scrape in the background; refresh targets and the published values every interval."""
+        scraping = asyncio.create_task(self.scraper.run(stop))
+        try:
+            while not stop.is_set():
+                try:
+                    self.scraper.set_targets(await run_in_threadpool(self.targets))
+                except FleetserveError as exc:
+                    log.warning("listing the replicas to scrape failed: %s", exc)
+                self.collect()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=self.interval)
+        finally:
+            stop.set()
+            await scraping
+            await self.scraper.aclose()
