@@ -39,6 +39,15 @@ def client(server: str | None, token: str | None) -> ApiClient:
     return ApiClient(resolve(server, token))
 
 
+def call(server: str | None, token: str | None, method: str, path: str, **kwargs: Any) -> Any:
+    """One admin API request; any failure is printed for a person and ends the command."""
+    try:
+        with client(server, token) as api:
+            return api.request(method, path, **kwargs)
+    except FleetserveError as err:
+        raise fail(err) from None
+
+
 def login(server: str, token: str, console: Console) -> None:
     """Check the credentials against the server, then save them in the config file."""
     with ApiClient(resolve(server, token)) as api:
@@ -106,11 +115,7 @@ def register(app: typer.Typer) -> None:
             k = views.parse_kind(kind)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="KIND") from None
-        try:
-            with client(server, token) as api:
-                data = api.request("GET", f"/{k.value}" + (f"/{name}" if name else ""))
-        except FleetserveError as err:
-            raise fail(err) from None
+        data = call(server, token, "GET", f"/{k.value}" + (f"/{name}" if name else ""))
         views.emit_kind(k, data, output, console)
 
     @app.command("describe")
@@ -145,11 +150,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Why a deployment's replicas are where they are, or why they fit nowhere."""
         console = Console(soft_wrap=True)
-        try:
-            with client(server, token) as api:
-                data = api.request("GET", f"/deployments/{deployment}/explain")
-        except FleetserveError as err:
-            raise fail(err) from None
+        data = call(server, token, "GET", f"/deployments/{deployment}/explain")
         if output is Format.TABLE:
             views.print_decision(data, console)
         else:
@@ -159,11 +160,7 @@ def register(app: typer.Typer) -> None:
         action: str, node: str, server: str | None, token: str | None, body: dict[str, str] | None
     ) -> None:
         console = Console(soft_wrap=True)
-        try:
-            with client(server, token) as api:
-                data = api.request("POST", f"/nodes/{node}/{action}", json=body)
-        except FleetserveError as err:
-            raise fail(err) from None
+        data = call(server, token, "POST", f"/nodes/{node}/{action}", json=body)
         extra = f"; released {', '.join(data['released'])}" if data.get("released") else ""
         past = {"cordon": "cordoned", "uncordon": "uncordoned", "drain": "drained"}[action]
         console.print(f"node/{node} {past}{extra}", markup=False)
@@ -213,11 +210,7 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter(str(exc), param_hint="KIND") from None
         if k in (views.Kind.REPLICAS, views.Kind.FABRICS):
             raise typer.BadParameter(f"{k.value} cannot be deleted here", param_hint="KIND")
-        try:
-            with client(server, token) as api:
-                api.request("DELETE", f"/{k.value}/{name}")
-        except FleetserveError as err:
-            raise fail(err) from None
+        call(server, token, "DELETE", f"/{k.value}/{name}")
         Console().print(f"{k.value.rstrip('s')}/{name} deleted", markup=False)
 
     @app.command("logs")
@@ -228,11 +221,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """The last lines of a replica's engine output, as its agent last reported them."""
         console = Console(soft_wrap=True)
-        try:
-            with client(server, token) as api:
-                data = api.request("GET", f"/replicas/{replica}/logs")
-        except FleetserveError as err:
-            raise fail(err) from None
+        data = call(server, token, "GET", f"/replicas/{replica}/logs")
         console.print(
             f"# {data['replica']}: {data['state']} ({data['message']}); restarts {data['restarts']}",
             markup=False,
@@ -295,11 +284,7 @@ def register(app: typer.Typer) -> None:
             "rpm": rpm,
             "tpm": tpm,
         }
-        try:
-            with client(server, token) as api:
-                data = api.request("POST", "/keys", json=body)
-        except FleetserveError as err:
-            raise fail(err) from None
+        data = call(server, token, "POST", "/keys", json=body)
         if output is Format.TABLE:
             console.print(f"key {data['id']} ({data['name']}): {data['key']}", markup=False, highlight=False)
             console.print("shown once; only its hash is stored.", markup=False)
@@ -310,11 +295,7 @@ def register(app: typer.Typer) -> None:
     def keys_list(server: ServerOpt = None, token: TokenOpt = None, output: FormatOpt = Format.TABLE) -> None:
         """List API keys (no secrets)."""
         console = Console(soft_wrap=True)
-        try:
-            with client(server, token) as api:
-                data = api.request("GET", "/keys")
-        except FleetserveError as err:
-            raise fail(err) from None
+        data = call(server, token, "GET", "/keys")
         columns = (
             ("id", lambda k: k["id"]), ("name", lambda k: k["name"]), ("models", lambda k: k["models"]),
             ("rpm", lambda k: k["rpm"]), ("tpm", lambda k: k["tpm"]), ("revoked", lambda k: k["revoked"]),
@@ -329,9 +310,5 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Revoke an API key: the server's gateway refuses it at once (401), separate gateway
         processes within 5 seconds (they cache key lookups that long)."""
-        try:
-            with client(server, token) as api:
-                api.request("DELETE", f"/keys/{key_id}")
-        except FleetserveError as err:
-            raise fail(err) from None
+        call(server, token, "DELETE", f"/keys/{key_id}")
         Console().print(f"key {key_id} revoked")
