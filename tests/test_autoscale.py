@@ -179,13 +179,13 @@ CASES = [
         ScaleReason.NO_FRESH_METRICS,
     ),
     Case(
-        "partial metrics may scale up: the reporting replicas stand for all",
+        "partial metrics may scale up on what was reported; the silent replicas count as idle",
         R1_10,
         POLICY,
-        sig(4, (8.0, 8.0)),
+        sig(4, (12.0, 12.0)),
         at(4),
         10,
-        8,
+        6,
         ScaleReason.LOAD_ABOVE_TARGET,
     ),
     Case(

@@ -5,8 +5,8 @@ Rules, in the order ``decide`` applies them:
 - **From zero.** A deployment at zero replicas goes up as soon as the gateway holds a request:
   to one replica, or to as many as the held load needs when a burst arrives at once.
 - **No fresh metrics.** When Ready replicas report nothing, the count holds: missing data never
-  scales down. When only some report, the reporting ones stand for all (mean × Ready), which may
-  scale up but never down.
+  scales down. When only some report, the load is what they report (a replica that has not
+  reported yet counts as idle), which may scale up but never down.
 - **Idle.** With ``replicas.min == 0``, no load and no request for ``scale_to_zero_after_seconds``,
   the deployment goes to zero.
 - **Up, fast.** The load needs ``ceil(load / target)`` replicas (``load`` is the sum of the
@@ -267,7 +267,10 @@ def decide(
     ready = max(signals.replicas_ready, 0)
     reported = len(values)
     # The reporting replicas stand for every Ready one; requests held at the gateway are load too.
-    on_replicas = (sum(values) / reported) * max(ready, reported) if reported else 0.0
+    # A Ready replica that has not reported yet counts as idle: right after a scale-up the
+    # gateway still sends everything to the old ones, and counting the newcomer at their load
+    # would double it and scale again (Kubernetes' HPA counts such pods as 0 when scaling up).
+    on_replicas = sum(values)
     load = on_replicas + max(signals.gateway_waiting, 0)
     wanted = _wanted(load, policy.target)
 

@@ -169,6 +169,9 @@ class Gateway:
         started = time.monotonic()
         response = await self._handle(request, path)
         model = getattr(request.state, "model", None)
+        if model is not None:
+            # A request counts as activity until it is answered, not just when it arrives.
+            self.last_request[model] = time.monotonic()
         if self.metrics is not None and model is not None:
             self.metrics.gateway_request(model, response.status_code, time.monotonic() - started)
             self.metrics.set_queue_depth(model, self.admission.depth(model).waiting)
@@ -344,7 +347,9 @@ class Gateway:
                     )
                 return Response(content, status_code=response.status_code, headers=headers)
             return StreamingResponse(
-                self._relay(response, endpoint, key, exits), status_code=response.status_code, headers=headers
+                self._relay(response, endpoint, key, exits, model),
+                status_code=response.status_code,
+                headers=headers,
             )
         return openai_error(
             503,
@@ -355,7 +360,12 @@ class Gateway:
         )
 
     async def _relay(
-        self, response: httpx.Response, endpoint: Endpoint, key: ApiKey, exits: contextlib.AsyncExitStack
+        self,
+        response: httpx.Response,
+        endpoint: Endpoint,
+        key: ApiKey,
+        exits: contextlib.AsyncExitStack,
+        model: str,
     ) -> AsyncIterator[bytes]:
         """Pass the engine's events through as they come; closing this closes the upstream."""
         tail = b""
@@ -369,6 +379,7 @@ class Gateway:
             await response.aclose()
             self.in_flight[endpoint.replica] -= 1
             self.limiter.record_tokens(str(key.id), _stream_usage(tail), time.monotonic())
+            self.last_request[model] = time.monotonic()  # a stream is activity until it ends
             await exits.aclose()
 
     async def models(self, request: Request) -> Response:

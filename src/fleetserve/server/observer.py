@@ -16,7 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from fleetserve.engines.capabilities import EngineKind
 from fleetserve.errors import FleetserveError
 from fleetserve.metrics.engine import MAPPINGS, EngineLabels, effective_mapping, normalize
-from fleetserve.metrics.exposition import FleetMetrics, SeriesValue
+from fleetserve.metrics.exposition import ENGINE_METRICS, FleetMetrics, SeriesValue
 from fleetserve.metrics.promtext import ExpositionError
 from fleetserve.metrics.scraper import Scraper, Target
 from fleetserve.spec.resources import ReplicaState
@@ -85,7 +85,8 @@ class Observer:
             except ExpositionError as exc:
                 log.warning("replica %s: unreadable metrics: %s", key, exc)
                 continue
-            samples.extend((s.name, dict(s.labels), s.value) for s in mapped)
+            # Only the series the surface defines (the TTFT histogram is mapped but not yet exposed).
+            samples.extend((s.name, dict(s.labels), s.value) for s in mapped if s.name in ENGINE_METRICS)
             values = {s.name: s.value for s in mapped}
             loads[key] = ReplicaLoad(
                 deployment=labels.deployment,
