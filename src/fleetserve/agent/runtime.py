@@ -63,7 +63,9 @@ class Agent:
         supervisor: Supervisor,
         cache: ModelCache,
         settings: AgentSettings,
+        gpu_reader: Callable[[Node], list[dict[str, Any]]] | None = None,
     ) -> None:
+        self.gpu_reader = gpu_reader
         self.client = client
         self.describe = describe
         self.supervisor = supervisor
@@ -177,7 +179,7 @@ class Agent:
             {"model": s.model, "state": s.state.value, "done": s.done, "total": s.total, "rate": s.rate}
             for s in self.cache.status()
         ]
-        report = {
+        report: dict[str, Any] = {
             "node": self.node.name,
             "epoch": self.epoch,
             "replicas": replicas,
@@ -185,6 +187,11 @@ class Agent:
             "downloads": downloads,
             "problems": [p[:2000] for p in self.problems[:100]],
         }
+        if self.gpu_reader is not None:
+            try:
+                report["gpuMetrics"] = self.gpu_reader(self.node)
+            except (OSError, ValueError) as exc:
+                log.warning("reading the GPUs failed: %s", exc)
         try:
             stop = self.client.status(report)
         except StaleEpoch:

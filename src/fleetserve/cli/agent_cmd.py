@@ -13,6 +13,7 @@ import yaml
 from fleetserve.agent.cache import ModelCache
 from fleetserve.agent.client import AgentClient
 from fleetserve.agent.describe import make_describe
+from fleetserve.agent.gpustats import make_reader
 from fleetserve.agent.matching import FabricMap
 from fleetserve.agent.runtime import Agent, AgentSettings
 from fleetserve.agent.supervisor import Supervisor
@@ -74,7 +75,7 @@ def run_agent(
     client = AgentClient(server, token)
     cache = ModelCache(cache_dir, max_bytes=cache_max, control_plane=(server, token))
     supervisor = Supervisor(log_dir)
-    agent = Agent(client, describe, supervisor, cache, settings)
+    agent = Agent(client, describe, supervisor, cache, settings, gpu_reader=make_reader(root))
     stop = threading.Event()
 
     def _stop(signum: int, frame: object) -> None:

@@ -67,6 +67,18 @@ class Download(BaseModel):
     rate: float = Field(default=0.0, ge=0)
 
 
+class GpuSample(BaseModel):
+    """One canonical GPU sample (``fleetserve_gpu_*``) with its node/device/driver/class labels."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(max_length=64, pattern=r"^fleetserve_gpu_[a-z_]+$")
+    labels: dict[
+        Annotated[str, Field(max_length=16, pattern=r"^(node|device|driver|class)$")],
+        Annotated[str, Field(max_length=253, pattern=TEXT_PATTERN)],
+    ] = Field(max_length=4)
+    value: float = Field(allow_inf_nan=False)
+
+
 class StatusReport(BaseModel):
     """An agent's periodic report: replica states, cache contents, downloads."""
 
@@ -83,6 +95,8 @@ class StatusReport(BaseModel):
     problems: list[Annotated[str, Field(max_length=2000, pattern=TEXT_PATTERN)]] = Field(
         default_factory=list, max_length=100
     )
+    # Canonical GPU samples the agent read itself (NVML, sysfs) where no exporter runs.
+    gpu_metrics: list[GpuSample] = Field(default_factory=list, max_length=10_000, alias="gpuMetrics")
 
 
 def _doc(resource: BaseModel) -> dict[str, Any]:
@@ -194,6 +208,7 @@ def build_agent_router(store: SqlStore, files: ModelFiles) -> APIRouter:
         agent_status = {
             "downloads": [d.model_dump(mode="json") for d in body.downloads],
             "problems": body.problems,
+            "gpuMetrics": [g.model_dump(mode="json") for g in body.gpu_metrics],
             "reportedAt": datetime.now(UTC).isoformat(),
         }
         try:

@@ -16,7 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from fleetserve.engines.capabilities import EngineKind
 from fleetserve.errors import FleetserveError
 from fleetserve.metrics.engine import MAPPINGS, EngineLabels, effective_mapping, normalize
-from fleetserve.metrics.exposition import ENGINE_METRICS, FleetMetrics, SeriesValue
+from fleetserve.metrics.exposition import ENGINE_METRICS, GPU_METRICS, FleetMetrics, SeriesValue
 from fleetserve.metrics.promtext import ExpositionError
 from fleetserve.metrics.scraper import Scraper, Target
 from fleetserve.spec.resources import ReplicaState
@@ -45,12 +45,33 @@ class Observer:
         self.scraper = Scraper(interval=interval, timeout=min(2.0, interval * 2))
         self.loads: dict[str, ReplicaLoad] = {}
         self._engines: dict[str, EngineKind] = {}
+        self._restarts: dict[str, int] = {}
+
+    def gpu_samples(self) -> list[SeriesValue]:
+        """The GPU samples agents read themselves (blocking: reads the store)."""
+        out: list[SeriesValue] = []
+        for status in self.store.agent_statuses().values():
+            for sample in status.get("gpuMetrics", []):
+                if sample.get("name") in GPU_METRICS:
+                    out.append((sample["name"], dict(sample.get("labels", {})), float(sample["value"])))
+        return out
+
+    def restarts(self, statuses: list[tuple[str, str, int]]) -> None:
+        """Count engine restarts the agents reported since the last look."""
+        for deployment, replica, restarts in statuses:
+            seen = self._restarts.get(replica)
+            if seen is not None and restarts > seen:
+                for _ in range(restarts - seen):
+                    self.metrics.engine_restart(deployment, replica)
+            self._restarts[replica] = restarts
 
     def targets(self) -> list[Target]:
         """The metrics URL of every Running replica that reported a port (blocking: reads the store)."""
         deployments = {d.deployment.name: d.deployment for d in self.store.list_deployments()}
         out = []
-        for replica, address, status in self.store.replica_endpoints():
+        endpoints = self.store.replica_endpoints()
+        self.restarts([(r.deployment, r.name, int(st.get("restarts", 0) or 0)) for r, _, st in endpoints])
+        for replica, address, status in endpoints:
             dep = deployments.get(replica.deployment)
             port = status.get("port")
             if dep is None or replica.state is not ReplicaState.RUNNING or not port or not address:
@@ -107,6 +128,11 @@ class Observer:
             while not stop.is_set():
                 try:
                     self.scraper.set_targets(await run_in_threadpool(self.targets))
+                    gpus = await run_in_threadpool(self.gpu_samples)
+                    try:
+                        self.metrics.set_gpu_samples(gpus)
+                    except ValueError as exc:
+                        log.warning("GPU metrics refused: %s", exc)
                 except FleetserveError as exc:
                     log.warning("listing the replicas to scrape failed: %s", exc)
                 self.collect()

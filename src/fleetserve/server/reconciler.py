@@ -107,7 +107,10 @@ class Reconciler:
         stored = self.store.list_deployments()
         snapshot = self.store.snapshot(self._model_facts(self.store.list_models()))
         deployments = [self._autoscale(d.deployment, snapshot.replicas) for d in stored]
+        placing = time.perf_counter()
         plan = reconcile(deployments, snapshot)
+        if self.metrics is not None:
+            self.metrics.observe_placement(time.perf_counter() - placing)
         for name in plan.release:
             try:
                 self.store.release(name)

@@ -588,6 +588,12 @@ class SqlStore:
                 raise UnknownReplica(f"no replica named {name!r} is allocated")
             return dict(row.status or {})
 
+    def agent_statuses(self) -> dict[str, dict[str, Any]]:
+        """Every node's last agent report beyond replica states, in one read."""
+        with self._read("reading the agents' reports") as s:
+            rows = s.execute(select(NodeRow.name, NodeRow.agent_status))
+            return {name: dict(status or {}) for name, status in rows}
+
     def agent_status(self, node: str) -> dict[str, Any]:
         """What the node's agent last reported beyond replica states (downloads, problems)."""
         with self._read(f"reading node {node}") as s:

@@ -1,0 +1,67 @@
+"""The agent's own GPU readings, for nodes where no DCGM or AMD exporter runs: NVML for NVIDIA,
+sysfs for AMD, turned into the canonical ``fleetserve_gpu_*`` samples it reports to the server."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fleetserve.agent.discovery.amd import AmdSysfsDiscoverer
+from fleetserve.metrics.gpu import GpuContext, NvmlReading, from_amd_sysfs, from_nvml
+from fleetserve.spec.resources import Node
+
+GpuReader = Callable[[Node], list[dict[str, Any]]]
+
+
+def _read(nvml: Any, call: str, *args: Any) -> Any:
+    """One NVML call; None where the device does not support it."""
+    try:
+        return getattr(nvml, call)(*args)
+    except nvml.NVMLError:
+        return None
+
+
+def _nvml_readings() -> list[NvmlReading]:
+    """One reading per NVIDIA GPU; none when NVML cannot start (no driver, as on CPU machines)."""
+    try:
+        import pynvml  # type: ignore[import-untyped]
+
+        pynvml.nvmlInit()
+    except Exception:  # no library or no driver: this node has no NVIDIA GPU to read
+        return []
+    out = []
+    try:
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            util = _read(pynvml, "nvmlDeviceGetUtilizationRates", handle)
+            memory = _read(pynvml, "nvmlDeviceGetMemoryInfo", handle)
+            out.append(
+                NvmlReading(
+                    index=index,
+                    utilization_gpu=None if util is None else int(util.gpu),
+                    memory_used=None if memory is None else int(memory.used),
+                    power_usage=_read(pynvml, "nvmlDeviceGetPowerUsage", handle),
+                    total_energy_consumption=_read(pynvml, "nvmlDeviceGetTotalEnergyConsumption", handle),
+                    temperature_gpu=_read(pynvml, "nvmlDeviceGetTemperature", handle, 0),
+                )
+            )
+    finally:
+        with contextlib.suppress(Exception):
+            pynvml.nvmlShutdown()
+    return out
+
+
+def make_reader(root: Path = Path("/")) -> GpuReader:
+    """A function reading this machine's GPUs as canonical samples, labelled for ``node``."""
+
+    def read(node: Node) -> list[dict[str, Any]]:
+        context = GpuContext(node=node.name, classes={str(d.index): d.device_class for d in node.devices})
+        samples = list(from_nvml(_nvml_readings(), context))
+        amd = AmdSysfsDiscoverer(root).discover().gpus
+        if amd:
+            samples += from_amd_sysfs(amd, context)
+        return [{"name": s.name, "labels": dict(s.labels), "value": s.value} for s in samples]
+
+    return read
