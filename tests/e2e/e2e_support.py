@@ -627,3 +627,19 @@ def short_deadline_args(tmp_path: Path) -> tuple[str, ...]:
     server's model-file directory under the test's tmp_path (these override ServerFactory's
     "no heartbeats" defaults: the last value of an option wins)."""
     return ("--not-ready-after", "2", "--lost-after", "4", "--models-dir", str(tmp_path / "server-models"))
+
+
+# Requests the tiny model answers slowly, so load can be held: llama-server's `grammar` field.
+# SLOW: 2,000 alternative rules cost ~10 ms per token; GROWING: parse stacks that grow with every
+# token, for one long request. ignore_eos keeps token counts exact.
+SLOW_RULES = 2000
+SLOW = {
+    "grammar": "root ::= "
+    + " | ".join(f"r{i}" for i in range(SLOW_RULES))
+    + "\n"
+    + "\n".join(f"r{i} ::= [a-z]*" for i in range(SLOW_RULES)),
+    "ignore_eos": True,
+}
+# 4 slots share the replica's 256-token KV cache: ~23 prompt + 30 generated tokens each fit.
+SLOW_TOKENS = 30
+GROWING = {"grammar": "root ::= x\nx ::= [a-z] x? x?", "ignore_eos": True}

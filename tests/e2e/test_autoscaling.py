@@ -36,6 +36,8 @@ from typing import Any
 import httpx
 import pytest
 from e2e_support import (
+    SLOW,
+    SLOW_TOKENS,
     AgentFactory,
     AgentProcess,
     ServerFactory,
@@ -51,16 +53,6 @@ from openai import OpenAI
 NODE = "as-a"
 # A GBNF grammar with 2000 alternatives alive at every step: ~10 ms a token, ~40 ms with the 4
 # slots busy (as in test_gateway.py); ignore_eos makes every answer run to max_tokens.
-_RULES = 2000
-SLOW = {
-    "grammar": "root ::= "
-    + " | ".join(f"r{i}" for i in range(_RULES))
-    + "\n"
-    + "\n".join(f"r{i} ::= [a-z]*" for i in range(_RULES)),
-    "ignore_eos": True,
-}
-# 4 slots share the replica's 256-token KV cache: ~23 prompt + 30 generated tokens each fit.
-SLOW_TOKENS = 30
 ROUTE_REFRESH = 1.5  # the gateway re-reads its routes every second
 
 

@@ -37,6 +37,9 @@ import httpx
 import openai
 import pytest
 from e2e_support import (
+    GROWING,
+    SLOW,
+    SLOW_TOKENS,
     AgentFactory,
     AgentProcess,
     ServerFactory,
@@ -54,16 +57,6 @@ from fleetserve.engines.capabilities import ENGINES, EngineKind
 
 NODES = ("gw-a", "gw-b")
 # Grammars that make generation slow on purpose (see the module docstring).
-_RULES = 2000
-SLOW = {
-    "grammar": "root ::= "
-    + " | ".join(f"r{i}" for i in range(_RULES))
-    + "\n"
-    + "\n".join(f"r{i} ::= [a-z]*" for i in range(_RULES)),
-    "ignore_eos": True,
-}
-SLOW_TOKENS = 30
-GROWING = {"grammar": "root ::= x\nx ::= [a-z] x? x?", "ignore_eos": True}
 # Routes are re-read from the store every second: wait this long after a replica turned Running
 # before counting on the gateway to send it requests.
 ROUTE_REFRESH = 1.5
