@@ -11,6 +11,8 @@ from pathlib import Path
 from types import MappingProxyType
 
 from fleetserve.errors import ConfigError, Problem
+from fleetserve.kube.engines import image_problems
+from fleetserve.kube.stack import cluster_problems
 from fleetserve.modelfacts import ModelFacts, model_facts
 from fleetserve.snapshot import ClusterSnapshot
 from fleetserve.spec.loader import Documents
@@ -40,6 +42,7 @@ def check_documents(docs: Documents) -> list[Problem]:
     problems += _duplicates("Model", (m.name for m in docs.models))
     problems += _duplicates("Deployment", (d.name for d in docs.deployments))
     problems += _duplicates("Replica", (r.name for r in docs.replicas))
+    problems += _duplicates("Cluster", (c.name for c in docs.clusters))
     classes = {c.name: c for c in docs.classes}
     fabrics = {f.name for f in docs.fabrics}
     models = {m.name for m in docs.models}
@@ -75,6 +78,9 @@ def check_documents(docs: Documents) -> list[Problem]:
                 )
             )
         problems += validate_deployment(dep, classes)
+    for cluster in docs.clusters:
+        problems += cluster_problems(cluster, classes)
+        problems += image_problems(cluster)
     for replica in docs.replicas:
         if replica.deployment not in deployments:
             problems.append(

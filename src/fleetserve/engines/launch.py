@@ -33,6 +33,9 @@ class LaunchContext:
     context: int | None
     # Addresses of the replica's nodes, shard order; the first is the head of a multi-node group.
     peer_addresses: tuple[str, ...] = ()
+    # How the engine names its model when not by ``model_path`` (e.g. a Hugging Face repo the
+    # engine downloads itself, in a Kubernetes pod); empty means the file at ``model_path``.
+    model_args: tuple[str, ...] = ()
 
     @property
     def devices(self) -> tuple[int, ...]:

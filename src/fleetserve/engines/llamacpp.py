@@ -26,7 +26,7 @@ class LlamaCppAdapter:
         served = ctx.replica.deployment
         argv: list[str] = [
             ctx.binary,
-            "--model", str(ctx.model_path),
+            *(ctx.model_args or ("--model", str(ctx.model_path))),
             "--host", ctx.host,
             "--port", str(ctx.port),
             "--alias", served,

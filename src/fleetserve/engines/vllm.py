@@ -37,7 +37,7 @@ class VllmAdapter:
                 served_name=served,
             )
         argv: list[str] = [
-            ctx.binary, "serve", str(ctx.model_path),
+            ctx.binary, "serve", *(ctx.model_args or (str(ctx.model_path),)),
             "--host", ctx.host,
             "--port", str(ctx.port),
             "--served-model-name", served,

@@ -14,7 +14,7 @@ from fleetserve.errors import ConfigError, Problem
 from fleetserve.fleet import check_documents
 from fleetserve.modelfacts import model_facts
 from fleetserve.spec.loader import Documents, parse_document
-from fleetserve.spec.resources import Replica
+from fleetserve.spec.resources import Cluster, Replica
 from fleetserve.store.sql import SqlStore
 
 
@@ -43,6 +43,16 @@ def parse_batch(raws: Sequence[Any]) -> Documents:
                     f"document {i} (Replica {resource.name})",
                     "kind",
                     "replicas are created by the reconciler, not applied; apply a Deployment",
+                )
+            )
+            continue
+        if isinstance(resource, Cluster):
+            problems.append(
+                Problem(
+                    f"document {i} (Cluster {resource.name})",
+                    "kind",
+                    "a Cluster describes a Kubernetes cluster for `fleetserve kube`; the server does not "
+                    "store it",
                 )
             )
             continue

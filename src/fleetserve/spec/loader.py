@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from pydantic import ValidationError as PydanticValidationError
 
 from fleetserve.errors import ConfigError, Problem
-from fleetserve.spec.resources import Deployment, DeviceClass, Fabric, Model, Node, Replica
+from fleetserve.spec.resources import Cluster, Deployment, DeviceClass, Fabric, Model, Node, Replica
 
 KINDS: Mapping[str, type[BaseModel]] = {
     "DeviceClass": DeviceClass,
@@ -25,6 +25,7 @@ KINDS: Mapping[str, type[BaseModel]] = {
     "Model": Model,
     "Deployment": Deployment,
     "Replica": Replica,
+    "Cluster": Cluster,
 }
 
 
@@ -38,6 +39,7 @@ class Documents:
     models: list[Model] = field(default_factory=list)
     deployments: list[Deployment] = field(default_factory=list)
     replicas: list[Replica] = field(default_factory=list)
+    clusters: list[Cluster] = field(default_factory=list)
 
     def add(self, resource: BaseModel) -> None:
         """Append one parsed resource to the list of its kind."""
@@ -48,6 +50,7 @@ class Documents:
             Model: self.models,
             Deployment: self.deployments,
             Replica: self.replicas,
+            Cluster: self.clusters,
         }
         buckets[type(resource)].append(resource)
 
@@ -60,6 +63,7 @@ class Documents:
             models=self.models + other.models,
             deployments=self.deployments + other.deployments,
             replicas=self.replicas + other.replicas,
+            clusters=self.clusters + other.clusters,
         )
 
     def all(self) -> Iterable[BaseModel]:
@@ -70,6 +74,7 @@ class Documents:
         yield from self.models
         yield from self.deployments
         yield from self.replicas
+        yield from self.clusters
 
 
 def _loc_path(loc: tuple[int | str, ...]) -> str:

@@ -1,0 +1,218 @@
+"""Serving-stack composition: which cluster components a cluster needs, from the drivers it claims.
+
+The drivers claimed across a cluster's referenced classes select components from the driver
+table (``DriverSpec.stack_components``); an absent list is empty, never "everything". A class
+claiming a driver no component provides sets ``StackReady=False`` with reason
+``UnsupportedDevices`` on the cluster, and composition goes on with what it can provide: a
+component that already exists is never dropped by the gate (design.md, Multi-accelerator gating).
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from kubernetes import client
+
+from fleetserve.drivers import DRIVERS, Driver, parse_driver, stack_for
+from fleetserve.errors import ConfigError, Problem
+from fleetserve.spec.resources import Cluster, DeviceClass
+from fleetserve.validation import Condition
+
+# The built-in class name a Cluster lists for its CPU pool (no DeviceClass document needed).
+CPU_CLASS = "cpu"
+STACK_CONFIGMAP = "fleetserve-stack"
+MANAGED_BY = {"app.kubernetes.io/managed-by": "fleetserve"}
+
+
+@dataclass(frozen=True)
+class Component:
+    """One serving-stack component: where it comes from and the namespace it runs in."""
+
+    project: str
+    namespace: str
+    what: str
+
+
+# Every component the driver table names. A component serves the drivers whose rows name it.
+COMPONENTS: Mapping[str, Component] = MappingProxyType(
+    {
+        "nvidia-dra-driver-gpu": Component(
+            "https://github.com/NVIDIA/k8s-dra-driver-gpu",
+            "nvidia-dra-driver-gpu",
+            "publishes NVIDIA GPUs as ResourceSlices; DeviceClass gpu.nvidia.com",
+        ),
+        "nvidia-gpu-operator": Component(
+            "https://github.com/NVIDIA/gpu-operator",
+            "gpu-operator",
+            "driver, container toolkit and CDI on NVIDIA nodes",
+        ),
+        "dcgm-exporter": Component(
+            "https://github.com/NVIDIA/dcgm-exporter", "gpu-operator", "NVIDIA GPU metrics for Prometheus"
+        ),
+        "amd-gpu-operator": Component(
+            "https://github.com/ROCm/gpu-operator",
+            "kube-amd-gpu",
+            "AMD GPU operator in DRA mode; DeviceClass gpu.amd.com",
+        ),
+        "amd-device-metrics-exporter": Component(
+            "https://github.com/ROCm/device-metrics-exporter",
+            "kube-amd-gpu",
+            "AMD GPU metrics for Prometheus",
+        ),
+        "nfd": Component(
+            "https://github.com/kubernetes-sigs/node-feature-discovery",
+            "node-feature-discovery",
+            "labels nodes with their PCI devices and kernel features",
+        ),
+        "dra-driver-cpu": Component(
+            "https://github.com/kubernetes-sigs/dra-driver-cpu",
+            "kube-system",
+            "exclusive CPUs through ResourceClaims; DeviceClass dra.cpu",
+        ),
+    }
+)
+
+
+def drivers_of_component(name: str) -> tuple[Driver, ...]:
+    """The drivers whose rows of the driver table name component ``name``."""
+    return tuple(d for d, spec in DRIVERS.items() if name in spec.stack_components)
+
+
+def class_driver(name: str, classes: Mapping[str, DeviceClass]) -> str | None:
+    """The driver a class a Cluster lists claims: its document's, ``dra.cpu`` for ``cpu``, or None."""
+    if name in classes:
+        return classes[name].driver
+    if name == CPU_CLASS:
+        return Driver.CPU.value
+    return None
+
+
+def cluster_problems(cluster: Cluster, classes: Mapping[str, DeviceClass]) -> list[Problem]:
+    """A Cluster's references to classes that do not exist, and repeated classes."""
+    out = []
+    seen: set[str] = set()
+    for i, name in enumerate(cluster.classes):
+        if name in seen:
+            out.append(Problem(f"Cluster {cluster.name}", f"classes[{i}]", f"class {name!r} is listed twice"))
+        seen.add(name)
+        if class_driver(name, classes) is None:
+            known = sorted({*classes, CPU_CLASS})
+            out.append(
+                Problem(
+                    f"Cluster {cluster.name}",
+                    f"classes[{i}]",
+                    f"unknown device class {name!r}; known: {', '.join(known)} ('cpu' is the CPU pool)",
+                )
+            )
+    return out
+
+
+@dataclass(frozen=True)
+class StackPlan:
+    """A cluster's composed serving stack, and the condition it sets on the cluster."""
+
+    cluster: str
+    namespace: str
+    # Every driver the cluster's classes claim, in the order first claimed (a list, maybe empty).
+    claimed: tuple[str, ...]
+    # Claimed drivers no component provides → the classes claiming them.
+    unsupported: Mapping[str, tuple[str, ...]]
+    # Components to have: those the supported claimed drivers select, then those kept.
+    components: tuple[str, ...]
+    # Components that exist but no claimed driver selects any more: kept, never removed here.
+    kept: tuple[str, ...]
+    condition: Condition
+
+    @property
+    def provided(self) -> tuple[Driver, ...]:
+        """The claimed drivers the stack provides: the ones workloads may claim devices of."""
+        return tuple(d for name in self.claimed if (d := parse_driver(name)) is not None)
+
+
+def compose(cluster: Cluster, classes: Mapping[str, DeviceClass], existing: Sequence[str] = ()) -> StackPlan:
+    """Compose ``cluster``'s stack; ``existing`` are the components it already has (all kept)."""
+    problems = cluster_problems(cluster, classes)
+    if problems:
+        raise ConfigError(problems)
+    claimed: dict[str, list[str]] = {}
+    for name in cluster.classes:
+        driver = class_driver(name, classes)
+        assert driver is not None
+        claimed.setdefault(driver, []).append(name)
+    unsupported = {d: tuple(cs) for d, cs in claimed.items() if parse_driver(d) is None}
+    provided = [d for name in claimed if (d := parse_driver(name)) is not None]
+    selected = dict.fromkeys(stack_for(provided))
+    kept = tuple(c for c in dict.fromkeys(existing) if c not in selected)
+    if unsupported:
+        what = "; ".join(
+            f"{', '.join(f'class {c}' for c in cs)} claims driver {d}" for d, cs in unsupported.items()
+        )
+        condition = Condition(
+            "StackReady",
+            False,
+            "UnsupportedDevices",
+            f"{what}, which no serving-stack component provides (supported: "
+            f"{', '.join(sorted(d.value for d in DRIVERS))}); every existing component and workload "
+            "is kept",
+        )
+    else:
+        condition = Condition(
+            "StackReady",
+            True,
+            "Composed",
+            f"{len(selected)} components for drivers {', '.join(claimed) or 'none (no class listed)'}",
+        )
+    return StackPlan(
+        cluster=cluster.name,
+        namespace=cluster.namespace,
+        claimed=tuple(claimed),
+        unsupported=MappingProxyType(unsupported),
+        components=(*selected, *kept),
+        kept=kept,
+        condition=condition,
+    )
+
+
+def stack_configmap(plan: StackPlan) -> client.V1ConfigMap:
+    """The ConfigMap recording a cluster's stack and condition, read back as ``existing`` next time."""
+    cond = plan.condition
+    return client.V1ConfigMap(
+        api_version="v1",
+        kind="ConfigMap",
+        metadata=client.V1ObjectMeta(
+            name=STACK_CONFIGMAP,
+            namespace=plan.namespace,
+            labels={**MANAGED_BY, "fleetserve.io/cluster": plan.cluster},
+        ),
+        data={
+            "cluster": plan.cluster,
+            "claimedDrivers": json.dumps(list(plan.claimed)),
+            "components": json.dumps(list(plan.components)),
+            "conditions": json.dumps(
+                [
+                    {
+                        "type": cond.type,
+                        "status": str(cond.status),
+                        "reason": cond.reason,
+                        "message": cond.message,
+                    }
+                ]
+            ),
+        },
+    )
+
+
+def components_recorded(configmap: Mapping[str, Any] | None) -> list[str]:
+    """The components a stack ConfigMap (as a dict) records; empty for none or an unreadable one."""
+    if not configmap:
+        return []
+    try:
+        value = json.loads((configmap.get("data") or {}).get("components", "[]"))
+    except (TypeError, ValueError):
+        return []
+    return [c for c in value if isinstance(c, str)] if isinstance(value, list) else []
