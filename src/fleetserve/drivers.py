@@ -43,6 +43,17 @@ class Taint:
 
 
 @dataclass(frozen=True)
+class SliceFormat:
+    """How a GPU driver's DRA plugin describes its devices in a ResourceSlice."""
+
+    # The attribute holding the driver's ordinal of the device.
+    index_attribute: str
+    pci_vendor_id: str
+    # Values of the ``type`` attribute that mark a partition of a GPU, not a whole one.
+    partition_types: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class DriverSpec:
     """Every per-driver fact: vendor, pool role, env, device-plugin resource, metrics, stack."""
 
@@ -55,6 +66,8 @@ class DriverSpec:
     gpu_metrics_source: str
     stack_components: tuple[str, ...]
     is_accelerator: bool
+    # How its ResourceSlices describe a GPU (``fleetserve kube import``); None: it publishes none.
+    resource_slice: SliceFormat | None = None
 
 
 POOL_LABEL_KEY = "fleetserve.io/pool"
@@ -75,6 +88,9 @@ DRIVERS: Mapping[Driver, DriverSpec] = MappingProxyType(
             gpu_metrics_source="DCGM exporter, or NVML in the agent",
             stack_components=("nvidia-dra-driver-gpu", "nvidia-gpu-operator", "dcgm-exporter", "nfd"),
             is_accelerator=True,
+            resource_slice=SliceFormat(
+                index_attribute="index", pci_vendor_id="0x10de", partition_types=("mig",)
+            ),
         ),
         Driver.AMD: DriverSpec(
             vendor="amd",
@@ -91,6 +107,10 @@ DRIVERS: Mapping[Driver, DriverSpec] = MappingProxyType(
             gpu_metrics_source="AMD device-metrics-exporter, or sysfs/amdsmi in the agent",
             stack_components=("amd-gpu-operator", "amd-device-metrics-exporter", "nfd"),
             is_accelerator=True,
+            # cardIndex is the DRM card number (/dev/dri/cardN), the closest ordinal the slice has.
+            resource_slice=SliceFormat(
+                index_attribute="cardIndex", pci_vendor_id="0x1002", partition_types=("amdgpu-partition",)
+            ),
         ),
         Driver.CPU: DriverSpec(
             vendor="cpu",

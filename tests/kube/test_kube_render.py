@@ -75,7 +75,7 @@ def validate(obj: dict[str, Any]) -> None:
 
 
 def example(name: str) -> Documents:
-    return load_files(sorted((EXAMPLES / name).glob("*.yaml")))
+    return load_files(sorted((EXAMPLES / name).glob("**/*.yaml")))
 
 
 def render(docs: Documents, cluster: Cluster | None = None, existing: list[dict[str, Any]] | None = None):  # type: ignore[no-untyped-def]

@@ -17,7 +17,7 @@ AMD_COMPONENTS = {"amd-gpu-operator", "amd-device-metrics-exporter"}
 
 
 def datacenter() -> Documents:
-    return load_files(sorted((EXAMPLES / "datacenter").glob("*.yaml")))
+    return load_files(sorted((EXAMPLES / "datacenter").glob("**/*.yaml")))
 
 
 def cluster(*classes: str) -> Cluster:
@@ -161,3 +161,16 @@ def test_an_unreadable_stack_record_means_no_recorded_component() -> None:
     assert components_recorded(None) == []
     assert components_recorded({"data": {"components": "not json"}}) == []
     assert components_recorded({"data": {"components": '["nfd", 3]'}}) == ["nfd"]
+
+
+def test_two_clusters_never_read_each_others_stack_record() -> None:
+    docs = datacenter()
+    full = render_cluster(docs, docs.clusters[0])
+    other = docs.clusters[0].model_copy(update={"name": "dc-west", "classes": ("cpu",)})
+    # Same namespace, the first cluster's objects present: the second keeps none of its components.
+    result = render_cluster(docs, other, existing=full.objects)
+    assert result.stack.components == ("dra-driver-cpu",) and result.stack.kept == ()
+    names = {o["metadata"]["name"] for o in result.objects if o["kind"] == "ConfigMap"}
+    assert names == {"fleetserve-stack-dc-west"}
+    # And none of the first cluster's replicas are taken for its own.
+    assert not result.kept_as_is and all(r.startswith("qwen-7b-") for r in result.rendered)

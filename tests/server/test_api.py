@@ -345,6 +345,13 @@ BAD_DOCS = [
         "replicas are created by the reconciler, not applied",
     ),
     BadDoc(
+        "a Cluster (for fleetserve kube, not the server)",
+        {"kind": "Cluster", "name": "dc", "classes": ["cpu"]},
+        "document {n} (Cluster dc)",
+        "kind",
+        "describes a Kubernetes cluster for `fleetserve kube`",
+    ),
+    BadDoc(
         "an unknown kind", {"kind": "Pod", "name": "p"}, "document {n}", "kind", "got 'Pod'; valid kinds:"
     ),
     BadDoc(

@@ -10,6 +10,7 @@ from rich.console import Console
 
 from fleetserve import __version__
 from fleetserve.cli import admin
+from fleetserve.cli.kube import kube
 from fleetserve.cli.output import fail
 from fleetserve.cli.plan import Output, run_plan
 from fleetserve.errors import ConfigError, FleetserveError
@@ -25,7 +26,8 @@ app = typer.Typer(
         "engines assigned to it. `up` runs server and agent on this machine. `apply`, `get`, "
         "`describe`, `explain`, `logs`, `cordon`, `uncordon`, `drain`, `delete` and `upload` talk "
         "to the control plane over HTTP; `keys` manages the gateway's API keys. The OpenAI API is "
-        "served under /v1 by `server` (and `up`), and by `gateway` processes to scale out."
+        "served under /v1 by `server` (and `up`), and by `gateway` processes to scale out. `kube` "
+        "renders and applies the same placements as Kubernetes objects, without agents."
     ),
     no_args_is_help=True,
     add_completion=False,
@@ -261,6 +263,7 @@ def up_command(
 
 dev = typer.Typer(help="Developer tools.", no_args_is_help=True)
 app.add_typer(dev, name="dev")
+app.add_typer(kube, name="kube")
 
 
 @dev.command("tiny-model")

@@ -16,16 +16,19 @@ from typing import Any
 
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
+from urllib3.exceptions import HTTPError as TransportError
 
 from fleetserve.errors import FleetserveError
 from fleetserve.kube.objects import CLUSTER_LABEL, MANAGED_BY_KEY, MANAGER, plain
 from fleetserve.kube.render import LWS_API_VERSION
-from fleetserve.kube.stack import STACK_CONFIGMAP
+from fleetserve.kube.stack import stack_configmap_name
 
 FIELD_MANAGER = "fleetserve"
 APPLY_PATCH = "application/apply-patch+yaml"
 LWS_GROUP, LWS_VERSION = LWS_API_VERSION.split("/")
 LWS_PLURAL = "leaderworkersets"
+# Seconds one API call may take (connect, read): a hung server is an error, never a hang.
+REQUEST_TIMEOUT = (10.0, 60.0)
 
 
 class KubeError(FleetserveError):
@@ -114,7 +117,11 @@ def apply_objects(
         name, ns = str(meta.get("name", "")), str(meta.get("namespace", ""))
         if patch is None:
             raise KubeError(f"{key[1]} {name}: fleetserve does not apply {key[0]} {key[1]} objects")
-        options: dict[str, Any] = {"field_manager": FIELD_MANAGER, "_content_type": APPLY_PATCH}
+        options: dict[str, Any] = {
+            "field_manager": FIELD_MANAGER,
+            "_content_type": APPLY_PATCH,
+            "_request_timeout": REQUEST_TIMEOUT,
+        }
         if force_conflicts:
             options["force"] = True
         if dry_run:
@@ -131,8 +138,11 @@ def apply_objects(
                 f"{key[1]} {ns + '/' if ns else ''}{name}: {_describe(exc)}{hint}; "
                 f"{len(done)} object(s) were applied before it"
             ) from exc
-        except Exception as exc:  # urllib3 connection errors and the like
-            raise KubeError(f"{key[1]} {name}: cannot reach the Kubernetes API: {exc}") from exc
+        except (TransportError, OSError) as exc:
+            raise KubeError(
+                f"{key[1]} {name}: cannot reach the Kubernetes API: {exc}; "
+                f"{len(done)} object(s) were applied before it"
+            ) from exc
         applied = Applied(key[1], ns, name, "dry-run" if dry_run else "applied")
         done.append(applied)
         if on_applied is not None:
@@ -147,7 +157,13 @@ def read_existing(api: client.ApiClient, cluster: str, namespace: str) -> list[d
     core, apps = client.CoreV1Api(api), client.AppsV1Api(api)
     try:
         try:
-            out.append(plain(core.read_namespaced_config_map(STACK_CONFIGMAP, namespace)))
+            out.append(
+                plain(
+                    core.read_namespaced_config_map(
+                        stack_configmap_name(cluster), namespace, _request_timeout=REQUEST_TIMEOUT
+                    )
+                )
+            )
         except ApiException as exc:
             if exc.status != 404:
                 raise
@@ -156,15 +172,23 @@ def read_existing(api: client.ApiClient, cluster: str, namespace: str) -> list[d
                 "resource.k8s.io/v1",
                 "ResourceClaimTemplate",
                 lambda: client.ResourceV1Api(api).list_namespaced_resource_claim_template(
-                    namespace, label_selector=selector
+                    namespace, label_selector=selector, _request_timeout=REQUEST_TIMEOUT
                 ),
             ),
             (
                 "apps/v1",
                 "Deployment",
-                lambda: apps.list_namespaced_deployment(namespace, label_selector=selector),
+                lambda: apps.list_namespaced_deployment(
+                    namespace, label_selector=selector, _request_timeout=REQUEST_TIMEOUT
+                ),
             ),
-            ("v1", "Service", lambda: core.list_namespaced_service(namespace, label_selector=selector)),
+            (
+                "v1",
+                "Service",
+                lambda: core.list_namespaced_service(
+                    namespace, label_selector=selector, _request_timeout=REQUEST_TIMEOUT
+                ),
+            ),
         ]
         for api_version, kind, listing in listings:
             for item in listing().items:
@@ -173,7 +197,12 @@ def read_existing(api: client.ApiClient, cluster: str, namespace: str) -> list[d
                 out.append({"apiVersion": api_version, "kind": kind, **data})
         try:
             lws = client.CustomObjectsApi(api).list_namespaced_custom_object(
-                LWS_GROUP, LWS_VERSION, namespace, LWS_PLURAL, label_selector=selector
+                LWS_GROUP,
+                LWS_VERSION,
+                namespace,
+                LWS_PLURAL,
+                label_selector=selector,
+                _request_timeout=REQUEST_TIMEOUT,
             )
             items = lws.get("items", []) if isinstance(lws, dict) else []
             out.extend(item for item in items if isinstance(item, dict))
@@ -184,6 +213,6 @@ def read_existing(api: client.ApiClient, cluster: str, namespace: str) -> list[d
         raise KubeError(
             f"reading cluster {cluster}'s objects in namespace {namespace}: {_describe(exc)}"
         ) from exc
-    except Exception as exc:
+    except (TransportError, OSError) as exc:
         raise KubeError(f"cannot reach the Kubernetes API: {exc}") from exc
     return out

@@ -24,6 +24,7 @@ from fleetserve.kube.engines import image_problems, model_args
 from fleetserve.kube.objects import (
     MANAGED_BY_KEY,
     MANAGER,
+    managed,
     objects_of_replica,
     plain,
     running_replicas,
@@ -31,11 +32,11 @@ from fleetserve.kube.objects import (
 from fleetserve.kube.render import ReplicaInput, render_replica
 from fleetserve.kube.stack import (
     CPU_CLASS,
-    STACK_CONFIGMAP,
     StackPlan,
     components_recorded,
     compose,
     stack_configmap,
+    stack_configmap_name,
 )
 from fleetserve.placement.placer import DeploymentDecision, SearchKind, plan
 from fleetserve.spec.loader import Documents
@@ -105,8 +106,9 @@ def _existing_stack(existing: Sequence[Mapping[str, Any]], cluster: Cluster) -> 
         meta = obj.get("metadata") or {}
         if (
             obj.get("kind") == "ConfigMap"
-            and meta.get("name") == STACK_CONFIGMAP
+            and meta.get("name") == stack_configmap_name(cluster.name)
             and meta.get("namespace", cluster.namespace) == cluster.namespace
+            and managed(obj, cluster.name)
         ):
             return obj
     return None

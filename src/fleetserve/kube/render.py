@@ -365,10 +365,10 @@ def _leader_worker_set(inp: ReplicaInput, rp: ResolvedProfile) -> dict[str, Any]
         "metadata": plain(_meta(inp, rp, annotate=True)),
         "spec": {
             "replicas": 1,
-            # The whole group starts over when one pod restarts: a replica fails whole.
             "startupPolicy": "LeaderCreated",
             "leaderWorkerTemplate": {
                 "size": len(inp.replica.shards),
+                # The whole group starts over when one pod restarts: a replica fails whole.
                 "restartPolicy": "RecreateGroupOnPodRestart",
                 "leaderTemplate": plain(_template(inp, rp, leader)),
                 "workerTemplate": plain(_template(inp, rp, worker)),

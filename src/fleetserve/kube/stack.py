@@ -25,7 +25,7 @@ from fleetserve.validation import Condition
 
 # The built-in class name a Cluster lists for its CPU pool (no DeviceClass document needed).
 CPU_CLASS = "cpu"
-STACK_CONFIGMAP = "fleetserve-stack"
+STACK_CONFIGMAP_PREFIX = "fleetserve-stack-"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "fleetserve"}
 
 
@@ -178,6 +178,11 @@ def compose(cluster: Cluster, classes: Mapping[str, DeviceClass], existing: Sequ
     )
 
 
+def stack_configmap_name(cluster: str) -> str:
+    """The ConfigMap recording ``cluster``'s stack: one per cluster, so clusters never share one."""
+    return STACK_CONFIGMAP_PREFIX + cluster
+
+
 def stack_configmap(plan: StackPlan) -> client.V1ConfigMap:
     """The ConfigMap recording a cluster's stack and condition, read back as ``existing`` next time."""
     cond = plan.condition
@@ -185,7 +190,7 @@ def stack_configmap(plan: StackPlan) -> client.V1ConfigMap:
         api_version="v1",
         kind="ConfigMap",
         metadata=client.V1ObjectMeta(
-            name=STACK_CONFIGMAP,
+            name=stack_configmap_name(plan.cluster),
             namespace=plan.namespace,
             labels={**MANAGED_BY, "fleetserve.io/cluster": plan.cluster},
         ),
