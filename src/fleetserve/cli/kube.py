@@ -11,7 +11,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from fleetserve.cli.output import fail
+from fleetserve.cli.output import Format, fail
 from fleetserve.errors import ConfigError, FleetserveError, Problem
 from fleetserve.kube.cluster import ClusterRender, pick_cluster, render_cluster
 from fleetserve.kube.objects import dump_yaml, load_yaml_objects, plain
@@ -63,14 +63,6 @@ KubeconfigOpt = Annotated[
     typer.Option("--kubeconfig", help="The kubeconfig file (default: $KUBECONFIG or ~/.kube/config)."),
 ]
 ContextOpt = Annotated[str | None, typer.Option("--context", help="The kubeconfig context to use.")]
-
-
-class StackFormat(StrEnum):
-    """How ``kube stack`` prints."""
-
-    TABLE = "table"
-    YAML = "yaml"
-    JSON = "json"
 
 
 class RenderFormat(StrEnum):
@@ -183,8 +175,8 @@ def stack_command(
     files: FilesArg,
     existing: ExistingOpt = None,
     output: Annotated[
-        StackFormat, typer.Option("--output", "-o", help="table for people; yaml/json: the stack ConfigMap.")
-    ] = StackFormat.TABLE,
+        Format, typer.Option("--output", "-o", help="table for people; yaml/json: the stack ConfigMap.")
+    ] = Format.TABLE,
 ) -> None:
     """The serving stack a cluster needs, composed from the drivers its classes claim.
 
@@ -202,9 +194,9 @@ def stack_command(
     except FleetserveError as err:
         raise fail(err) from None
     console = Console(soft_wrap=True)
-    if output is StackFormat.TABLE:
+    if output is Format.TABLE:
         print_stack(plan, console)
-    elif output is StackFormat.JSON:
+    elif output is Format.JSON:
         typer.echo(json.dumps(plain(stack_configmap(plan)), indent=2))
     else:
         typer.echo(dump_yaml([plain(stack_configmap(plan))]), nl=False)
