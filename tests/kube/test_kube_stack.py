@@ -174,3 +174,34 @@ def test_two_clusters_never_read_each_others_stack_record() -> None:
     assert names == {"fleetserve-stack-dc-west"}
     # And none of the first cluster's replicas are taken for its own.
     assert not result.kept_as_is and all(r.startswith("qwen-7b-") for r in result.rendered)
+
+
+def test_objects_kept_as_they_run_lose_only_what_the_server_added() -> None:
+    docs = datacenter()
+    before = render_cluster(docs, docs.clusters[0])
+    from_server = []
+    for obj in before.objects:
+        served = json.loads(json.dumps(obj))
+        served["metadata"].update(resourceVersion="42", uid="u", managedFields=[{"manager": "fleetserve"}])
+        served["status"] = {"replicas": 1}
+        from_server.append(served)
+    without = Documents(
+        classes=docs.classes,
+        fabrics=docs.fabrics,
+        nodes=docs.nodes,
+        models=docs.models,
+        deployments=[d for d in docs.deployments if d.name != "qwen-7b"],
+        clusters=docs.clusters,
+    )
+    after = render_cluster(without, docs.clusters[0], existing=from_server)
+    carried = [
+        o
+        for o in after.objects
+        if o["metadata"].get("labels", {}).get("fleetserve.io/deployment") == "qwen-7b"
+    ]
+    originals = [
+        o
+        for o in before.objects
+        if o["metadata"].get("labels", {}).get("fleetserve.io/deployment") == "qwen-7b"
+    ]
+    assert carried == originals

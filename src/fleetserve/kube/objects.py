@@ -105,12 +105,27 @@ def running_replicas(objects: Iterable[Mapping[str, Any]], cluster: str) -> tupl
     return out, problems
 
 
+# What the API server adds to an object: never part of what fleetserve declares.
+SERVER_FIELDS = ("managedFields", "resourceVersion", "uid", "creationTimestamp", "generation", "selfLink")
+
+
+def as_declared(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """An object read from a cluster without what the server added (status, resourceVersion, ...)."""
+    out = {k: v for k, v in obj.items() if k != "status"}
+    meta = out.get("metadata")
+    if isinstance(meta, Mapping):
+        out["metadata"] = {k: v for k, v in meta.items() if k not in SERVER_FIELDS}
+    return out
+
+
 def objects_of_replica(
     objects: Iterable[Mapping[str, Any]], cluster: str, replica: str
 ) -> list[dict[str, Any]]:
-    """The existing objects fleetserve made for ``replica`` of ``cluster``, as they are."""
+    """The existing objects fleetserve made for ``replica`` of ``cluster``, as declared."""
     return [
-        dict(obj) for obj in objects if managed(obj, cluster) and labels_of(obj).get(REPLICA_LABEL) == replica
+        as_declared(obj)
+        for obj in objects
+        if managed(obj, cluster) and labels_of(obj).get(REPLICA_LABEL) == replica
     ]
 
 
