@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,11 @@ AMD_COMPONENTS = {"amd-gpu-operator", "amd-device-metrics-exporter"}
 
 def datacenter() -> Documents:
     return load_files(sorted((EXAMPLES / "datacenter").glob("**/*.yaml")))
+
+
+def without_deployment(docs: Documents, name: str) -> Documents:
+    """The same documents less deployment ``name`` (as if an operator deleted it)."""
+    return dataclasses.replace(docs, deployments=[d for d in docs.deployments if d.name != name])
 
 
 def cluster(*classes: str) -> Cluster:
@@ -139,14 +145,7 @@ def test_a_class_edited_to_an_unsupported_driver_keeps_what_runs_and_sets_the_co
 def test_a_replica_of_a_removed_deployment_keeps_its_objects() -> None:
     docs = datacenter()
     before = render_cluster(docs, docs.clusters[0])
-    without = Documents(
-        classes=docs.classes,
-        fabrics=docs.fabrics,
-        nodes=docs.nodes,
-        models=docs.models,
-        deployments=[d for d in docs.deployments if d.name != "qwen-7b"],
-        clusters=docs.clusters,
-    )
+    without = without_deployment(docs, "qwen-7b")
     after = render_cluster(without, docs.clusters[0], existing=before.objects)
     assert set(after.kept_as_is) == {"qwen-7b-0", "qwen-7b-1", "qwen-7b-2"}
     qwen = [
@@ -185,14 +184,7 @@ def test_objects_kept_as_they_run_lose_only_what_the_server_added() -> None:
         served["metadata"].update(resourceVersion="42", uid="u", managedFields=[{"manager": "fleetserve"}])
         served["status"] = {"replicas": 1}
         from_server.append(served)
-    without = Documents(
-        classes=docs.classes,
-        fabrics=docs.fabrics,
-        nodes=docs.nodes,
-        models=docs.models,
-        deployments=[d for d in docs.deployments if d.name != "qwen-7b"],
-        clusters=docs.clusters,
-    )
+    without = without_deployment(docs, "qwen-7b")
     after = render_cluster(without, docs.clusters[0], existing=from_server)
     carried = [
         o
