@@ -232,21 +232,14 @@ def apply_command(
         existing = read_existing(api, cluster.name, cluster.namespace)
         result = render_cluster(docs, cluster, existing, base_dir=files[0].parent)
         print_summary(result, err_console)
-        carried = {id(o) for name in result.kept_as_is for o in result.objects if _is_replica(o, name)}
-        todo = [o for o in result.objects if id(o) not in carried]
 
         def show(a: Applied) -> None:
             where = f"{a.namespace}/" if a.namespace else ""
             err_console.print(f"{a.kind.lower()}/{where}{a.name} {a.result}", markup=False)
 
-        apply_objects(api, todo, dry_run=dry_run, force_conflicts=force_conflicts, on_applied=show)
+        apply_objects(api, result.applied, dry_run=dry_run, force_conflicts=force_conflicts, on_applied=show)
     except FleetserveError as err:
         raise fail(err) from None
-
-
-def _is_replica(obj: dict[str, Any], replica: str) -> bool:
-    labels = (obj.get("metadata") or {}).get("labels") or {}
-    return bool(labels.get("fleetserve.io/replica") == replica)
 
 
 @kube.command("import")

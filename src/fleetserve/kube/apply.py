@@ -91,8 +91,9 @@ class Applied:
     result: str  # applied | dry-run
 
 
-def _describe(exc: ApiException) -> str:
-    body = exc.body.decode() if isinstance(exc.body, bytes) else str(exc.body or "")
+def describe_api_error(exc: ApiException) -> str:
+    """An API refusal in one line: status, reason and the start of the server's body."""
+    body = exc.body.decode(errors="replace") if isinstance(exc.body, bytes) else str(exc.body or "")
     return f"HTTP {exc.status} {exc.reason}: {body[:500]}".strip()
 
 
@@ -135,7 +136,7 @@ def apply_objects(
             if exc.status == 404 and key[1] == "LeaderWorkerSet":
                 hint = " (is the LeaderWorkerSet controller installed? it serves multi-node replicas)"
             raise KubeError(
-                f"{key[1]} {ns + '/' if ns else ''}{name}: {_describe(exc)}{hint}; "
+                f"{key[1]} {ns + '/' if ns else ''}{name}: {describe_api_error(exc)}{hint}; "
                 f"{len(done)} object(s) were applied before it"
             ) from exc
         except (TransportError, OSError) as exc:
@@ -211,7 +212,7 @@ def read_existing(api: client.ApiClient, cluster: str, namespace: str) -> list[d
                 raise
     except ApiException as exc:
         raise KubeError(
-            f"reading cluster {cluster}'s objects in namespace {namespace}: {_describe(exc)}"
+            f"reading cluster {cluster}'s objects in namespace {namespace}: {describe_api_error(exc)}"
         ) from exc
     except (TransportError, OSError) as exc:
         raise KubeError(f"cannot reach the Kubernetes API: {exc}") from exc

@@ -51,13 +51,20 @@ class ClusterRender:
     cluster: Cluster
     stack: StackPlan
     decisions: list[DeploymentDecision]
-    # Every object the cluster should have, in apply order.
-    objects: list[dict[str, Any]]
+    # The objects rendered now, in apply order.
+    applied: list[dict[str, Any]]
+    # The existing objects of replicas kept as they run: carried unchanged, never applied.
+    carried: list[dict[str, Any]] = field(default_factory=list)
     rendered: tuple[str, ...] = ()
     # Kept replicas whose existing objects pass through unchanged, with the reason.
     kept_as_is: Mapping[str, str] = field(default_factory=dict)
     surplus: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+
+    @property
+    def objects(self) -> list[dict[str, Any]]:
+        """Every object the cluster should have: the rendered ones, then the carried ones."""
+        return self.applied + self.carried
 
 
 def pick_cluster(docs: Documents, name: str | None) -> Cluster:
@@ -195,16 +202,18 @@ def render_cluster(
             rendered.append(replica.name)
     if problems:
         raise ConfigError(list(dict.fromkeys(problems)))
+    carried: list[dict[str, Any]] = []
     for name in kept_as_is:
-        carried = objects_of_replica(existing, cluster.name, name)
-        if not carried:
+        of_replica = objects_of_replica(existing, cluster.name, name)
+        if not of_replica:
             notes.append(f"replica {name}: {kept_as_is[name]}, and the cluster holds no object of it")
-        objects.extend(carried)
+        carried.extend(of_replica)
     return ClusterRender(
         cluster=cluster,
         stack=stack,
         decisions=decisions,
-        objects=objects,
+        applied=objects,
+        carried=carried,
         rendered=tuple(rendered),
         kept_as_is=kept_as_is,
         surplus=tuple(surplus),

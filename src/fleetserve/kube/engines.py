@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from fleetserve.agent.fetch import HfSource, HttpSource, parse_source
+from fleetserve.agent.fetch import HttpSource, parse_source
 from fleetserve.drivers import RuntimeVariant
 from fleetserve.engines.capabilities import ENGINES, EngineKind
 from fleetserve.errors import ConfigError, Problem, SourceError
@@ -145,9 +145,7 @@ def model_args(engine: EngineKind, model: Model) -> tuple[str, ...]:
                     f"{text}: llama-server downloads from a repository's main branch only; "
                     "drop @{revision} or publish the file at an https URL"
                 )
-            src = parse_source(text)
-            assert isinstance(src, HfSource)
-            return ("--hf-repo", src.repo_id, "--hf-file", src.filename)
+            return ("--hf-repo", repo, "--hf-file", path)
         if scheme in ("http", "https"):
             src_http = parse_source(text)
             assert isinstance(src_http, HttpSource)

@@ -36,7 +36,7 @@ from urllib3.exceptions import HTTPError as TransportError
 from fleetserve.agent.discovery.base import GpuFacts
 from fleetserve.agent.matching import Unmatched, match_gpu
 from fleetserve.drivers import DRIVERS, Driver, SliceFormat, parse_driver
-from fleetserve.kube.apply import REQUEST_TIMEOUT, KubeError
+from fleetserve.kube.apply import REQUEST_TIMEOUT, KubeError, describe_api_error
 from fleetserve.kube.objects import plain
 from fleetserve.kube.render import FABRIC_LABEL_PREFIX
 from fleetserve.spec.resources import (
@@ -410,11 +410,6 @@ def nodes_from_cluster(
 # --- I/O ---------------------------------------------------------------------------------------
 
 
-def _describe(exc: ApiException) -> str:
-    body = exc.body.decode(errors="replace") if isinstance(exc.body, bytes) else str(exc.body or "")
-    return f"HTTP {exc.status} {exc.reason}: {body[:500]}".strip()
-
-
 def read_cluster_inventory(api: client.ApiClient) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The cluster's Nodes and ``resource.k8s.io/v1`` ResourceSlices as plain camelCase dicts.
 
@@ -424,7 +419,7 @@ def read_cluster_inventory(api: client.ApiClient) -> tuple[list[dict[str, Any]],
     try:
         listed = client.CoreV1Api(api).list_node(_request_timeout=REQUEST_TIMEOUT).items
     except ApiException as exc:
-        raise KubeError(f"listing the cluster's nodes: {_describe(exc)}") from exc
+        raise KubeError(f"listing the cluster's nodes: {describe_api_error(exc)}") from exc
     except (TransportError, OSError) as exc:
         raise KubeError(f"listing the cluster's nodes: cannot reach the Kubernetes API: {exc}") from exc
     # List items come without their type; put it back so they read like `kubectl get -o json` items.
@@ -435,7 +430,7 @@ def read_cluster_inventory(api: client.ApiClient) -> tuple[list[dict[str, Any]],
         if exc.status == 404:  # no resource.k8s.io/v1 (DRA) API: no slices
             return nodes, []
         raise KubeError(
-            f"listing the cluster's ResourceSlices (resource.k8s.io/v1): {_describe(exc)}"
+            f"listing the cluster's ResourceSlices (resource.k8s.io/v1): {describe_api_error(exc)}"
         ) from exc
     except (TransportError, OSError) as exc:
         raise KubeError(

@@ -20,13 +20,13 @@ from kubernetes import client
 
 from fleetserve.drivers import DRIVERS, Driver, parse_driver, stack_for
 from fleetserve.errors import ConfigError, Problem
+from fleetserve.kube.objects import CLUSTER_LABEL, MANAGED_BY_KEY, MANAGER
 from fleetserve.spec.resources import Cluster, DeviceClass
 from fleetserve.validation import Condition
 
 # The built-in class name a Cluster lists for its CPU pool (no DeviceClass document needed).
 CPU_CLASS = "cpu"
 STACK_CONFIGMAP_PREFIX = "fleetserve-stack-"
-MANAGED_BY = {"app.kubernetes.io/managed-by": "fleetserve"}
 
 
 @dataclass(frozen=True)
@@ -192,7 +192,7 @@ def stack_configmap(plan: StackPlan) -> client.V1ConfigMap:
         metadata=client.V1ObjectMeta(
             name=stack_configmap_name(plan.cluster),
             namespace=plan.namespace,
-            labels={**MANAGED_BY, "fleetserve.io/cluster": plan.cluster},
+            labels={MANAGED_BY_KEY: MANAGER, CLUSTER_LABEL: plan.cluster},
         ),
         data={
             "cluster": plan.cluster,
