@@ -447,6 +447,28 @@ def engine_identity(proc: Any) -> tuple[str, str] | None:
     return target.parent.parent.name, target.stem
 
 
+def engine_ready(port: int) -> bool:
+    """Whether the engine on 127.0.0.1:``port`` answers /health with 200 (loaded, serving)."""
+    try:
+        with httpx.Client(timeout=2) as http:
+            return http.get(f"http://127.0.0.1:{port}/health").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def replica_details(server: ServerProcess, deployment: str) -> list[dict[str, Any]]:
+    """The replicas of ``deployment`` as GET /api/v1/replicas/NAME shows them (with status)."""
+    with server.client(timeout=10) as api:
+        listed = api.get("/replicas", params={"deployment": deployment})
+        assert listed.status_code == 200, listed.text
+        out = []
+        for row in listed.json():
+            detail = api.get(f"/replicas/{row['name']}")
+            if detail.status_code == 200:
+                out.append(detail.json())
+    return out
+
+
 def port_answers(port: int, path: str = "/health", timeout: float = 1.0) -> bool:
     """Whether anything answers HTTP on 127.0.0.1:``port``."""
     try:
@@ -643,3 +665,34 @@ SLOW = {
 # 4 slots share the replica's 256-token KV cache: ~23 prompt + 30 generated tokens each fit.
 SLOW_TOKENS = 30
 GROWING = {"grammar": "root ::= x\nx ::= [a-z] x? x?", "ignore_eos": True}
+
+
+def slow_chat(model: str, content: str, **extra: Any) -> dict[str, Any]:
+    """A chat request the tiny model answers slowly (SLOW_TOKENS under the SLOW grammar)."""
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": SLOW_TOKENS,
+        **extra,
+        **SLOW,
+    }
+
+
+def synthetic_models(gpu_model: str = "m-gpu") -> list[dict[str, Any]]:
+    """A safetensors model for GPU deployments and a GGUF one for CPU deployments, by size only."""
+    return [
+        {
+            "kind": "Model",
+            "name": gpu_model,
+            "format": "safetensors",
+            "size": "14GB",
+            "architecture": {"layers": 32, "kvHeads": 8, "headDim": 128, "contextLength": 8192},
+        },
+        {
+            "kind": "Model",
+            "name": "m-cpu",
+            "format": "gguf",
+            "size": "4GB",
+            "architecture": {"layers": 28, "kvHeads": 4, "headDim": 128, "contextLength": 8192},
+        },
+    ]

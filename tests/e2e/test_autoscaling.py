@@ -36,15 +36,16 @@ from typing import Any
 import httpx
 import pytest
 from e2e_support import (
-    SLOW,
-    SLOW_TOKENS,
     AgentFactory,
     AgentProcess,
     ServerFactory,
     ServerProcess,
     cli_env,
+    engine_ready,
+    replica_details,
     run_cli,
     short_deadline_args,
+    slow_chat,
     tiny_documents,
     wait_for,
 )
@@ -85,15 +86,7 @@ class Fleet:
         return list(self.deployment(name)["status"].get("autoscaler") or [])
 
     def replicas(self, name: str) -> list[dict[str, Any]]:
-        with self.server.client(timeout=10) as api:
-            listed = api.get("/replicas", params={"deployment": name})
-            assert listed.status_code == 200, listed.text
-            out = []
-            for row in listed.json():
-                detail = api.get(f"/replicas/{row['name']}")
-                if detail.status_code == 200:
-                    out.append(detail.json())
-        return out
+        return replica_details(self.server, name)
 
     def serving(self, name: str) -> dict[str, int]:
         """{replica: port} of the Running replicas of ``name`` whose engine answers /health."""
@@ -124,14 +117,6 @@ class Fleet:
         assert out.returncode == 0, out.stderr
         result: dict[str, Any] = json.loads(out.stdout)
         return result
-
-
-def engine_ready(port: int) -> bool:
-    try:
-        with httpx.Client(timeout=2) as http:
-            return http.get(f"http://127.0.0.1:{port}/health").status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def find(
@@ -242,12 +227,7 @@ def test_load_scales_up_to_max_and_back_down_after_the_cooldown(
         with fleet.http(timeout=60) as http:
             n = 0
             while not stop.is_set():
-                body = {
-                    "model": name,
-                    "messages": [{"role": "user", "content": f"w{i} r{n}"}],
-                    "max_tokens": SLOW_TOKENS,
-                    **SLOW,
-                }
+                body = slow_chat(name, f"w{i} r{n}")
                 try:
                     statuses.append(http.post("/chat/completions", json=body).status_code)
                 except httpx.HTTPError as exc:
@@ -444,12 +424,7 @@ def test_a_replica_that_just_started_is_not_counted_as_loaded(
         with fleet.http(timeout=60) as http:
             n = 0
             while not stop.is_set():
-                body = {
-                    "model": name,
-                    "messages": [{"role": "user", "content": f"b{i} r{n}"}],
-                    "max_tokens": SLOW_TOKENS,
-                    **SLOW,
-                }
+                body = slow_chat(name, f"b{i} r{n}")
                 with contextlib.suppress(httpx.HTTPError):
                     statuses.append(http.post("/chat/completions", json=body).status_code)
                 n += 1

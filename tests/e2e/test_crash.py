@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 import pytest
+from e2e_support import synthetic_models
 
 GPU_CLASS = "nvidia-h100-80gb"
 NODES = 300
@@ -33,20 +34,7 @@ def fleet(nodes: int) -> list[dict[str, Any]]:
     docs: list[dict[str, Any]] = [
         {"kind": "DeviceClass", "name": GPU_CLASS, "driver": "gpu.nvidia.com", "memory": "80GiB"},
         {"kind": "Fabric", "name": "ib-a", "type": "infiniband"},
-        {
-            "kind": "Model",
-            "name": "m-small",
-            "format": "safetensors",
-            "size": "14GB",
-            "architecture": {"layers": 32, "kvHeads": 8, "headDim": 128, "contextLength": 8192},
-        },
-        {
-            "kind": "Model",
-            "name": "m-cpu",
-            "format": "gguf",
-            "size": "4GB",
-            "architecture": {"layers": 28, "kvHeads": 4, "headDim": 128, "contextLength": 8192},
-        },
+        *synthetic_models("m-small"),
     ]
     for i in range(nodes):
         if i % 5 == 4:

@@ -45,9 +45,12 @@ from e2e_support import (
     ServerFactory,
     ServerProcess,
     cli_env,
+    engine_ready,
     llama_servers,
+    replica_details,
     run_cli,
     short_deadline_args,
+    slow_chat,
     tiny_documents,
     wait_for,
 )
@@ -89,15 +92,7 @@ class Fleet:
 
     def replicas(self, deployment: str) -> list[dict[str, Any]]:
         """The replicas of ``deployment`` as GET /api/v1/replicas/NAME shows them (with status)."""
-        with self.server.client(timeout=10) as api:
-            listed = api.get("/replicas", params={"deployment": deployment})
-            assert listed.status_code == 200, listed.text
-            out = []
-            for row in listed.json():
-                detail = api.get(f"/replicas/{row['name']}")
-                if detail.status_code == 200:
-                    out.append(detail.json())
-        return out
+        return replica_details(self.server, deployment)
 
     def running(self, deployment: str, count: int, min_restarts: int = 0) -> dict[str, int]:
         """{replica: port} once ``count`` replicas of ``deployment`` run and answer, else {}."""
@@ -121,14 +116,6 @@ class Fleet:
             response = api.post("/keys", json={"name": name, "models": models, "rpm": rpm})
         assert response.status_code == 200, response.text
         return int(response.json()["id"]), str(response.json()["key"])
-
-
-def engine_ready(port: int) -> bool:
-    try:
-        with httpx.Client(timeout=2) as http:
-            return http.get(f"http://127.0.0.1:{port}/health").status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def metrics(port: int) -> dict[str, float]:
@@ -466,13 +453,7 @@ def test_overload_gets_429_with_retry_after_and_never_a_5xx(fleet: Fleet) -> Non
     results: list[tuple[int, str | None, str, float]] = []
 
     def one(i: int) -> tuple[int, str | None, str, float]:
-        body = {
-            "model": "busy",
-            "messages": [{"role": "user", "content": f"s{i}"}],
-            "max_tokens": SLOW_TOKENS,
-            "stream": True,
-            **SLOW,
-        }
+        body = slow_chat("busy", f"s{i}", stream=True)
         started = time.monotonic()
         with http.stream("POST", "/chat/completions", json=body) as response:
             text = response.read().decode()

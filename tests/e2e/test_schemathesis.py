@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import schemathesis
+from e2e_support import synthetic_models
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
@@ -45,20 +46,7 @@ FLEET: list[dict[str, Any]] = [
         for i in range(3)
     ),
     {"kind": "Node", "name": "cpu-0", "cpu": {"cores": 32, "memory": "256GiB"}},
-    {
-        "kind": "Model",
-        "name": "m-gpu",
-        "format": "safetensors",
-        "size": "14GB",
-        "architecture": {"layers": 32, "kvHeads": 8, "headDim": 128, "contextLength": 8192},
-    },
-    {
-        "kind": "Model",
-        "name": "m-cpu",
-        "format": "gguf",
-        "size": "4GB",
-        "architecture": {"layers": 28, "kvHeads": 4, "headDim": 128, "contextLength": 8192},
-    },
+    *synthetic_models(),
     {
         "kind": "Deployment",
         "name": "gpu-tp2",

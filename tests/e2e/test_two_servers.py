@@ -16,6 +16,8 @@ import threading
 import time
 from typing import Any
 
+from e2e_support import synthetic_models
+
 GPU_CLASS = "nvidia-h100-80gb"
 CHURN_SECONDS = 4.0
 SEED = 7
@@ -25,20 +27,7 @@ def fleet() -> list[dict[str, Any]]:
     docs: list[dict[str, Any]] = [
         {"kind": "DeviceClass", "name": GPU_CLASS, "driver": "gpu.nvidia.com", "memory": "80GiB"},
         {"kind": "Fabric", "name": "ib-a", "type": "infiniband"},
-        {
-            "kind": "Model",
-            "name": "m-gpu",
-            "format": "safetensors",
-            "size": "14GB",
-            "architecture": {"layers": 32, "kvHeads": 8, "headDim": 128, "contextLength": 8192},
-        },
-        {
-            "kind": "Model",
-            "name": "m-cpu",
-            "format": "gguf",
-            "size": "4GB",
-            "architecture": {"layers": 28, "kvHeads": 4, "headDim": 128, "contextLength": 8192},
-        },
+        *synthetic_models("m-gpu"),
     ]
     for i in range(6):
         docs.append(
