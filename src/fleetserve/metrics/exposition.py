@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from types import MappingProxyType
@@ -252,55 +252,25 @@ class FleetMetrics:
         self.registry.register(self._snapshots)
         reg = self.registry
 
-        def help_of(name: str) -> str:
-            return METRICS[name].help
+        def counter(name: str) -> Counter:
+            spec = METRICS[name]
+            return Counter(_base(name), spec.help, spec.labels, registry=reg)
 
-        def labels_of(name: str) -> tuple[str, ...]:
-            return METRICS[name].labels
+        def gauge(name: str) -> Gauge:
+            spec = METRICS[name]
+            return Gauge(name, spec.help, spec.labels, registry=reg)
 
-        self.placement_seconds = Histogram(
-            "fleetserve_placement_seconds",
-            help_of("fleetserve_placement_seconds"),
-            buckets=CYCLE_BUCKETS,
-            registry=reg,
-        )
-        self.reconcile_seconds = Histogram(
-            "fleetserve_reconcile_seconds",
-            help_of("fleetserve_reconcile_seconds"),
-            buckets=CYCLE_BUCKETS,
-            registry=reg,
-        )
-        self.gateway_requests = Counter(
-            _base("fleetserve_gateway_requests_total"),
-            help_of("fleetserve_gateway_requests_total"),
-            labels_of("fleetserve_gateway_requests_total"),
-            registry=reg,
-        )
-        self.gateway_request_seconds = Histogram(
-            "fleetserve_gateway_request_seconds",
-            help_of("fleetserve_gateway_request_seconds"),
-            labels_of("fleetserve_gateway_request_seconds"),
-            buckets=REQUEST_BUCKETS,
-            registry=reg,
-        )
-        self.gateway_queue_depth = Gauge(
-            "fleetserve_gateway_queue_depth",
-            help_of("fleetserve_gateway_queue_depth"),
-            labels_of("fleetserve_gateway_queue_depth"),
-            registry=reg,
-        )
-        self.gateway_rejections = Counter(
-            _base("fleetserve_gateway_rejections_total"),
-            help_of("fleetserve_gateway_rejections_total"),
-            labels_of("fleetserve_gateway_rejections_total"),
-            registry=reg,
-        )
-        self.engine_restarts = Counter(
-            _base("fleetserve_engine_restarts_total"),
-            help_of("fleetserve_engine_restarts_total"),
-            labels_of("fleetserve_engine_restarts_total"),
-            registry=reg,
-        )
+        def histogram(name: str, buckets: Sequence[float]) -> Histogram:
+            spec = METRICS[name]
+            return Histogram(name, spec.help, spec.labels, buckets=buckets, registry=reg)
+
+        self.placement_seconds = histogram("fleetserve_placement_seconds", CYCLE_BUCKETS)
+        self.reconcile_seconds = histogram("fleetserve_reconcile_seconds", CYCLE_BUCKETS)
+        self.gateway_requests = counter("fleetserve_gateway_requests_total")
+        self.gateway_request_seconds = histogram("fleetserve_gateway_request_seconds", REQUEST_BUCKETS)
+        self.gateway_queue_depth = gauge("fleetserve_gateway_queue_depth")
+        self.gateway_rejections = counter("fleetserve_gateway_rejections_total")
+        self.engine_restarts = counter("fleetserve_engine_restarts_total")
         # Label values this object created, per labelled metric, so a deleted deployment's series
         # can be removed without reaching into prometheus_client's internals.
         self._children_lock = threading.Lock()
