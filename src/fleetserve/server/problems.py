@@ -42,6 +42,18 @@ def error_body(kind: str, message: str, problems: Sequence[Problem] = ()) -> dic
     }
 
 
+# The errors whose answer is their message: (error type, HTTP status), one row per exception,
+# a subclass before its base (NotFound is a StoreError).
+ANSWERS: dict[type[FleetserveError], tuple[str, int]] = {
+    NotFound: ("not_found", 404),
+    UnknownNode: ("not_found", 404),
+    UnknownReplica: ("not_found", 404),
+    StaleEpoch: ("stale_epoch", 409),
+    AllocationConflict: ("conflict", 409),
+    StoreError: ("store_unavailable", 503),
+}
+
+
 def _loc(loc: Sequence[Any]) -> str:
     parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
     return ".".join(parts)
@@ -69,23 +81,12 @@ def install(app: FastAPI) -> None:
             status_code=422,
         )
 
-    @app.exception_handler(NotFound)
-    @app.exception_handler(UnknownNode)
-    @app.exception_handler(UnknownReplica)
-    async def _missing(request: Request, exc: FleetserveError) -> JSONResponse:
-        return JSONResponse(error_body("not_found", str(exc)), status_code=404)
+    async def _known(request: Request, exc: Exception) -> JSONResponse:
+        kind, status = next(answer for cls, answer in ANSWERS.items() if isinstance(exc, cls))
+        return JSONResponse(error_body(kind, str(exc)), status_code=status)
 
-    @app.exception_handler(StaleEpoch)
-    async def _stale(request: Request, exc: StaleEpoch) -> JSONResponse:
-        return JSONResponse(error_body("stale_epoch", str(exc)), status_code=409)
-
-    @app.exception_handler(AllocationConflict)
-    async def _conflict(request: Request, exc: AllocationConflict) -> JSONResponse:
-        return JSONResponse(error_body("conflict", str(exc)), status_code=409)
-
-    @app.exception_handler(StoreError)
-    async def _store(request: Request, exc: StoreError) -> JSONResponse:
-        return JSONResponse(error_body("store_unavailable", str(exc)), status_code=503)
+    for cls in ANSWERS:
+        app.add_exception_handler(cls, _known)
 
     @app.exception_handler(Unauthorized)
     async def _unauthorized(request: Request, exc: Unauthorized) -> JSONResponse:
