@@ -33,6 +33,8 @@ class KubeEngine:
     images: Mapping[RuntimeVariant, str]
     # How long the engine may take to load a model before the startup probe gives up.
     startup_seconds: int
+    # Whether the pod needs a memory-backed /dev/shm (vLLM's tensor-parallel workers share it).
+    shared_memory: bool = False
 
 
 KUBE_ENGINES: Mapping[EngineKind, KubeEngine] = MappingProxyType(
@@ -53,6 +55,7 @@ KUBE_ENGINES: Mapping[EngineKind, KubeEngine] = MappingProxyType(
             ),
             # Multi-hundred-GB weights download on first start: allow an hour.
             startup_seconds=3600,
+            shared_memory=True,
         ),
         EngineKind.LLAMACPP: KubeEngine(
             binary="/app/llama-server",

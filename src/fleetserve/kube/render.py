@@ -120,7 +120,7 @@ def _cel_selector(driver: Driver, cls: DeviceClass | None) -> list[client.V1Devi
 
 def claim_template(inp: ReplicaInput, rp: ResolvedProfile) -> client.V1ResourceClaimTemplate:
     """The DRA claim each pod of the replica gets: its devices per node, or its CPUs."""
-    if rp.driver is Driver.CPU:
+    if not DRIVERS[rp.driver].is_accelerator:
         assert rp.cpu is not None
         request = client.V1ExactDeviceRequest(
             device_class_name=rp.driver.value,
@@ -155,7 +155,7 @@ def _resources(inp: ReplicaInput, rp: ResolvedProfile) -> client.V1ResourceRequi
     dra = inp.cluster.device_api is DeviceApi.DRA
     limits: dict[str, str] = {}
     requests: dict[str, str] = {}
-    if rp.driver is Driver.CPU:
+    if not DRIVERS[rp.driver].is_accelerator:
         assert rp.cpu is not None
         shard = inp.replica.shards[0]
         memory = shard.memory or rp.cpu.memory or 0
@@ -246,7 +246,7 @@ def _container(
         head = [a for a in spec.sidecars[0] if a != "--block"]
         command = ["/bin/sh", "-c", f"{shlex.join(head)} && exec {shlex.join(spec.argv)}"]
     mounts = [client.V1VolumeMount(name=MODEL_VOLUME, mount_path=MODEL_MOUNT)]
-    if rp.engine is EngineKind.VLLM:
+    if KUBE_ENGINES[rp.engine].shared_memory:
         mounts.append(client.V1VolumeMount(name="shm", mount_path="/dev/shm"))
     return client.V1Container(
         name="engine",
@@ -271,7 +271,7 @@ def _pod_spec(
         selector[fabric_label(inp.replica.fabric)] = "attached"
     taint = pool_taint(rp.driver)
     volumes = [_model_volume(inp)]
-    if rp.engine is EngineKind.VLLM:
+    if KUBE_ENGINES[rp.engine].shared_memory:
         volumes.append(client.V1Volume(name="shm", empty_dir=client.V1EmptyDirVolumeSource(medium="Memory")))
     dra = inp.cluster.device_api is DeviceApi.DRA
     return client.V1PodSpec(
