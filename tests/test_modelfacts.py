@@ -51,6 +51,17 @@ def test_a_local_gguf_source_wins_over_the_documented_size(tmp_path: Path):
     assert facts.weight_bytes == weights
 
 
+@pytest.mark.parametrize("source", ["m/m.gguf", ".cache/m.gguf", "file://{dir}/m/m.gguf", "{dir}/m/m.gguf"])
+def test_every_local_path_the_agent_reads_is_read_for_its_header(tmp_path: Path, source: str):
+    # The same rule as the agent's sources: anything without a scheme is a path (`fleetserve up`'s
+    # default data dir, .fleetserve/, is one without ./ in front).
+    for folder in ("m", ".cache"):
+        (tmp_path / folder).mkdir()
+        weights = write_gguf(tmp_path / folder / "m.gguf")
+    facts = model_facts(Model(name="m", source=source.format(dir=tmp_path)), base_dir=tmp_path)
+    assert facts.weight_bytes == weights
+
+
 def test_architecture_in_the_document_gives_kv_size():
     model = Model.model_validate(
         {

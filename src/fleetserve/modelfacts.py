@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fleetserve.errors import ConfigError, Problem
+from fleetserve.errors import ConfigError, Problem, SourceError
 from fleetserve.spec.resources import Model
 
 # Context assumed when neither the file nor the document says.
@@ -73,12 +73,14 @@ def read_gguf_facts(path: Path, name: str) -> ModelFacts:
 
 
 def local_path(source: str) -> Path | None:
-    """The local file a model source names, if it is one (``/path``, ``./path`` or ``file://``)."""
-    if source.startswith("file://"):
-        return Path(source.removeprefix("file://"))
-    if source.startswith(("/", "./", "../")):
-        return Path(source)
-    return None
+    """The local file a model source names, if it is one: the agent's own rule (``parse_source``)."""
+    from fleetserve.agent.fetch import LocalSource, parse_source  # the agent's module: httpx at import
+
+    try:
+        parsed = parse_source(source)
+    except SourceError:
+        return None
+    return parsed.path if isinstance(parsed, LocalSource) else None
 
 
 def model_facts(model: Model, base_dir: Path | None = None) -> ModelFacts:

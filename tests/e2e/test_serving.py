@@ -360,7 +360,9 @@ def running_up(data_dir: Path, port: int) -> Iterator[tuple[subprocess.Popen[str
     """``fleetserve up --model tiny`` in its own session; killed with its whole group, and
     everything naming ``data_dir`` killed, whatever happens."""
     proc = subprocess.Popen(
-        [str(FLEETSERVE), "up", "--model", "tiny", "--data-dir", str(data_dir), "--port", str(port)],
+        # As the quickstart runs it: a data dir relative to the working directory.
+        [str(FLEETSERVE), "up", "--model", "tiny", "--data-dir", data_dir.name, "--port", str(port)],
+        cwd=data_dir.parent,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,

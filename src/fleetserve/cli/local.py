@@ -63,6 +63,8 @@ def _wait(
 
 def up(data_dir: Path, port: int, model: str | None, console: Console, ready_timeout: float) -> None:
     """Server and agent over a SQLite file in ``data_dir``; with ``--model tiny``, serve the tiny model."""
+    # Every process and document gets absolute paths: none depends on another's working directory.
+    data_dir = data_dir.absolute()
     data_dir.mkdir(parents=True, exist_ok=True)
     exe = str(Path(sys.executable).with_name("fleetserve"))
     server_url = f"http://127.0.0.1:{port}"
