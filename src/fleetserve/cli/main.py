@@ -142,21 +142,15 @@ def server_command(
     hashes are stored. Several servers may share one PostgreSQL database: one of them (the
     holder of a lease in the database) reconciles at a time.
     """
-    from fleetserve.cli.server_cmd import heartbeat_policy, run_server
+    from fleetserve.server.process import ControlPlane, Listen, heartbeat_policy, run_server
 
     if lost_after <= not_ready_after:
         raise typer.BadParameter("--lost-after must be longer than --not-ready-after")
+    control = ControlPlane(
+        models_dir, reconcile_interval, heartbeat_policy(not_ready_after, lost_after), token_file
+    )
     try:
-        run_server(
-            models_dir,
-            database_url,
-            host,
-            port,
-            reconcile_interval,
-            heartbeat_policy(not_ready_after, lost_after),
-            token_file,
-            log_level,
-        )
+        run_server(database_url, Listen(host, port, log_level), control)
     except FleetserveError as err:
         raise fail(err) from None
 
@@ -291,18 +285,9 @@ def gateway_command(
     `fleetserve server` serves the same API under /v1 already; run more gateways (behind a load
     balancer) to scale out. Every gateway follows replica changes from the database, no restart.
     """
-    import uvicorn
-
-    from fleetserve.server.app import create_gateway_app
-    from fleetserve.store.sql import SqlStore
+    from fleetserve.server.process import Listen, run_gateway
 
     try:
-        store = SqlStore.open(database_url)
+        run_gateway(database_url, Listen(host, port, log_level))
     except FleetserveError as err:
         raise fail(err) from None
-    try:
-        uvicorn.run(
-            create_gateway_app(store), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3
-        )
-    finally:
-        store.close()

@@ -34,7 +34,10 @@ VNODES_PER_WEIGHT = 100
 MAX_VNODES = 10_000
 """Cap on one replica's virtual nodes, so a huge weight cannot make the ring huge."""
 
-DEFAULT_FRESH_SECONDS = 5.0
+FRESH_SECONDS = 5.0
+"""Engine figures (a replica's running and waiting requests) older than this are stale: the picker
+counts only the gateway's own in-flight requests, the autoscaler counts the replica as unmeasured."""
+
 DEFAULT_BOUNDED_LOAD = 1.25
 
 
@@ -71,7 +74,7 @@ class Load:
         if self.engine_waiting is not None and self.engine_waiting < 0:
             raise ValueError(f"engine_waiting must not be negative, got {self.engine_waiting}")
 
-    def outstanding(self, fresh_seconds: float = DEFAULT_FRESH_SECONDS) -> int:
+    def outstanding(self, fresh_seconds: float = FRESH_SECONDS) -> int:
         """In-flight requests, plus the engine's waiting ones if reported at most ``fresh_seconds`` ago."""
         # A NaN age compares False and so counts as stale, like a missing one.
         fresh = self.metric_age is not None and self.metric_age <= fresh_seconds
@@ -106,7 +109,7 @@ def pick(
     exclude: frozenset[str] = frozenset(),
     prefix_key: str | None = None,
     bounded_load: float = DEFAULT_BOUNDED_LOAD,
-    fresh_seconds: float = DEFAULT_FRESH_SECONDS,
+    fresh_seconds: float = FRESH_SECONDS,
 ) -> Endpoint | None:
     """The endpoint to send the next request to, or None when every endpoint is excluded.
 

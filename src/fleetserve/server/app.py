@@ -10,6 +10,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
@@ -270,28 +271,61 @@ def build_admin_router(
     return api
 
 
-def create_app(
-    store: SqlStore, lifespan: Lifespan | None = None, models_dir: Path | None = None, gateway: bool = True
-) -> FastAPI:
-    """The control plane's ASGI app over ``store``: admin API, agents' API and, unless told not,
-    the OpenAI-compatible gateway. ``lifespan`` runs background work with it; ``models_dir``
-    holds the model files it serves to agents (default ./fleetserve-models)."""
-    files = ModelFiles(models_dir or Path("fleetserve-models"))
-    metrics = FleetMetrics()
-    observer = Observer(store, metrics)
+@dataclass(frozen=True)
+class Serving:
+    """What every serving process shares: its metrics, the observer scraping engines into them,
+    and the gateway (if any) whose picker reads the observer's engine load."""
 
-    def engine_waiting(replica: str) -> tuple[float, float] | None:
-        load = observer.loads.get(replica)
-        return None if load is None else (load.waiting, time.monotonic() - load.at)
+    metrics: FleetMetrics
+    observer: Observer
+    gateway: Gateway | None
 
-    gw = Gateway(store, metrics=metrics, engine_waiting=engine_waiting) if gateway else None
+    @classmethod
+    def build(cls, store: SqlStore, gateway: bool = True) -> Serving:
+        """Metrics, an observer over ``store`` and, unless told not, a gateway fed by the observer."""
+        metrics = FleetMetrics()
+        observer = Observer(store, metrics)
+
+        def engine_waiting(replica: str) -> tuple[float, float] | None:
+            load = observer.loads.get(replica)
+            return None if load is None else (load.waiting, time.monotonic() - load.at)
+
+        gw = Gateway(store, metrics=metrics, engine_waiting=engine_waiting) if gateway else None
+        return cls(metrics, observer, gw)
+
+
+def _assemble(app: FastAPI, store: SqlStore, serving: Serving, *routers: APIRouter) -> None:
+    """What every serving process answers: health, ``/metrics``, its own ``routers`` and the
+    gateway's /v1 (if it has one)."""
+    app.state.store = store
+    app.state.metrics = serving.metrics
+    app.state.observer = serving.observer
+    app.state.gateway = serving.gateway
+
+    @app.get("/healthz", tags=["health"], summary="Liveness; no credentials needed")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok", "version": __version__}
+
+    @app.get("/metrics", tags=["health"], summary="Prometheus metrics: engines, GPUs, fleetserve itself")
+    def prometheus(request: Request) -> Response:
+        body, content_type = serving.metrics.render(request.headers.get("accept", ""))
+        return Response(body, media_type=content_type)
+
+    for router in routers:
+        app.include_router(router)
+    if serving.gateway is not None:
+        app.include_router(build_gateway_router(serving.gateway))
+
+
+def _serving_lifespan(serving: Serving, lifespan: Lifespan | None) -> Lifespan:
+    """The observer and the gateway run with the app, around ``lifespan`` (the process's own work)."""
 
     @asynccontextmanager
     async def combined(app: FastAPI) -> AsyncIterator[None]:
         stop = asyncio.Event()
-        observing = asyncio.create_task(observer.run(stop))
-        if gw is not None:
-            await gw.start()
+        observing = asyncio.create_task(serving.observer.run(stop))
+        if serving.gateway is not None:
+            await serving.gateway.start()
         try:
             if lifespan is None:
                 yield
@@ -301,57 +335,54 @@ def create_app(
         finally:
             stop.set()
             await observing
-            if gw is not None:
-                await gw.stop()
+            if serving.gateway is not None:
+                await serving.gateway.stop()
 
+    return combined
+
+
+def create_app(
+    store: SqlStore,
+    lifespan: Lifespan | None = None,
+    models_dir: Path | None = None,
+    gateway: bool = True,
+    serving: Serving | None = None,
+) -> FastAPI:
+    """The control plane's ASGI app over ``store``: admin API, agents' API and, unless told not,
+    the OpenAI-compatible gateway. ``lifespan`` runs background work with it; ``models_dir``
+    holds the model files it serves to agents (default ./fleetserve-models); ``serving`` is the
+    metrics, observer and gateway to use (default: built here)."""
+    files = ModelFiles(models_dir or Path("fleetserve-models"))
+    serving = serving or Serving.build(store, gateway)
+    gw = serving.gateway
     app = FastAPI(
-        lifespan=combined,
+        lifespan=_serving_lifespan(serving, lifespan),
         title="fleetserve control plane",
         version=__version__,
         description="Admin API: device classes, nodes, models, deployments, replicas and placement "
         "explanations (`Authorization: Bearer <admin token>`). Agents' API (join token). The "
         "OpenAI-compatible API under /v1 (gateway API keys).",
     )
-    app.state.store = store
-    app.state.metrics = metrics
-    app.state.observer = observer
-    app.state.gateway = gw
     problems.install(app)
     auth.install(app)
-
-    @app.get("/healthz", tags=["health"], summary="Liveness; no credentials needed")
-    def healthz() -> dict[str, str]:
-        return {"status": "ok", "version": __version__}
-
-    @app.get("/metrics", tags=["health"], summary="Prometheus metrics: engines, GPUs, fleetserve itself")
-    def prometheus(request: Request) -> Response:
-        body, content_type = metrics.render(request.headers.get("accept", ""))
-        return Response(body, media_type=content_type)
-
-    app.include_router(build_admin_router(store, files, gw.forget_keys if gw is not None else None))
-    app.include_router(build_agent_router(store, files))
-    if gw is not None:
-        app.include_router(build_gateway_router(gw))
+    _assemble(
+        app,
+        store,
+        serving,
+        build_admin_router(store, files, gw.forget_keys if gw is not None else None),
+        build_agent_router(store, files),
+    )
     return app
 
 
-def create_gateway_app(store: SqlStore) -> FastAPI:
-    """A gateway process on its own (``fleetserve gateway``): the OpenAI API over a shared store."""
-    gw = Gateway(store)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await gw.start()
-        try:
-            yield
-        finally:
-            await gw.stop()
-
-    app = FastAPI(lifespan=lifespan, title="fleetserve gateway", version=__version__)
-
-    @app.get("/healthz", tags=["health"])
-    def healthz() -> dict[str, str]:
-        return {"status": "ok", "version": __version__}
-
-    app.include_router(build_gateway_router(gw))
+def create_gateway_app(
+    store: SqlStore, lifespan: Lifespan | None = None, serving: Serving | None = None
+) -> FastAPI:
+    """A gateway process on its own (``fleetserve gateway``): the OpenAI API over a shared store,
+    with the same observer, engine load and ``/metrics`` as the control plane's gateway."""
+    serving = serving or Serving.build(store)
+    app = FastAPI(
+        lifespan=_serving_lifespan(serving, lifespan), title="fleetserve gateway", version=__version__
+    )
+    _assemble(app, store, serving)
     return app

@@ -1,0 +1,187 @@
+"""How a fleetserve process is assembled and run: the control plane (``fleetserve server``) and an
+extra gateway (``fleetserve gateway``).
+
+Both open the store, build their app over one ``Serving`` (metrics, the observer scraping the
+engines, the gateway whose picker reads the observer's engine load) and serve it with uvicorn.
+The control plane also creates its first tokens and runs the reconciler thread, whose autoscaler
+reads the same observer and gateway. The CLI parses flags and calls ``run_server`` or
+``run_gateway``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import uvicorn
+import yaml
+from fastapi import FastAPI
+from rich.console import Console
+from starlette.concurrency import run_in_threadpool
+
+from fleetserve.autoscale import Signals, load_of
+from fleetserve.gateway.app import Gateway
+from fleetserve.gateway.picker import FRESH_SECONDS
+from fleetserve.reconcile.health import HeartbeatPolicy
+from fleetserve.server.app import Lifespan, Serving, create_app, create_gateway_app
+from fleetserve.server.observer import Observer
+from fleetserve.server.reconciler import Reconciler, SignalSource
+from fleetserve.spec.resources import AutoscalePolicy, Deployment, Replica, ReplicaState
+from fleetserve.store.sql import SqlStore, TokenKind
+
+# The exit status of a gateway whose app did not start (its lifespan failed), as ``uvicorn.run`` has it.
+STARTUP_FAILURE = 3
+
+
+@dataclass(frozen=True)
+class Listen:
+    """Where a process listens, and how much it logs."""
+
+    host: str
+    port: int
+    log_level: str
+
+
+@dataclass(frozen=True)
+class ControlPlane:
+    """What only the control plane runs: the reconciler's pace and deadlines, tokens, model files."""
+
+    models_dir: Path
+    reconcile_interval: float
+    policy: HeartbeatPolicy
+    token_file: Path | None
+
+
+def heartbeat_policy(not_ready_after: float, lost_after: float) -> HeartbeatPolicy:
+    """The liveness deadlines from command-line seconds."""
+    return HeartbeatPolicy(timedelta(seconds=not_ready_after), timedelta(seconds=lost_after))
+
+
+def ensure_tokens(store: SqlStore, token_file: Path | None, console: Console) -> None:
+    """On first start, create the admin and join tokens and show them once (stored hashed)."""
+    existing: set[TokenKind] = {t.kind for t in store.list_tokens() if not t.revoked}
+    created: dict[str, str] = {}
+    now = datetime.now(UTC)
+    for kind in (TokenKind.ADMIN, TokenKind.JOIN):
+        if kind not in existing:
+            created[kind.value] = store.create_token(kind, now).plaintext
+    if not created:
+        return
+    console.print("[bold]fleetserve: new tokens — shown this once, stored only as hashes:[/]")
+    for name, plaintext in created.items():
+        console.print(f"  {name} token: {plaintext}", markup=False, highlight=False)
+    console.print("  use the admin token with `fleetserve login --token ...` or FLEETSERVE_TOKEN;")
+    console.print("  agents join with the join token.")
+    if token_file is not None:
+        token_file.parent.mkdir(parents=True, exist_ok=True)
+        token_file.write_text(yaml.safe_dump(created), encoding="utf-8")
+        token_file.chmod(0o600)
+        console.print(f"  (also written to {token_file}, mode 0600)", markup=False)
+
+
+def autoscale_signals(observer: Observer, gateway: Gateway | None) -> SignalSource:
+    """What the autoscaler sees, from this process's observer (engine metrics) and gateway."""
+
+    def signals(dep: Deployment, replicas: list[Replica], now: float) -> Signals:
+        policy = dep.autoscale or AutoscalePolicy()
+        ready = [r for r in replicas if r.state is ReplicaState.RUNNING]
+        fresh = []
+        for replica in ready:
+            load = observer.loads.get(replica.name)
+            if load is not None and now - load.at <= FRESH_SECONDS:
+                fresh.append(load_of(policy.metric, load.running, load.waiting))
+        held = gateway.admission.depth(dep.name).waiting if gateway is not None else 0
+        last = gateway.last_request.get(dep.name) if gateway is not None else None
+        return Signals(dep.name, len(ready), len(replicas), tuple(fresh), held, last)
+
+    return signals
+
+
+def reconciling(store: SqlStore, control: ControlPlane, serving: Serving) -> Lifespan:
+    """The control plane's own lifespan: the reconciler thread, started and stopped with the app,
+    so a SIGTERM hands the lease over before exit."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        stop = threading.Event()
+        reconciler = Reconciler(
+            store,
+            policy=control.policy,
+            signals=autoscale_signals(serving.observer, serving.gateway),
+            metrics=serving.metrics,
+        )
+        loop = threading.Thread(
+            target=reconciler.run_forever,
+            args=(stop, control.reconcile_interval),
+            name="reconciler",
+            daemon=True,
+        )
+        loop.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            await run_in_threadpool(loop.join, control.reconcile_interval + 10)
+
+    return lifespan
+
+
+def server_app(store: SqlStore, control: ControlPlane) -> FastAPI:
+    """The control plane's app: admin and agents' API, gateway, observer and reconciler."""
+    serving = Serving.build(store)
+    return create_app(
+        store, lifespan=reconciling(store, control, serving), models_dir=control.models_dir, serving=serving
+    )
+
+
+def gateway_app(store: SqlStore) -> FastAPI:
+    """An extra gateway's app: the same gateway, observer and ``/metrics`` as the control plane's."""
+    return create_gateway_app(store, serving=Serving.build(store))
+
+
+def serve(app: FastAPI, listen: Listen, access_log: bool) -> bool:
+    """Serve ``app`` until stopped (SIGINT or SIGTERM); whether it started at all."""
+    # Long-polling agents and streams hold requests open; do not let them delay a shutdown for long.
+    config = uvicorn.Config(
+        app,
+        host=listen.host,
+        port=listen.port,
+        log_level=listen.log_level.lower(),
+        access_log=access_log,
+        timeout_graceful_shutdown=3,
+    )
+    server = uvicorn.Server(config)
+    server.run()
+    return server.started
+
+
+def run_server(database_url: str, listen: Listen, control: ControlPlane) -> None:
+    """Open (and migrate) the store, then serve the API and run the reconciler until stopped."""
+    logging.basicConfig(
+        level=listen.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    console = Console(soft_wrap=True)
+    store = SqlStore.open(database_url)
+    try:
+        ensure_tokens(store, control.token_file, console)
+        app = server_app(store, control)
+        where = f"http://{listen.host}:{listen.port}"
+        console.print(f"fleetserve server: {where} (OpenAPI at /docs), state in {database_url}")
+        serve(app, listen, access_log=False)
+    finally:
+        store.close()
+
+
+def run_gateway(database_url: str, listen: Listen) -> None:
+    """Open the control plane's store, then serve the gateway over it until stopped."""
+    store = SqlStore.open(database_url)
+    try:
+        if not serve(gateway_app(store), listen, access_log=True):
+            raise SystemExit(STARTUP_FAILURE)
+    finally:
+        store.close()
