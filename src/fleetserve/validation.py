@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from fleetserve.conditions import Condition, ConditionReason, ConditionType
 from fleetserve.drivers import Driver, RuntimeVariant, parse_driver
 from fleetserve.engines.capabilities import ENGINES, EngineKind
 from fleetserve.errors import Problem
@@ -22,16 +23,6 @@ from fleetserve.spec.resources import CpuRequest, Deployment, DeviceClass, Profi
 
 # CPU cores a CPU profile claims when it does not say.
 DEFAULT_CPU_CORES = 4
-
-
-@dataclass(frozen=True)
-class Condition:
-    """A status condition in the Kubernetes style: type, status, machine reason, human message."""
-
-    type: str
-    status: bool
-    reason: str
-    message: str = ""
 
 
 @dataclass(frozen=True)
@@ -215,7 +206,12 @@ def gate(dep: Deployment, classes: Mapping[str, DeviceClass], served: Iterable[D
     problems = validate_deployment(dep, classes)
     if problems:
         return GateResult(
-            Condition("Accepted", False, "InvalidProfile", "; ".join(str(p) for p in problems)),
+            Condition(
+                ConditionType.ACCEPTED,
+                False,
+                ConditionReason.INVALID_PROFILE,
+                "; ".join(str(p) for p in problems),
+            ),
             (),
             {},
         )
@@ -230,5 +226,7 @@ def gate(dep: Deployment, classes: Mapping[str, DeviceClass], served: Iterable[D
     if unsupported:
         parts = [f"profile {p} claims driver {d}" for p, d in unsupported.items()]
         msg = "; ".join(parts) + " which no engine variant or node serves; replicas already running are kept"
-        return GateResult(Condition("Accepted", False, "UnsupportedDevices", msg), tuple(usable), unsupported)
-    return GateResult(Condition("Accepted", True, "Accepted", "every profile is servable"), tuple(usable), {})
+        accepted = Condition(ConditionType.ACCEPTED, False, ConditionReason.UNSUPPORTED_DEVICES, msg)
+        return GateResult(accepted, tuple(usable), unsupported)
+    accepted = Condition(ConditionType.ACCEPTED, True, ConditionReason.ACCEPTED, "every profile is servable")
+    return GateResult(accepted, tuple(usable), {})

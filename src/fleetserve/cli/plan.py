@@ -10,6 +10,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from fleetserve.conditions import ConditionReason
 from fleetserve.fleet import snapshot_from
 from fleetserve.placement.placer import DeploymentDecision, SearchKind, plan
 from fleetserve.placement.report import render_report
@@ -60,7 +61,7 @@ def print_table(decisions: Sequence[DeploymentDecision], console: Console) -> No
         if not cond.status:
             console.print(f"  {cond.message}", markup=False)
         for extra in d.conditions:
-            if not extra.status and extra.reason != "Unschedulable":
+            if not extra.status and extra.reason is not ConditionReason.UNSCHEDULABLE:
                 console.print(f"  {extra.type}={extra.status} {extra.reason}: {extra.message}", markup=False)
         if d.kept:
             console.print(f"  kept (already running): {', '.join(d.kept)}", markup=False)

@@ -12,6 +12,7 @@ import yaml
 from rich.console import Console
 
 from fleetserve.cli.output import Column, Format, emit
+from fleetserve.conditions import ConditionType
 from fleetserve.errors import ConfigError, Problem
 from fleetserve.units import format_bytes
 
@@ -59,7 +60,7 @@ def _devices(node: dict[str, Any]) -> str:
 
 def _accepted(dep: dict[str, Any]) -> str:
     for cond in dep.get("status", {}).get("conditions", []):
-        if cond["type"] == "Accepted":
+        if cond["type"] == ConditionType.ACCEPTED:
             return "True" if cond["status"] else f"False ({cond['reason']})"
     return "?"
 

@@ -18,11 +18,11 @@ from typing import Any
 
 from kubernetes import client
 
+from fleetserve.conditions import Condition, ConditionReason, ConditionType
 from fleetserve.drivers import DRIVERS, Driver, parse_driver, stack_for
 from fleetserve.errors import ConfigError, Problem
 from fleetserve.kube.objects import CLUSTER_LABEL, MANAGED_BY_KEY, MANAGER
 from fleetserve.spec.resources import Cluster, DeviceClass
-from fleetserve.validation import Condition
 
 # The built-in class name a Cluster lists for its CPU pool (no DeviceClass document needed).
 CPU_CLASS = "cpu"
@@ -153,18 +153,18 @@ def compose(cluster: Cluster, classes: Mapping[str, DeviceClass], existing: Sequ
             f"{', '.join(f'class {c}' for c in cs)} claims driver {d}" for d, cs in unsupported.items()
         )
         condition = Condition(
-            "StackReady",
+            ConditionType.STACK_READY,
             False,
-            "UnsupportedDevices",
+            ConditionReason.UNSUPPORTED_DEVICES,
             f"{what}, which no serving-stack component provides (supported: "
             f"{', '.join(sorted(d.value for d in DRIVERS))}); every existing component and workload "
             "is kept",
         )
     else:
         condition = Condition(
-            "StackReady",
+            ConditionType.STACK_READY,
             True,
-            "Composed",
+            ConditionReason.COMPOSED,
             f"{len(selected)} components for drivers {', '.join(claimed) or 'none (no class listed)'}",
         )
     return StackPlan(

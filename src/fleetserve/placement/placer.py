@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
+from fleetserve.conditions import Condition, ConditionReason, ConditionType
 from fleetserve.placement.choose import Found
 from fleetserve.placement.demand import Demand, demand_for
 from fleetserve.placement.index import IndexedSearch
@@ -22,7 +23,7 @@ from fleetserve.placement.report import ProfileReport, render_report
 from fleetserve.placement.state import WorkingState
 from fleetserve.snapshot import ClusterSnapshot
 from fleetserve.spec.resources import Deployment, NodeState, Replica, ReplicaState
-from fleetserve.validation import Condition, gate
+from fleetserve.validation import gate
 
 
 class Search(Protocol):
@@ -89,7 +90,7 @@ class DeploymentDecision:
         """Plain data for JSON output and storage."""
 
         def cond(c: Condition) -> dict[str, Any]:
-            return {"type": c.type, "status": c.status, "reason": c.reason, "message": c.message}
+            return {"type": c.type.value, "status": c.status, "reason": c.reason.value, "message": c.message}
 
         return {
             "deployment": self.deployment,
@@ -201,9 +202,9 @@ class Placer:
         if facts is None:
             extra.append(
                 Condition(
-                    "ModelKnown",
+                    ConditionType.MODEL_KNOWN,
                     False,
-                    "UnknownModel",
+                    ConditionReason.UNKNOWN_MODEL,
                     f"model {dep.model} is not defined or its size is unknown",
                 )
             )
@@ -231,9 +232,9 @@ class Placer:
         ok = not unplaced
         extra.append(
             Condition(
-                "Scheduled",
+                ConditionType.SCHEDULED,
                 ok,
-                "Placed" if ok else "Unschedulable",
+                ConditionReason.PLACED if ok else ConditionReason.UNSCHEDULABLE,
                 f"{len(kept) + len(placed)}/{desired} replicas placed"
                 if ok
                 else _unplaced_message(unplaced[0]),
