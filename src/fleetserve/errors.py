@@ -1,8 +1,11 @@
-"""The exception hierarchy of fleetserve.
+"""The exception hierarchy of fleetserve: every exception class of the package, where it is defined.
+
+Classes without a module are defined here.
 
     FleetserveError
+    ├── InternalError            one of fleetserve's own invariants did not hold: a bug, not an input
     ├── ConfigError              a YAML or API document is invalid (names file, document, field)
-    ├── ValidationError          a deployment breaks an engine or device rule (names profile, why)
+    │   └── ValidationError      a deployment breaks an engine or device rule (names profile, why)
     ├── InventoryError           the inventory refused an operation
     │   ├── UnknownNode          the node is not registered
     │   ├── UnknownReplica       no replica of that identity is allocated
@@ -10,17 +13,36 @@
     │   └── StaleEpoch           an agent spoke for an older registration of its node (fencing)
     ├── StoreError               the state store's database failed (the driver's error is chained)
     │   └── NotFound             no model, deployment or token of that identity is stored
-    └── CacheError               the node's model cache cannot provide a model (names model and source)
-        ├── SourceError          the source cannot be read: missing file, HTTP error, refused token,
-        │   │                    not in the Hugging Face mirror
-        │   └── TransferInterrupted  the connection broke mid-transfer; the partial file is kept
-        ├── ChecksumMismatch     the bytes' sha256 is not the model's (expected, got, source); not kept
-        ├── InsufficientSpace    too little free disk for a download (sizes, cache dir); nothing written
-        └── ModelPinned          an explicit eviction of a model that running replicas use
-
-The gateway's refusals (``fleetserve.gateway.admission``: GatewayRejection → QueueFull,
-QueueTimeout, NoReplica) carry an HTTP status and a Retry-After; the engines' (EngineUnavailable,
-``fleetserve.engines.binaries``) name the flag that fixes them.
+    ├── CacheError               the node's model cache cannot provide a model (names model and source)
+    │   ├── SourceError          the source cannot be read: missing file, HTTP error, refused token,
+    │   │   │                    not in the Hugging Face mirror
+    │   │   └── TransferInterrupted  the connection broke mid-transfer; the partial file is kept
+    │   ├── ChecksumMismatch     the bytes' sha256 is not the model's (expected, got, source); not kept
+    │   ├── InsufficientSpace    too little free disk for a download (sizes, cache dir); nothing written
+    │   └── ModelPinned          an explicit eviction of a model that running replicas use
+    ├── EngineUnavailable        (fleetserve.engines.binaries) no executable engine binary for a
+    │                            replica's runtime variant; names the flag that fixes it
+    ├── ExpositionError          (fleetserve.metrics.promtext) a body is not valid Prometheus text
+    ├── ScrapeError              (fleetserve.metrics.scraper) one fetch of one metrics target failed
+    │   ├── ScrapeTimeout        no complete answer within the timeout
+    │   ├── BadStatus            an answer with a status other than 200
+    │   ├── BodyTooLarge         a body over the size limit
+    │   └── FetchFailed          the connection failed or the answer was not HTTP (cause chained)
+    │       └── _NoAnswer        closed before any byte: a reused connection may have expired
+    ├── GatewayRejection         (fleetserve.gateway.admission) the gateway refuses a request; carries
+    │   │                        an HTTP status and a Retry-After
+    │   ├── QueueFull            as many requests as the policy allows already wait
+    │   ├── QueueTimeout         the request waited its longest in the queue without a slot
+    │   └── NoReplica            no replica became Ready before the hold deadline
+    ├── ClientGone               (fleetserve.gateway.app) the client disconnected before its answer;
+    │                            the upstream request was cancelled
+    ├── Unauthorized             (fleetserve.server.problems) no valid credentials for this API
+    ├── AgentApiError            (fleetserve.agent.client) the control plane refused or did not answer
+    │                            the agent
+    ├── KubeError                (fleetserve.kube.apply) the Kubernetes API refused or did not answer
+    ├── ClientError              (fleetserve.cli.client) the control plane refused or did not answer
+    │                            the command line
+    └── UpError                  (fleetserve.cli.local) ``fleetserve up`` could not bring the stack up
 
 Expected placement outcomes (a replica that does not fit) are values, not exceptions: see
 ``fleetserve.placement.report``. Third-party exceptions are converted at the boundary and
@@ -35,6 +57,10 @@ from dataclasses import dataclass
 
 class FleetserveError(Exception):
     """Base class of every error fleetserve raises on purpose."""
+
+
+class InternalError(FleetserveError):
+    """One of fleetserve's own invariants did not hold: a bug to report, never the input's fault."""
 
 
 @dataclass(frozen=True)

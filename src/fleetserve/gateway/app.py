@@ -26,6 +26,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from fleetserve.errors import FleetserveError, InternalError
 from fleetserve.gateway.admission import Admission, AdmissionPolicy, GatewayRejection
 from fleetserve.gateway.endpoints import EndpointTable, Route
 from fleetserve.gateway.picker import Endpoint, Load, pick, prefix_key_for
@@ -78,7 +79,7 @@ def _stream_usage(tail: bytes) -> int:
     return 0
 
 
-class ClientGone(Exception):
+class ClientGone(FleetserveError):
     """The client disconnected before its answer was ready; the upstream request was cancelled."""
 
 
@@ -305,7 +306,9 @@ class Gateway:
         prefix: str | None,
         exits: contextlib.AsyncExitStack,
     ) -> Response:
-        assert self.http is not None
+        http = self.http
+        if http is None:
+            raise InternalError("the gateway forwards requests only between start() and stop()")
         tried: set[str] = set()
         last_error = "no replica is ready"
         for _ in range(2):  # the first try and, before any byte reached the client, one retry
@@ -314,11 +317,11 @@ class Gateway:
                 break
             tried.add(endpoint.replica)
             self.in_flight[endpoint.replica] += 1
-            upstream = self.http.build_request(
+            upstream = http.build_request(
                 "POST", endpoint.url + path, content=body, headers={"content-type": "application/json"}
             )
             try:
-                response = await self._unless_gone(request, self.http.send(upstream, stream=True))
+                response = await self._unless_gone(request, http.send(upstream, stream=True))
             except ClientGone:
                 self.in_flight[endpoint.replica] -= 1
                 raise

@@ -41,7 +41,7 @@ import httpx
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from fleetserve.errors import FleetserveError
+from fleetserve.errors import FleetserveError, InternalError
 
 log = logging.getLogger("fleetserve.metrics")
 
@@ -437,13 +437,17 @@ class _Connection(asyncio.Protocol):
         self.keep_alive = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        if not isinstance(transport, asyncio.Transport):
+            raise InternalError(
+                f"a stream connection got a {type(transport).__name__}, not a stream transport"
+            )
         self._transport = transport
         self._pool._open.add(self)
 
     def exchange(self, request: bytes, max_body: int) -> asyncio.Future[bytes]:
         """Send ``request``; the future is the body of the answer."""
-        assert self._transport is not None and not self.closed
+        if self._transport is None or self.closed:
+            raise InternalError(f"a request on a connection to {self.origin} that is not open")
         self._parser = ResponseParser(max_body)
         self._answer = asyncio.get_running_loop().create_future()
         self._transport.write(request)

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from fleetserve.errors import InternalError
 from fleetserve.placement.demand import Demand
 from fleetserve.placement.state import NodeWork
 from fleetserve.spec.resources import Shard
@@ -30,10 +31,16 @@ class Found:
     scores: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
 
 
+def device_class_of(demand: Demand) -> str:
+    """The device class of a GPU demand; only GPU placement asks, so a CPU demand here is a bug."""
+    if demand.device_class is None:
+        raise InternalError(f"profile {demand.profile}: a CPU demand was placed as a GPU one")
+    return demand.device_class
+
+
 def gpu_key(node: NodeWork, demand: Demand) -> tuple[int, int, str]:
     """Sort key for single-node GPU placement: fewest free devices, cached first, then name."""
-    assert demand.device_class is not None
-    return (node.free_count(demand.device_class), 0 if demand.model in node.cache else 1, node.name)
+    return (node.free_count(device_class_of(demand)), 0 if demand.model in node.cache else 1, node.name)
 
 
 def cpu_key(node: NodeWork, demand: Demand) -> tuple[int, int, str]:
@@ -43,8 +50,7 @@ def cpu_key(node: NodeWork, demand: Demand) -> tuple[int, int, str]:
 
 def emptiest_key(node: NodeWork, demand: Demand) -> tuple[int, str]:
     """Sort key for multi-node members: most free devices first, then name."""
-    assert demand.device_class is not None
-    return (-node.free_count(demand.device_class), node.name)
+    return (-node.free_count(device_class_of(demand)), node.name)
 
 
 def choose_devices(node: NodeWork, device_class: str, k: int) -> tuple[tuple[int, ...], bool]:
@@ -97,15 +103,15 @@ def found_single(node: NodeWork, demand: Demand) -> Found:
 
 def found_group(members: Sequence[NodeWork], demand: Demand, fabric: str) -> Found:
     """The placement across ``members`` on ``fabric``, with its scores."""
-    assert demand.device_class is not None
+    device_class = device_class_of(demand)
     shards = []
     domains = 0
     for node in members:
         shard, one_domain = shard_on(node, demand, fabric)
         shards.append(shard)
         domains += one_domain
-    free = sum(n.free_count(demand.device_class) for n in members)
-    total = sum(len(n.devices_of[demand.device_class]) for n in members)
+    free = sum(n.free_count(device_class) for n in members)
+    total = sum(len(n.devices_of[device_class]) for n in members)
     return Found(
         tuple(shards),
         fabric,
@@ -117,5 +123,5 @@ def found_group(members: Sequence[NodeWork], demand: Demand, fabric: str) -> Fou
 
 def group_score(members: Sequence[NodeWork], demand: Demand, fabric: str) -> tuple[int, str]:
     """Sort key among fabrics: the most free devices across the chosen machines, then name."""
-    assert demand.device_class is not None
-    return (-sum(n.free_count(demand.device_class) for n in members), fabric)
+    device_class = device_class_of(demand)
+    return (-sum(n.free_count(device_class) for n in members), fabric)

@@ -19,7 +19,7 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, Connection, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
 
-from fleetserve.errors import StoreError
+from fleetserve.errors import InternalError, StoreError
 
 # Execution option that makes a SQLite transaction start with a plain (deferred) BEGIN.
 READ_ONLY = "fleetserve_read_only"
@@ -69,7 +69,8 @@ def make_engine(
     args = dict(connect_args or {})
     try:
         if target.get_backend_name() == "sqlite":
-            assert target.database is not None
+            if not target.database:  # database_url() refuses a SQLite URL without a file
+                raise InternalError(f"a SQLite URL without a file reached make_engine: {target!r}")
             Path(target.database).parent.mkdir(parents=True, exist_ok=True)
             engine = create_engine(target, connect_args=args)
             _configure_sqlite(engine, busy_timeout)
