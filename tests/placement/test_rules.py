@@ -1,15 +1,23 @@
 """Placement rules from design.md, one table-driven case per rule, run by both searches.
 
-Hardware fixtures are named after their shape, e.g. ``hgx_h100_8`` is an 8-GPU H100 node.
+Hardware comes from tests/builders.py, named after its shape, e.g. ``nvidia_h100_80gb_x8`` is an HGX H100 board.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from types import MappingProxyType
-from typing import Any
 
 import pytest
 
+from builders import (
+    amd_mi325x_x8,
+    cpu_32c_128g,
+    gpu_server_64c_512g,
+    node,
+    nvidia_h100_80gb_x8,
+)
+from builders import deployment as build_deployment
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.placement.placer import DeploymentDecision, SearchKind, plan
 from fleetserve.placement.report import Reason, render_report
@@ -24,49 +32,8 @@ CLASSES = {
 FABRICS = {"ib-a": Fabric(name="ib-a"), "ib-b": Fabric(name="ib-b")}
 SMALL = ModelFacts("small", weight_bytes=2 * GiB, kv_bytes_per_token=0, context_length=4096)
 BIG = ModelFacts("big", weight_bytes=100 * GiB, kv_bytes_per_token=0, context_length=4096)
-
-
-def gpu_node(
-    name: str,
-    count: int = 8,
-    cls: str = "h100",
-    *,
-    ecc: tuple[int, ...] = (),
-    foreign: tuple[int, ...] = (),
-    domains: tuple[tuple[int, ...], ...] = (),
-    fabrics: tuple[str, ...] = (),
-    **extra: Any,
-) -> Node:
-    devices = [
-        {
-            "index": i,
-            "class": cls,
-            "health": {
-                "eccUncorrected": 1 if i in ecc else 0,
-                "foreignProcesses": [4242] if i in foreign else [],
-            },
-        }
-        for i in range(count)
-    ]
-    hcas = [{"name": f"hca-{f}-{j}", "fabric": f} for f in fabrics for j in range(2)]
-    return Node.model_validate(
-        {
-            "name": name,
-            "cpu": {"cores": 64, "memory": "512GiB"},
-            "devices": devices,
-            "nvlinkDomains": [list(d) for d in domains],
-            "hcas": hcas,
-            **extra,
-        }
-    )
-
-
-def cpu_node(name: str, cores: int = 32, memory: str = "128GiB", **extra: Any) -> Node:
-    return Node.model_validate({"name": name, "cpu": {"cores": cores, "memory": memory}, **extra})
-
-
-def hgx_h100_8(name: str, **kw: Any) -> Node:
-    return gpu_node(name, 8, "h100", domains=((0, 1, 2, 3, 4, 5, 6, 7),), **kw)
+# This suite's deployments serve the small model unless they say otherwise.
+deployment = partial(build_deployment, model="small")
 
 
 def running(name: str, dep: str, *shards: tuple[str, tuple[int, ...]]) -> Replica:
@@ -77,13 +44,6 @@ def running(name: str, dep: str, *shards: tuple[str, tuple[int, ...]]) -> Replic
         device_class="h100",
         shards=tuple(Shard(node=n, devices=d) for n, d in shards),
     )
-
-
-def deployment(
-    name: str = "d", replicas: int = 1, *profiles: dict[str, Any], model: str = "small"
-) -> Deployment:
-    profs = list(profiles) or [{"name": "p", "engine": "vllm", "deviceClass": "h100"}]
-    return Deployment.model_validate({"name": name, "model": model, "replicas": replicas, "profiles": profs})
 
 
 def decide(
@@ -108,7 +68,7 @@ both = pytest.mark.parametrize("kind", list(SearchKind))
 
 @both
 def test_gpus_are_bin_packed_onto_partly_used_nodes_first(kind):
-    nodes = [hgx_h100_8("a"), hgx_h100_8("b")]
+    nodes = [nvidia_h100_80gb_x8("a"), nvidia_h100_80gb_x8("b")]
     used = running("x-0", "x", ("b", (0, 1, 2, 3)))
     [d] = decide(nodes, [deployment()], kind, (used,))
     assert where(d) == [[("b", (4,))]]
@@ -117,10 +77,10 @@ def test_gpus_are_bin_packed_onto_partly_used_nodes_first(kind):
 @both
 def test_a_multi_node_replica_takes_the_emptiest_machines_on_one_fabric_and_only_its_hcas(kind):
     nodes = [
-        hgx_h100_8("a1", fabrics=("ib-a",)),
-        hgx_h100_8("a2", fabrics=("ib-a", "ib-b")),
-        hgx_h100_8("a3", fabrics=("ib-a",)),
-        hgx_h100_8("b1", fabrics=("ib-b",)),
+        nvidia_h100_80gb_x8("a1", fabrics=("ib-a",)),
+        nvidia_h100_80gb_x8("a2", fabrics=("ib-a", "ib-b")),
+        nvidia_h100_80gb_x8("a3", fabrics=("ib-a",)),
+        nvidia_h100_80gb_x8("b1", fabrics=("ib-b",)),
     ]
     used = running("x-0", "x", ("a1", (0, 1, 2, 3)))
     prof = {"name": "p", "engine": "vllm", "deviceClass": "h100", "devicesPerNode": 4, "nodes": 2}
@@ -133,7 +93,11 @@ def test_a_multi_node_replica_takes_the_emptiest_machines_on_one_fabric_and_only
 
 @both
 def test_multi_node_shards_never_straddle_fabrics_and_the_report_says_per_fabric(kind):
-    nodes = [hgx_h100_8("a1", fabrics=("ib-a",)), hgx_h100_8("b1", fabrics=("ib-b",)), hgx_h100_8("none")]
+    nodes = [
+        nvidia_h100_80gb_x8("a1", fabrics=("ib-a",)),
+        nvidia_h100_80gb_x8("b1", fabrics=("ib-b",)),
+        nvidia_h100_80gb_x8("none"),
+    ]
     prof = {"name": "p", "engine": "vllm", "deviceClass": "h100", "devicesPerNode": 8, "nodes": 2}
     [d] = decide(nodes, [deployment("d", 1, prof)], kind)
     [report] = d.unplaced[0].reports
@@ -144,7 +108,9 @@ def test_multi_node_shards_never_straddle_fabrics_and_the_report_says_per_fabric
 @both
 def test_cpu_replicas_spread_across_nodes(kind):
     prof = {"name": "cpu", "engine": "llama.cpp", "cpu": {"cores": 4, "memory": "4GiB"}}
-    [d] = decide([cpu_node("c1"), cpu_node("c2"), cpu_node("c3")], [deployment("d", 3, prof)], kind)
+    [d] = decide(
+        [cpu_32c_128g("c1"), cpu_32c_128g("c2"), cpu_32c_128g("c3")], [deployment("d", 3, prof)], kind
+    )
     assert sorted(s[0][0] for s in where(d)) == ["c1", "c2", "c3"]
 
 
@@ -158,7 +124,7 @@ def test_cpu_replicas_spread_across_nodes(kind):
 )
 @both
 def test_a_tensor_parallel_group_stays_inside_one_nvlink_domain(kind, taken, k, expected):
-    node = gpu_node("pcie", 8, domains=((0, 1, 2, 3), (4, 5, 6, 7)))
+    node = gpu_server_64c_512g("pcie", "h100", 8, domains=((0, 1, 2, 3), (4, 5, 6, 7)))
     prof = {"name": "p", "engine": "vllm", "deviceClass": "h100", "devicesPerNode": k}
     [d] = decide([node], [deployment("d", 1, prof)], kind, (running("x-0", "x", ("pcie", taken)),))
     assert where(d) == [[("pcie", expected)]]
@@ -167,13 +133,22 @@ def test_a_tensor_parallel_group_stays_inside_one_nvlink_domain(kind, taken, k, 
 @both
 def test_without_topology_the_lowest_free_indices_are_used(kind):
     prof = {"name": "p", "engine": "vllm", "deviceClass": "h100", "devicesPerNode": 2}
-    [d] = decide([gpu_node("n", 4)], [deployment("d", 1, prof)], kind, (running("x-0", "x", ("n", (1,))),))
+    [d] = decide(
+        [gpu_server_64c_512g("n", "h100", 4)],
+        [deployment("d", 1, prof)],
+        kind,
+        (running("x-0", "x", ("n", (1,))),),
+    )
     assert where(d) == [[("n", (0, 2))]]
 
 
 @both
 def test_among_equal_nodes_the_one_caching_the_model_wins(kind):
-    nodes = [hgx_h100_8("a"), hgx_h100_8("b", modelCache=["small"]), hgx_h100_8("c")]
+    nodes = [
+        nvidia_h100_80gb_x8("a"),
+        nvidia_h100_80gb_x8("b", modelCache=["small"]),
+        nvidia_h100_80gb_x8("c"),
+    ]
     [d] = decide(nodes, [deployment()], kind)
     assert where(d) == [[("b", (0,))]]
     assert d.placed[0].scores["cache"] == 1.0
@@ -181,7 +156,7 @@ def test_among_equal_nodes_the_one_caching_the_model_wins(kind):
 
 @both
 def test_a_device_with_an_ecc_fault_or_a_foreign_process_is_never_used(kind):
-    [d] = decide([gpu_node("n", 3, ecc=(0,), foreign=(1,))], [deployment("d", 2)], kind)
+    [d] = decide([gpu_server_64c_512g("n", "h100", 3, ecc=(0,), foreign=(1,))], [deployment("d", 2)], kind)
     assert where(d) == [[("n", (2,))]]
     [report] = d.unplaced[0].reports
     assert report.counts() == {(Reason.INSUFFICIENT_FREE_DEVICES, 0): 1}
@@ -190,11 +165,11 @@ def test_a_device_with_an_ecc_fault_or_a_foreign_process_is_never_used(kind):
 @both
 def test_every_rejected_node_is_counted_once_by_its_first_failed_constraint(kind):
     nodes = (
-        [cpu_node(f"cpu-{i}") for i in range(4)]
-        + [gpu_node(f"amd-{i}", 8, "mi325x") for i in range(1)]
-        + [hgx_h100_8(f"cord-{i}", cordon={"reason": "bad NVSwitch"}) for i in range(3)]
-        + [hgx_h100_8("gone", state="NotReady")]
-        + [hgx_h100_8(f"busy-{i}", ecc=(0, 1, 2, 3, 4)) for i in range(2)]
+        [cpu_32c_128g(f"cpu-{i}") for i in range(4)]
+        + [amd_mi325x_x8(f"amd-{i}") for i in range(1)]
+        + [nvidia_h100_80gb_x8(f"cord-{i}", cordon={"reason": "bad NVSwitch"}) for i in range(3)]
+        + [nvidia_h100_80gb_x8("gone", state="NotReady")]
+        + [nvidia_h100_80gb_x8(f"busy-{i}", ecc=(0, 1, 2, 3, 4)) for i in range(2)]
     )
     prof = {"name": "h100-tp8", "engine": "vllm", "deviceClass": "h100", "devicesPerNode": 8}
     [d] = decide(nodes, [deployment("d", 1, prof)], kind)
@@ -228,7 +203,7 @@ def test_every_rejected_node_is_counted_once_by_its_first_failed_constraint(kind
 @both
 def test_weights_must_fit_device_memory(kind, per_node, fits):
     prof = {"name": "p", "engine": "vllm", "deviceClass": "h100", "devicesPerNode": per_node}
-    [d] = decide([hgx_h100_8("n")], [deployment("d", 1, prof, model="big")], kind)
+    [d] = decide([nvidia_h100_80gb_x8("n")], [deployment("d", 1, prof, model="big")], kind)
     assert bool(d.placed) is fits
     if not fits:
         assert d.unplaced[0].reports[0].counts() == {(Reason.DEVICE_MEMORY_TOO_SMALL, None): 1}
@@ -237,7 +212,7 @@ def test_weights_must_fit_device_memory(kind, per_node, fits):
 @both
 def test_cpu_replicas_need_host_memory_and_gpu_pools_are_tainted(kind):
     prof = {"name": "cpu", "engine": "llama.cpp", "cpu": {"cores": 2}}
-    [d] = decide([cpu_node("tiny", memory="1GiB"), hgx_h100_8("gpu")], [deployment("d", 1, prof)], kind)
+    [d] = decide([node("tiny", 32, "1GiB"), nvidia_h100_80gb_x8("gpu")], [deployment("d", 1, prof)], kind)
     assert d.unplaced[0].reports[0].counts() == {
         (Reason.INSUFFICIENT_MEMORY, None): 1,
         (Reason.TAINT_NOT_TOLERATED, None): 1,
@@ -248,10 +223,10 @@ def test_cpu_replicas_need_host_memory_and_gpu_pools_are_tainted(kind):
 def test_the_highest_priority_profile_that_fits_wins_and_the_others_explain(kind):
     amd = {"name": "amd", "engine": "vllm", "deviceClass": "mi325x", "priority": 1}
     nv = {"name": "nv", "engine": "vllm", "deviceClass": "h100", "priority": 9}
-    [d] = decide([gpu_node("m", 8, "mi325x"), hgx_h100_8("h")], [deployment("d", 1, amd, nv)], kind)
+    [d] = decide([amd_mi325x_x8("m"), nvidia_h100_80gb_x8("h")], [deployment("d", 1, amd, nv)], kind)
     assert d.placed[0].replica.profile == "nv" and not d.placed[0].skipped
     [d] = decide(
-        [gpu_node("m", 8, "mi325x"), hgx_h100_8("h", cordon={"reason": "x"})],
+        [amd_mi325x_x8("m"), nvidia_h100_80gb_x8("h", cordon={"reason": "x"})],
         [deployment("d", 1, amd, nv)],
         kind,
     )
@@ -261,7 +236,7 @@ def test_the_highest_priority_profile_that_fits_wins_and_the_others_explain(kind
 
 @both
 def test_running_replicas_stay_lost_ones_are_replaced_under_new_names(kind):
-    nodes = [hgx_h100_8("a"), hgx_h100_8("lost", state="Lost"), hgx_h100_8("b")]
+    nodes = [nvidia_h100_80gb_x8("a"), nvidia_h100_80gb_x8("lost", state="Lost"), nvidia_h100_80gb_x8("b")]
     existing = (running("d-0", "d", ("b", (5,))), running("d-1", "d", ("lost", (0,))))
     [d] = decide(nodes, [deployment("d", 2)], kind, existing)
     assert d.kept == ("d-0",)
@@ -273,13 +248,13 @@ def test_running_replicas_stay_lost_ones_are_replaced_under_new_names(kind):
 @both
 def test_replicas_beyond_the_desired_count_are_surplus(kind):
     existing = tuple(running(f"d-{i}", "d", ("a", (i,))) for i in range(3))
-    [d] = decide([hgx_h100_8("a")], [deployment("d", 1)], kind, existing)
+    [d] = decide([nvidia_h100_80gb_x8("a")], [deployment("d", 1)], kind, existing)
     assert (d.kept, d.surplus, d.placed) == (("d-0",), ("d-1", "d-2"), ())
 
 
 @both
 def test_replicas_of_one_cycle_never_share_a_device(kind):
-    [d1, d2] = decide([gpu_node("n", 2)], [deployment("a"), deployment("b", 2)], kind)
+    [d1, d2] = decide([gpu_server_64c_512g("n", "h100", 2)], [deployment("a"), deployment("b", 2)], kind)
     assert where(d1) == [[("n", (0,))]]
     assert where(d2) == [[("n", (1,))]]
     assert len(d2.unplaced) == 1
@@ -291,7 +266,9 @@ def test_a_gpu_box_whose_class_claims_an_unknown_driver_never_passes_for_a_cpu_n
     try:
         prof = {"name": "cpu", "engine": "llama.cpp", "cpu": {"cores": 2, "memory": "1GiB"}}
         [d] = decide(
-            [gpu_node("g", 8, "gaudi"), cpu_node("small", cores=1)], [deployment("d", 1, prof)], kind
+            [gpu_server_64c_512g("g", "gaudi", 8), node("small", 1, "128GiB")],
+            [deployment("d", 1, prof)],
+            kind,
         )
     finally:
         del CLASSES["gaudi"]
@@ -304,7 +281,7 @@ def test_a_gpu_box_whose_class_claims_an_unknown_driver_never_passes_for_a_cpu_n
 @both
 def test_too_few_cores_renders_without_an_amount(kind):
     prof = {"name": "cpu", "engine": "llama.cpp", "cpu": {"cores": 64, "memory": "1GiB"}}
-    [d] = decide([cpu_node("c", cores=8)], [deployment("d", 1, prof)], kind)
+    [d] = decide([node("c", 8, "128GiB")], [deployment("d", 1, prof)], kind)
     assert (
         render_report(d.unplaced[0].reports[0]) == "profile cpu: 0/1 nodes fit: 1 have too few free CPU cores"
     )
@@ -314,7 +291,7 @@ def test_two_shards_on_one_node_add_up_against_its_cpu():
     from fleetserve.errors import AllocationConflict
     from fleetserve.placement.state import WorkingState
 
-    snap = ClusterSnapshot(classes=MappingProxyType(CLASSES), nodes=(cpu_node("c", cores=8),))
+    snap = ClusterSnapshot(classes=MappingProxyType(CLASSES), nodes=(node("c", 8, "128GiB"),))
     state = WorkingState(snap)
     double = Replica(
         name="r",
@@ -329,7 +306,7 @@ def test_two_shards_on_one_node_add_up_against_its_cpu():
 @both
 def test_a_cpu_memory_claim_below_what_the_model_needs_is_raised_to_it(kind):
     prof = {"name": "cpu", "engine": "llama.cpp", "cpu": {"cores": 2, "memory": "8GiB"}}
-    [d] = decide([cpu_node("small", memory="16GiB")], [deployment("d", 1, prof, model="big")], kind)
+    [d] = decide([node("small", 32, "16GiB")], [deployment("d", 1, prof, model="big")], kind)
     assert d.unplaced[0].reports[0].counts() == {(Reason.INSUFFICIENT_MEMORY, None): 1}
-    [d] = decide([cpu_node("large", memory="256GiB")], [deployment("d", 1, prof, model="big")], kind)
+    [d] = decide([node("large", 32, "256GiB")], [deployment("d", 1, prof, model="big")], kind)
     assert d.placed[0].replica.shards[0].memory > 100 * GiB
