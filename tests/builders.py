@@ -22,6 +22,7 @@ def devices(
     count: int,
     *,
     uuid: str | None = None,
+    node_name: str = "",
     ecc: Sequence[int] = (),
     ecc_errors: int = 1,
     foreign: Sequence[int] = (),
@@ -29,7 +30,7 @@ def devices(
 ) -> list[dict[str, Any]]:
     """``count`` device documents of class ``cls``, indexed from 0.
 
-    ``uuid`` is a format with ``{i}`` (e.g. ``"n1-gpu-{i}"``); the devices in ``ecc`` report
+    ``uuid`` is a format of ``{node}`` (``node_name``) and ``{i}``, e.g. ``"{node}-gpu-{i}"``; the devices in ``ecc`` report
     ``ecc_errors`` uncorrected ECC errors and those in ``foreign`` a process fleetserve did not
     start. ``health`` spells the health out even when it is clean.
     """
@@ -37,7 +38,7 @@ def devices(
     for i in range(count):
         doc: dict[str, Any] = {"index": i}
         if uuid is not None:
-            doc["uuid"] = uuid.format(i=i)
+            doc["uuid"] = uuid.format(node=node_name, i=i)
         doc["class"] = cls
         if health or ecc or foreign:
             doc["health"] = {
@@ -82,7 +83,9 @@ def gpu_server_64c_512g(
     dev_options = {
         k: fields.pop(k) for k in ("uuid", "ecc", "foreign", "ecc_errors", "health") if k in fields
     }
-    return node(name, 64, "512GiB", devices(cls, count, **dev_options), domains=domains, **fields)
+    return node(
+        name, 64, "512GiB", devices(cls, count, node_name=name, **dev_options), domains=domains, **fields
+    )
 
 
 def nvidia_h100_80gb_x8(name: str, cls: str = "h100", **fields: Any) -> Node:
@@ -106,7 +109,7 @@ def gpu_host_16c_64g(name: str, cls: str, count: int = 4, **fields: Any) -> Node
     dev_options = {
         k: fields.pop(k) for k in ("uuid", "ecc", "foreign", "ecc_errors", "health") if k in fields
     }
-    return node(name, 16, "64Gi", devices(cls, count, **dev_options), **fields)
+    return node(name, 16, "64Gi", devices(cls, count, node_name=name, **dev_options), **fields)
 
 
 def gpu_host_8c_64g(name: str, cls: str, count: int = 2, **fields: Any) -> Node:
@@ -139,7 +142,7 @@ def deployment(
     model: str = "m",
     **fields: Any,
 ) -> Deployment:
-    """A deployment of ``model`` with ``profiles`` (documents; default one vLLM profile ``p`` on
+    """A deployment of ``model`` with ``profiles`` (documents or Profile values; default one vLLM profile ``p`` on
     class ``h100``) and any other Deployment field (``autoscale``, ``admission``...)."""
     profs = list(profiles) or [{"name": "p", "engine": "vllm", "deviceClass": "h100"}]
     return Deployment.model_validate(

@@ -26,6 +26,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from builders import cpu_32c_128g, deployment, gpu_server_64c_512g
+from builders import node as build_node
 from fleetserve.engines.capabilities import EngineKind
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.placement.choose import Found
@@ -857,24 +859,11 @@ def test_place_and_release_keep_the_searches_current(sc: Scenario, ops: list[int
 # --- examples --------------------------------------------------------------------------------
 
 
-def _gpu_node(name: str, cls: str, count: int, **kw: object) -> Node:
-    devices = tuple(Device(index=i, uuid=f"{name}-{i}", device_class=cls) for i in range(count))
-    return Node(name=name, cpu=CpuCapacity(cores=64, memory=512 * GiB), devices=devices, **kw)  # type: ignore[arg-type]
-
-
-def _cpu_node(name: str, cores: int = 32, memory: int = 128 * GiB, **kw: object) -> Node:
-    return Node(name=name, cpu=CpuCapacity(cores=cores, memory=memory), **kw)  # type: ignore[arg-type]
-
-
 FACTS = MappingProxyType({"m0": ModelFacts("m0", 40 * GiB, 0, 4096)})
 
 
 def _snapshot(*node_list: Node, replicas: tuple[Replica, ...] = ()) -> ClusterSnapshot:
     return ClusterSnapshot(CLASSES, tuple(node_list), FABRICS, replicas, FACTS)
-
-
-def _dep(*profile_list: Profile, replicas: int = 1) -> Deployment:
-    return Deployment(name="d0", model="m0", replicas=replicas, profiles=profile_list)
 
 
 H100 = "nvidia-h100-80gb"
@@ -888,11 +877,11 @@ CPU = Profile(name="cpu", engine=EngineKind.LLAMACPP, cpu=CpuRequest(cores=8))
     [
         pytest.param(
             (
-                _gpu_node("a", H100, 2, cordon=Cordon(reason="x")),
-                _gpu_node("b", H100, 1),
-                _gpu_node("c", H100, 2, state=NodeState.NOT_READY),
-                _cpu_node("d"),
-                _gpu_node("e", "amd-mi300x", 4),
+                gpu_server_64c_512g("a", H100, 2, uuid="{node}-{i}", cordon=Cordon(reason="x")),
+                gpu_server_64c_512g("b", H100, 1, uuid="{node}-{i}"),
+                gpu_server_64c_512g("c", H100, 2, uuid="{node}-{i}", state=NodeState.NOT_READY),
+                cpu_32c_128g("d"),
+                gpu_server_64c_512g("e", "amd-mi300x", 4, uuid="{node}-{i}"),
             ),
             TP2,
             {
@@ -905,16 +894,24 @@ CPU = Profile(name="cpu", engine=EngineKind.LLAMACPP, cpu=CpuRequest(cores=8))
         ),
         pytest.param(
             (
-                _gpu_node("a", H100, 2, hcas=(Hca(name="mlx5_0", fabric="ib-a"),)),
-                _gpu_node("b", H100, 2, hcas=(Hca(name="mlx5_0", fabric="ib-b"),)),
-                _gpu_node("c", H100, 2),
+                gpu_server_64c_512g(
+                    "a", H100, 2, uuid="{node}-{i}", hcas=(Hca(name="mlx5_0", fabric="ib-a"),)
+                ),
+                gpu_server_64c_512g(
+                    "b", H100, 2, uuid="{node}-{i}", hcas=(Hca(name="mlx5_0", fabric="ib-b"),)
+                ),
+                gpu_server_64c_512g("c", H100, 2, uuid="{node}-{i}"),
             ),
             TP2X2,
             {(Reason.FABRIC_TOO_SMALL, None): 2, (Reason.NO_FABRIC, None): 1},
             id="two-fabrics-never-one-group",
         ),
         pytest.param(
-            (_gpu_node("a", H100, 1), _cpu_node("b", cores=4), _cpu_node("c", memory=8 * GiB)),
+            (
+                gpu_server_64c_512g("a", H100, 1, uuid="{node}-{i}"),
+                build_node("b", 4, 128 * GiB),
+                build_node("c", 32, 8 * GiB),
+            ),
             CPU,
             {
                 (Reason.TAINT_NOT_TOLERATED, None): 1,
@@ -929,33 +926,39 @@ def test_explanation_examples(
     node_list: tuple[Node, ...], profile: Profile, expected: dict[tuple[Reason, int | None], int]
 ) -> None:
     snapshot = _snapshot(*node_list)
-    results = [plan([_dep(profile)], snapshot, kind)[0] for kind in SearchKind]
+    results = [plan([deployment("d0", 1, profile, model="m0")], snapshot, kind)[0] for kind in SearchKind]
     assert results[0].to_dict() == results[1].to_dict()
     (unplaced,) = results[0].unplaced
     (report,) = unplaced.reports
     assert report.counts() == expected
-    check_report(Ledger.of(snapshot), usable_demands(snapshot, _dep(profile))[0], report)
+    check_report(
+        Ledger.of(snapshot), usable_demands(snapshot, deployment("d0", 1, profile, model="m0"))[0], report
+    )
 
 
 def test_multi_node_replica_uses_one_fabric_and_only_its_hcas() -> None:
     both = (Hca(name="mlx5_0", fabric="ib-a"), Hca(name="mlx5_1", fabric="ib-b"))
     snapshot = _snapshot(
-        _gpu_node("a", H100, 2, hcas=both),
-        _gpu_node("b", H100, 2, hcas=(Hca(name="mlx5_7", fabric="ib-b"),)),
-        _gpu_node("c", H100, 2, hcas=(Hca(name="mlx5_0", fabric="ib-a"),)),
+        gpu_server_64c_512g("a", H100, 2, uuid="{node}-{i}", hcas=both),
+        gpu_server_64c_512g("b", H100, 2, uuid="{node}-{i}", hcas=(Hca(name="mlx5_7", fabric="ib-b"),)),
+        gpu_server_64c_512g("c", H100, 2, uuid="{node}-{i}", hcas=(Hca(name="mlx5_0", fabric="ib-a"),)),
     )
     for kind in SearchKind:
-        (decision,) = plan([_dep(TP2X2)], snapshot, kind)
+        (decision,) = plan([deployment("d0", 1, TP2X2, model="m0")], snapshot, kind)
         (placement,) = decision.placed
-        check_replica(Ledger.of(snapshot), usable_demands(snapshot, _dep(TP2X2))[0], placement.replica)
+        check_replica(
+            Ledger.of(snapshot),
+            usable_demands(snapshot, deployment("d0", 1, TP2X2, model="m0"))[0],
+            placement.replica,
+        )
 
 
 def test_falls_back_to_lower_priority_profile() -> None:
     low_cpu = CPU.model_copy(update={"priority": 0})
     high_gpu = TP2.model_copy(update={"priority": 5})
-    snapshot = _snapshot(_gpu_node("a", H100, 1), _cpu_node("b"))
+    snapshot = _snapshot(gpu_server_64c_512g("a", H100, 1, uuid="{node}-{i}"), cpu_32c_128g("b"))
     for kind in SearchKind:
-        (decision,) = plan([_dep(low_cpu, high_gpu)], snapshot, kind)
+        (decision,) = plan([deployment("d0", 1, low_cpu, high_gpu, model="m0")], snapshot, kind)
         (placement,) = decision.placed
         assert placement.replica.profile == "cpu"
         assert [r.profile for r in placement.skipped] == ["tp2"]
@@ -966,11 +969,7 @@ TP1 = Profile(name="tp1", engine=EngineKind.VLLM, device_class=H100)
 
 def test_a_replica_on_a_faulted_device_keeps_its_other_devices() -> None:
     """A running replica whose device faulted still holds its healthy device and its cores."""
-    devices = (
-        Device(index=0, device_class=H100),
-        Device(index=1, device_class=H100, health=DeviceHealth(ecc_uncorrected=1)),
-    )
-    node = Node(name="a", cpu=CpuCapacity(cores=64, memory=512 * GiB), devices=devices)
+    node = gpu_server_64c_512g("a", H100, 2, ecc=(1,))
     old = Replica(
         name="old-0",
         deployment="old",
@@ -980,7 +979,7 @@ def test_a_replica_on_a_faulted_device_keeps_its_other_devices() -> None:
     )
     snapshot = _snapshot(node, replicas=(old,))
     for kind in SearchKind:
-        (decision,) = plan([_dep(TP1)], snapshot, kind)
+        (decision,) = plan([deployment("d0", 1, TP1, model="m0")], snapshot, kind)
         assert decision.placed == ()
         (unplaced,) = decision.unplaced
         assert unplaced.reports[0].counts() == {(Reason.INSUFFICIENT_FREE_DEVICES, 0): 1}
@@ -1012,6 +1011,6 @@ def test_a_node_whose_replicas_hold_more_than_it_has(held: dict[str, int]) -> No
         shards=(Shard(node="a", devices=(0,), **held),),
     )
     snapshot = _snapshot(node, replicas=(old,))
-    naive = plan([_dep(TP1)], snapshot, SearchKind.NAIVE)[0].to_dict()
-    indexed = plan([_dep(TP1)], snapshot, SearchKind.INDEXED)[0].to_dict()
+    naive = plan([deployment("d0", 1, TP1, model="m0")], snapshot, SearchKind.NAIVE)[0].to_dict()
+    indexed = plan([deployment("d0", 1, TP1, model="m0")], snapshot, SearchKind.INDEXED)[0].to_dict()
     assert indexed == naive
