@@ -55,16 +55,19 @@ def node(
     memory: str | int,
     gpus: Sequence[dict[str, Any]] = (),
     *,
+    groups: Sequence[tuple[str, int]] = (),
     domains: Sequence[Sequence[int]] = (),
     fabrics: Sequence[str] = (),
     **fields: Any,
 ) -> Node:
-    """A node of ``cores`` cores and ``memory`` host memory with the device documents ``gpus``;
-    ``domains`` are its NVLink domains, ``fabrics`` give it two HCAs on each named fabric, and
+    """A node of ``cores`` cores and ``memory`` host memory with the device documents ``gpus``
+    and the ``gpus:`` shorthand's (class, count) ``groups``; ``domains`` are its NVLink domains, ``fabrics`` give it two HCAs on each named fabric, and
     ``fields`` are any other Node field (``state``, ``labels``, ``cordon``, ``hcas``...)."""
     doc: dict[str, Any] = {"name": name, "cpu": {"cores": cores, "memory": memory}}
     if gpus:
         doc["devices"] = list(gpus)
+    if groups:
+        doc["gpus"] = [{"class": cls, "count": count} for cls, count in groups]
     if domains:
         doc["nvlinkDomains"] = [list(d) for d in domains]
     if fabrics:
@@ -99,8 +102,8 @@ def amd_mi325x_x8(name: str, cls: str = "mi325x", **fields: Any) -> Node:
 
 
 def gpu_host_32c_256g(name: str, cls: str, count: int = 2, **fields: Any) -> Node:
-    """A 32-core, 256 GiB host with ``count`` devices of class ``cls``."""
-    return node(name, 32, "256GiB", devices(cls, count), **fields)
+    """A 32-core, 256 GiB host with ``count`` devices of class ``cls`` (the ``gpus:`` shorthand)."""
+    return node(name, 32, "256GiB", groups=[(cls, count)], **fields)
 
 
 def gpu_host_16c_64g(name: str, cls: str, count: int = 4, **fields: Any) -> Node:
@@ -113,8 +116,8 @@ def gpu_host_16c_64g(name: str, cls: str, count: int = 4, **fields: Any) -> Node
 
 
 def gpu_host_8c_64g(name: str, cls: str, count: int = 2, **fields: Any) -> Node:
-    """An 8-core, 64 GiB host with ``count`` devices of class ``cls``."""
-    return node(name, 8, "64GiB", devices(cls, count), **fields)
+    """An 8-core, 64 GiB host with ``count`` devices of class ``cls`` (the ``gpus:`` shorthand)."""
+    return node(name, 8, "64GiB", groups=[(cls, count)], **fields)
 
 
 def cpu_32c_128g(name: str, **fields: Any) -> Node:
