@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import pytest
 
+from builders import cpu_8c_32g, gpu_host_16c_64g
 from fleetserve.errors import AllocationConflict, ConfigError, UnknownNode, UnknownReplica
 from fleetserve.inventory.base import Inventory
 from fleetserve.inventory.memory import InMemoryInventory
@@ -29,27 +31,15 @@ def inventory(request: pytest.FixtureRequest) -> Inventory:
     return inv
 
 
-def gpu_node(
-    name: str, count: int = 4, *, ecc: tuple[int, ...] = (), foreign: tuple[int, ...] = (), **extra: Any
-) -> Node:
-    devices = [
-        {
-            "index": i,
-            "uuid": f"{name}-gpu-{i}",
-            "class": GPU.name,
-            "health": {
-                "eccUncorrected": 2 if i in ecc else 0,
-                "foreignProcesses": [4242] if i in foreign else [],
-            },
-        }
-        for i in range(count)
-    ]
-    doc = {"name": name, "cpu": {"cores": 16, "memory": "64Gi"}, "devices": devices}
-    return Node.model_validate(doc | {"hcas": [{"name": "mlx5_0", "fabric": IB.name}]} | extra)
-
-
-def cpu_node(name: str, cores: int = 8, memory: str = "32Gi") -> Node:
-    return Node.model_validate({"name": name, "cpu": {"cores": cores, "memory": memory}})
+# This suite's GPU machine: 16 cores, 64 GiB, 4 GPUs of class GPU (2 ECC errors where faulted),
+# one HCA on IB.
+gpu_node = partial(
+    gpu_host_16c_64g,
+    cls=GPU.name,
+    uuid="{node}-gpu-{i}",
+    ecc_errors=2,
+    hcas=[{"name": "mlx5_0", "fabric": IB.name}],
+)
 
 
 def replica(name: str, *shards: tuple[str, tuple[int, ...]] | dict[str, Any]) -> Replica:
@@ -77,7 +67,7 @@ class AllocCase:
 
 
 TWO = (gpu_node("n1"), gpu_node("n2"))
-CPU = (cpu_node("c1", cores=8, memory="32Gi"),)
+CPU = (cpu_8c_32g("c1"),)
 
 ALLOCATION_CASES = [
     AllocCase("free devices", TWO, (), replica("r", ("n1", (0, 1))), fits=True),
@@ -365,7 +355,7 @@ def test_snapshot_reflects_everything(inventory: Inventory) -> None:
     inventory.put_class(cpu_class)
     inventory.put_class(GPU.model_copy(update={"memory": 94 * 2**30}))  # replaced, not added
     inventory.put_fabric(Fabric(name="roce-1", type="roce"))
-    for node in (gpu_node("n2"), gpu_node("n1", ecc=(3,)), cpu_node("c1")):
+    for node in (gpu_node("n2"), gpu_node("n1", ecc=(3,)), cpu_8c_32g("c1")):
         inventory.register(node)
     placed = [
         replica("r2", {"node": "c1", "cpuCores": 4, "memory": 2**30}),
