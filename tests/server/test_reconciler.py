@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from builders import deployment as build_deployment
+from builders import gpu_host_32c_256g
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.reconcile.core import reconcile
 from fleetserve.reconcile.health import HeartbeatPolicy
@@ -63,13 +65,7 @@ def reconciler(store: SqlStore, clock: FakeClock, holder: str = "server-1") -> R
 
 
 def gpu_node(name: str, count: int = 2, cls: DeviceClass = H100) -> Node:
-    return Node.model_validate(
-        {
-            "name": name,
-            "cpu": {"cores": 32, "memory": "256GiB"},
-            "gpus": [{"class": cls.name, "count": count}],
-        }
-    )
+    return gpu_host_32c_256g(name, cls.name, count)
 
 
 def node_doc(name: str, count: int = 2, cls: DeviceClass = H100) -> dict[str, Any]:
@@ -91,9 +87,7 @@ def deployment(
     }
     if runtime is not None:
         profile["runtime"] = runtime
-    return Deployment.model_validate(
-        {"name": name, "model": MODEL.name, "replicas": replicas, "profiles": [profile]}
-    )
+    return build_deployment(name, replicas, profile, model=MODEL.name)
 
 
 def setup(

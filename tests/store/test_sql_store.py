@@ -15,8 +15,10 @@ from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import select, text
 
+from builders import cpu_8c_16g as node
+from builders import deployment as build_deployment
 from fleetserve.errors import NotFound, StoreError, UnknownNode, UnknownReplica
-from fleetserve.spec.resources import Deployment, Model, Node, NodeState, Replica, ReplicaState
+from fleetserve.spec.resources import Deployment, Model, NodeState, Replica, ReplicaState
 from fleetserve.store import SqlStore, TokenKind, make_engine, migrate
 from fleetserve.store.schema import MIGRATIONS
 from fleetserve.store.tables import Base, TokenRow
@@ -29,18 +31,9 @@ def model(name: str, size: str = "4Gi") -> Model:
 
 
 def deployment(name: str = "chat", replicas: int = 1, model_name: str = "llama") -> Deployment:
-    return Deployment.model_validate(
-        {
-            "name": name,
-            "model": model_name,
-            "replicas": replicas,
-            "profiles": [{"name": "cpu", "engine": "llama.cpp", "cpu": {"cores": 4}}],
-        }
+    return build_deployment(
+        name, replicas, {"name": "cpu", "engine": "llama.cpp", "cpu": {"cores": 4}}, model=model_name
     )
-
-
-def node(name: str) -> Node:
-    return Node.model_validate({"name": name, "cpu": {"cores": 8, "memory": "16Gi"}})
 
 
 # --- models and deployments --------------------------------------------------------------------
