@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from builders import deployment as build_deployment
 from fleetserve.drivers import Driver, RuntimeVariant
 from fleetserve.engines.capabilities import EngineKind
 from fleetserve.spec.resources import Deployment, DeviceClass
@@ -18,7 +19,7 @@ CLASSES = {
 
 
 def deployment(**profile: object) -> Deployment:
-    return Deployment.model_validate({"name": "d", "model": "m", "profiles": [{"name": "p", **profile}]})
+    return build_deployment("d", 1, {"name": "p", **profile})
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from builders import deployment as build_deployment
 from fleetserve.drivers import Driver, RuntimeVariant
 from fleetserve.engines.adapters import ADAPTERS
 from fleetserve.engines.capabilities import EngineKind
@@ -278,7 +279,7 @@ def deployment(engine: EngineKind, engine_args: tuple[str, ...]) -> Deployment:
     profile: dict[str, object] = {"name": "p", "engine": engine.value, "engineArgs": list(engine_args)}
     if engine is EngineKind.VLLM:
         profile["deviceClass"] = "nvidia-h100-80gb"
-    return Deployment.model_validate({"name": "d", "model": "m", "profiles": [profile]})
+    return build_deployment("d", 1, profile)
 
 
 REFUSED_FLAGS = ["--host", "--port", "--model", "-m", "--alias", "--served-model-name", "--api-key"]
