@@ -1,6 +1,8 @@
 """The control plane's HTTP API (FastAPI): a versioned admin API and the agents' API.
 
-Admin routes need an admin token; agent routes a join token. Every error is JSON in one shape
+Admin routes need an admin token; agent routes a join token. ``create_gateway_app`` is the app
+of an extra gateway process; both apps answer ``/healthz``, ``/metrics`` and /v1 over one
+``Serving`` (fleetserve.server.process assembles the processes). Every error is JSON in one shape
 (``fleetserve.server.problems``); bad input is a 4xx naming the field.
 """
 
@@ -351,9 +353,10 @@ def create_app(
     """The control plane's ASGI app over ``store``: admin API, agents' API and, unless told not,
     the OpenAI-compatible gateway. ``lifespan`` runs background work with it; ``models_dir``
     holds the model files it serves to agents (default ./fleetserve-models); ``serving`` is the
-    metrics, observer and gateway to use (default: built here)."""
+    metrics, observer and gateway to use (default: built here, with a gateway if ``gateway``)."""
     files = ModelFiles(models_dir or Path("fleetserve-models"))
-    serving = serving or Serving.build(store, gateway)
+    if serving is None:
+        serving = Serving.build(store, gateway)
     gw = serving.gateway
     app = FastAPI(
         lifespan=_serving_lifespan(serving, lifespan),
@@ -380,7 +383,8 @@ def create_gateway_app(
 ) -> FastAPI:
     """A gateway process on its own (``fleetserve gateway``): the OpenAI API over a shared store,
     with the same observer, engine load and ``/metrics`` as the control plane's gateway."""
-    serving = serving or Serving.build(store)
+    if serving is None:
+        serving = Serving.build(store)
     app = FastAPI(
         lifespan=_serving_lifespan(serving, lifespan), title="fleetserve gateway", version=__version__
     )
