@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fleetserve.errors import ConfigError
-from fleetserve.modelfacts import model_facts, read_gguf_facts
+from fleetserve.gguf_facts import model_facts, read_gguf_facts
 from fleetserve.spec.resources import Model
 
 

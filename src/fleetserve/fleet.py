@@ -11,9 +11,10 @@ from pathlib import Path
 from types import MappingProxyType
 
 from fleetserve.errors import ConfigError, Problem
+from fleetserve.gguf_facts import model_facts
 from fleetserve.kube.engines import image_problems
 from fleetserve.kube.stack import cluster_problems
-from fleetserve.modelfacts import ModelFacts, model_facts
+from fleetserve.modelfacts import ModelFacts
 from fleetserve.snapshot import ClusterSnapshot
 from fleetserve.spec.loader import Documents
 from fleetserve.validation import validate_deployment

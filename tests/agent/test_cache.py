@@ -16,7 +16,6 @@ from cache_support import FileServer, build_hf_mirror, payload, sha256
 from rich.console import Console
 
 from fleetserve.agent.cache import CacheState, ModelCache, rich_progress
-from fleetserve.agent.fetch import parse_source
 from fleetserve.errors import (
     CacheError,
     ChecksumMismatch,
@@ -25,6 +24,7 @@ from fleetserve.errors import (
     SourceError,
     TransferInterrupted,
 )
+from fleetserve.sources import parse_source
 from fleetserve.spec.resources import Model
 
 BODY = payload(300_000)

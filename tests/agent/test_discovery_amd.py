@@ -12,9 +12,9 @@ import pytest
 
 from fleetserve.agent.discovery.amd import AmdDiscoverer, AmdSysfsDiscoverer, gfx_target_from_version
 from fleetserve.agent.discovery.amd_smi import load_amdsmi
-from fleetserve.agent.discovery.base import Discovery, HostFacts
-from fleetserve.agent.matching import FabricMap, to_node
 from fleetserve.drivers import Driver
+from fleetserve.inventory.hardware import Discovery, HostFacts
+from fleetserve.inventory.matching import FabricMap, to_node
 from fleetserve.spec.resources import DeviceClass, DeviceHealth
 
 SYSFS = Path(__file__).parent.parent / "fixtures/discovery/sysfs"

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from fleetserve.agent.discovery.base import Discovery, HcaFacts, HostFacts
 from fleetserve.agent.discovery.infiniband import InfinibandDiscoverer
-from fleetserve.agent.matching import FabricMap, UnmatchedReason, to_node
+from fleetserve.inventory.hardware import Discovery, HcaFacts, HostFacts
+from fleetserve.inventory.matching import FabricMap, UnmatchedReason, to_node
 from fleetserve.spec.resources import Hca
 
 TREE = Path(__file__).parent.parent / "fixtures/discovery/sysfs/linux_infiniband_3_mlx5"

@@ -10,11 +10,11 @@ from typing import Any
 import pynvml  # type: ignore[import-untyped]
 import pytest
 
-from fleetserve.agent.discovery.base import Discovery, HostFacts
 from fleetserve.agent.discovery.nvidia import NvidiaDiscoverer
 from fleetserve.agent.discovery.nvml_replay import NvmlReplay
-from fleetserve.agent.matching import FabricMap, to_node
 from fleetserve.drivers import Driver
+from fleetserve.inventory.hardware import Discovery, HostFacts
+from fleetserve.inventory.matching import FabricMap, to_node
 from fleetserve.spec.resources import DeviceClass, DeviceHealth
 
 HGX = Path(__file__).parent.parent / "fixtures/discovery/nvml/linux_nvidia_8_h100_80gx8.json"

@@ -15,9 +15,11 @@ from fleetserve.agent.discovery import (
     NvidiaDiscoverer,
     discover,
 )
-from fleetserve.agent.discovery.base import Discovery, GpuFacts, HcaFacts, HostFacts
 from fleetserve.agent.discovery.nvml_replay import NvmlReplay
-from fleetserve.agent.matching import (
+from fleetserve.drivers import Driver
+from fleetserve.errors import ConfigError
+from fleetserve.inventory.hardware import Discovery, GpuFacts, HcaFacts, HostFacts
+from fleetserve.inventory.matching import (
     FabricMap,
     Mismatch,
     Unmatched,
@@ -27,8 +29,6 @@ from fleetserve.agent.matching import (
     normalize_subnet_prefix,
     to_node,
 )
-from fleetserve.drivers import Driver
-from fleetserve.errors import ConfigError
 from fleetserve.spec.resources import CpuCapacity, DeviceClass, DeviceHealth
 
 HOST = HostFacts(

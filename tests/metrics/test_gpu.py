@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from fleetserve.agent.discovery.amd import AmdSysfsDiscoverer
-from fleetserve.agent.discovery.base import GpuFacts
 from fleetserve.drivers import Driver
+from fleetserve.inventory.hardware import GpuFacts
 from fleetserve.metrics.gpu import (
     GPU_CANONICAL,
     SOURCES,

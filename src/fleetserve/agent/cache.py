@@ -41,12 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fleetserve.agent.fetch import (
-    ControlPlaneSource,
     Fetched,
-    HfSource,
-    HttpSource,
-    LocalSource,
-    Source,
     atomic_write,
     control_plane_url,
     copy_file,
@@ -54,9 +49,7 @@ from fleetserve.agent.fetch import (
     fetch,
     fsync_dir,
     hf_mirror_file,
-    parse_source,
     sidecar_path,
-    source_file_name,
 )
 from fleetserve.errors import (
     CacheError,
@@ -65,6 +58,15 @@ from fleetserve.errors import (
     ModelPinned,
     SourceError,
     TransferInterrupted,
+)
+from fleetserve.sources import (
+    ControlPlaneSource,
+    HfSource,
+    HttpSource,
+    LocalSource,
+    Source,
+    parse_source,
+    source_file_name,
 )
 from fleetserve.spec.resources import Model, ModelFormat
 from fleetserve.units import format_bytes

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from fleetserve.agent.discovery import default_discoverers, discover
 from fleetserve.agent.inventory_file import merge_inventory_file
-from fleetserve.agent.matching import FabricMap, to_node
 from fleetserve.agent.runtime import Describe
+from fleetserve.inventory.matching import FabricMap, to_node
 from fleetserve.spec.resources import DeviceClass, Node
 
 

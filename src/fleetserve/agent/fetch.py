@@ -1,6 +1,4 @@
-"""Model sources and byte transfers for the node's model cache.
-
-A model's ``source`` names where its weights come from:
+"""Byte transfers for the node's model cache, one per kind of source (``fleetserve.sources``):
 
 - a local path (``/abs/model.gguf``, ``./rel/model.gguf``, ``file:///abs/model.gguf``): copied;
 - an ``http(s)://`` URL: streamed with httpx, resumable;
@@ -28,11 +26,11 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import httpx
 
 from fleetserve.errors import SourceError, TransferInterrupted
+from fleetserve.sources import HfSource
 
 # What one read or write moves at most.
 CHUNK = 1 << 20
@@ -43,91 +41,6 @@ CONTROL_PLANE_FILE_PATH = "/api/v1/agent/models/{name}/file"
 ByteCounter = Callable[[int, int | None], None]
 # Raise (InsufficientSpace) when this many more bytes will not fit; called before anything is written.
 SpaceCheck = Callable[[int], None]
-
-
-@dataclass(frozen=True)
-class LocalSource:
-    """A file on this machine."""
-
-    path: Path
-
-
-@dataclass(frozen=True)
-class HttpSource:
-    """An http(s) URL."""
-
-    url: str
-
-
-@dataclass(frozen=True)
-class ControlPlaneSource:
-    """The control plane's copy of a model: ``fleetserve://NAME``."""
-
-    name: str
-
-
-@dataclass(frozen=True)
-class HfSource:
-    """One file of a Hugging Face repository, at a revision (a branch, tag or commit; None = main)."""
-
-    repo_id: str
-    filename: str
-    revision: str | None = None
-
-
-Source = LocalSource | HttpSource | ControlPlaneSource | HfSource
-
-
-def parse_source(source: str) -> Source:
-    """The source a model's ``source`` string names; SourceError when it names none we can read."""
-    text = source.strip()
-    if not text:
-        raise SourceError("the model has no source: set a local path, an http(s) URL, hf:// or fleetserve://")
-    scheme, sep, rest = text.partition("://")
-    if not sep:
-        return LocalSource(Path(text))
-    scheme = scheme.lower()
-    if scheme == "file":
-        parts = urlsplit(text)
-        if parts.netloc not in ("", "localhost"):
-            raise SourceError(f"{source}: file:// URLs must name a local file (file:///abs/path)")
-        return LocalSource(Path(unquote(parts.path)))
-    if scheme in ("http", "https"):
-        if not urlsplit(text).netloc:
-            raise SourceError(f"{source}: the URL has no host")
-        return HttpSource(text)
-    if scheme == "fleetserve":
-        name = rest.strip("/")
-        if not name or "/" in name:
-            raise SourceError(f"{source}: expected fleetserve://MODEL-NAME")
-        return ControlPlaneSource(name)
-    if scheme == "hf":
-        path, at, revision = rest.rpartition("@") if "@" in rest else (rest, "", "")
-        segments = [s for s in path.split("/") if s]
-        if len(segments) < 3 or (at and not revision):
-            raise SourceError(
-                f"{source}: expected hf://ORG/REPO/PATH/IN/REPO[@REVISION], e.g. hf://org/repo/model.gguf@main"
-            )
-        return HfSource(f"{segments[0]}/{segments[1]}", "/".join(segments[2:]), revision or None)
-    raise SourceError(
-        f"{source}: unsupported source scheme {scheme!r}; use a local path, file://, http(s)://, "
-        "hf:// or fleetserve://"
-    )
-
-
-def source_file_name(source: Source) -> str | None:
-    """The file name the source suggests (its last path component), if any."""
-    match source:
-        case LocalSource(path):
-            return path.name or None
-        case HttpSource(url):
-            name = unquote(urlsplit(url).path.rstrip("/").rpartition("/")[2])
-            return name or None
-        case HfSource(_, filename, _):
-            return filename.rpartition("/")[2] or None
-        case ControlPlaneSource():
-            return None
-    return None  # pragma: no cover - the match is exhaustive
 
 
 def control_plane_url(base_url: str, name: str) -> str:

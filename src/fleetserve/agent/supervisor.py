@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import logging
 import os
 import queue
@@ -29,32 +28,17 @@ from typing import IO
 import httpx
 
 from fleetserve.engines.launch import LaunchSpec
+from fleetserve.process import die_with_parent, group_alive
 from fleetserve.spec.resources import ReplicaState
 
 log = logging.getLogger("fleetserve.supervisor")
 
-PR_SET_PDEATHSIG = 1
 # Restart backoff: 1 s, doubling, at most a minute.
 BACKOFF_START = 1.0
 BACKOFF_MAX = 60.0
 # This many exits without a healthy run in between is a crash loop.
 CRASH_LOOP_AFTER = 3
 STDERR_LINES = 50
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass(frozen=True)
@@ -197,7 +181,7 @@ class Supervisor:
                 procs.append(
                     subprocess.Popen(
                         list(argv), env=env, stdout=out, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                        start_new_session=True, preexec_fn=_die_with_parent,
+                        start_new_session=True, preexec_fn=die_with_parent,
                     )
                 )  # fmt: skip
         except OSError as exc:
@@ -263,7 +247,7 @@ class Supervisor:
         for proc in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        while time.monotonic() < deadline and any(_group_alive(g) for g in groups):
+        while time.monotonic() < deadline and any(group_alive(g) for g in groups):
             time.sleep(0.05)
         for pgid in groups:
             with contextlib.suppress(ProcessLookupError, PermissionError):

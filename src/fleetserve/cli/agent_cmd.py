@@ -14,11 +14,11 @@ from fleetserve.agent.cache import ModelCache
 from fleetserve.agent.client import AgentClient
 from fleetserve.agent.describe import make_describe
 from fleetserve.agent.gpustats import make_reader
-from fleetserve.agent.matching import FabricMap
 from fleetserve.agent.runtime import Agent, AgentSettings
 from fleetserve.agent.supervisor import Supervisor
 from fleetserve.engines.binaries import parse_overrides
 from fleetserve.errors import ConfigError, Problem
+from fleetserve.inventory.matching import FabricMap
 
 
 def parse_labels(items: list[str]) -> dict[str, str]:

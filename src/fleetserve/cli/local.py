@@ -14,9 +14,9 @@ import httpx
 import yaml
 from rich.console import Console
 
-from fleetserve.agent.supervisor import _die_with_parent
 from fleetserve.dev.tinymodel import write_tiny_model
 from fleetserve.errors import FleetserveError
+from fleetserve.process import die_with_parent
 
 TINY_DEPLOYMENT = "tiny"
 
@@ -39,7 +39,7 @@ def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
     out = log.open("ab")
     try:
         return subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent
+            argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent
         )
     finally:
         out.close()

@@ -11,10 +11,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from fleetserve.agent.fetch import HttpSource, parse_source
 from fleetserve.drivers import RuntimeVariant
 from fleetserve.engines.capabilities import ENGINES, EngineKind
 from fleetserve.errors import ConfigError, Problem, SourceError
+from fleetserve.sources import HttpSource, parse_source
 from fleetserve.spec.resources import Cluster, Model, ModelFormat
 
 MODEL_MOUNT = "/models"

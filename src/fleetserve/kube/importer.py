@@ -10,7 +10,7 @@ Every Kubernetes Node becomes a fleetserve node: its labels less the noisy
 and an HCA per ``fabric.fleetserve.io/<fabric>=attached`` label. Its GPUs come from the
 ResourceSlices the NVIDIA and AMD DRA drivers publish for it (``resource.k8s.io/v1``; the
 ``v1beta1`` ``basic`` wrapper is read too): each device is described as discovery would describe
-it (``GpuFacts``) and matched onto a device class by ``fleetserve.agent.matching.match_gpu``.
+it (``GpuFacts``) and matched onto a device class by ``fleetserve.inventory.matching.match_gpu``.
 
 Nothing is dropped silently: a device no class recognises (or two recognise equally well), a GPU
 partition, a slice of a driver fleetserve does not import, a slice naming a node the cluster does
@@ -33,9 +33,9 @@ from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError as PydanticValidationError
 from urllib3.exceptions import HTTPError as TransportError
 
-from fleetserve.agent.discovery.base import GpuFacts
-from fleetserve.agent.matching import Unmatched, match_gpu
 from fleetserve.drivers import DRIVERS, Driver, SliceFormat, parse_driver
+from fleetserve.inventory.hardware import GpuFacts
+from fleetserve.inventory.matching import Unmatched, match_gpu
 from fleetserve.kube.apply import REQUEST_TIMEOUT, KubeError, describe_api_error
 from fleetserve.kube.objects import plain
 from fleetserve.kube.render import FABRIC_LABEL_PREFIX

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from types import MappingProxyType
 
-from fleetserve.agent.discovery.base import GpuFacts
 from fleetserve.drivers import Driver
+from fleetserve.inventory.hardware import GpuFacts
 from fleetserve.metrics.promtext import COUNTER, GAUGE, Sample, samples_of, series
 
 

@@ -12,7 +12,7 @@ from pydantic import BaseModel
 
 from fleetserve.errors import ConfigError, Problem
 from fleetserve.fleet import check_documents
-from fleetserve.modelfacts import model_facts
+from fleetserve.gguf_facts import model_facts
 from fleetserve.spec.loader import Documents, parse_document
 from fleetserve.spec.resources import Cluster, Replica
 from fleetserve.store.sql import SqlStore

@@ -21,8 +21,9 @@ from typing import Any
 
 from fleetserve.autoscale import AutoscaleState, DecisionLog, Signals, decide_for, render_decision
 from fleetserve.errors import AllocationConflict, ConfigError, FleetserveError, UnknownReplica
+from fleetserve.gguf_facts import model_facts
 from fleetserve.metrics.exposition import FleetMetrics
-from fleetserve.modelfacts import ModelFacts, model_facts
+from fleetserve.modelfacts import ModelFacts
 from fleetserve.reconcile.core import reconcile
 from fleetserve.reconcile.health import HeartbeatPolicy, transitions
 from fleetserve.spec.resources import Deployment, Model, Replica

@@ -1,7 +1,7 @@
 """Hardware discovery for the node agent: one module per source, combined by ``discover``.
 
     discovery = discover()                       # this machine: CPU, NVIDIA, AMD, InfiniBand
-    node, unmatched = to_node(discovery, ...)    # fleetserve.agent.matching
+    node, unmatched = to_node(discovery, ...)    # fleetserve.inventory.matching
 
 No source raises for hardware or drivers that are absent; what could not be read is listed in
 ``Discovery.problems``.
@@ -13,29 +13,18 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fleetserve.agent.discovery.amd import AmdDiscoverer, AmdSysfsDiscoverer
-from fleetserve.agent.discovery.base import (
-    Discoverer,
-    Discovery,
-    Findings,
-    GpuFacts,
-    HcaFacts,
-    HostFacts,
-    combine,
-)
+from fleetserve.agent.discovery.base import Discoverer, Findings, combine
 from fleetserve.agent.discovery.cpu import CpuDiscoverer
 from fleetserve.agent.discovery.infiniband import InfinibandDiscoverer
 from fleetserve.agent.discovery.nvidia import NvidiaDiscoverer, NvmlLibrary
+from fleetserve.inventory.hardware import Discovery
 
 __all__ = [
     "AmdDiscoverer",
     "AmdSysfsDiscoverer",
     "CpuDiscoverer",
     "Discoverer",
-    "Discovery",
     "Findings",
-    "GpuFacts",
-    "HcaFacts",
-    "HostFacts",
     "InfinibandDiscoverer",
     "NvidiaDiscoverer",
     "NvmlLibrary",

@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fleetserve.agent.discovery.amd_smi import AmdSmiLibrary, enrich_with_amdsmi, load_amdsmi
-from fleetserve.agent.discovery.base import Findings, GpuFacts
+from fleetserve.agent.discovery.base import Findings
 from fleetserve.agent.discovery.sysfs import (
     hex_id,
     normalize_bus_id,
@@ -43,6 +43,7 @@ from fleetserve.agent.discovery.sysfs import (
     subdirs,
 )
 from fleetserve.drivers import Driver
+from fleetserve.inventory.hardware import GpuFacts
 
 AMD_VENDOR_ID = 0x1002
 # gfx targets that exist only as integrated GPUs (APUs) sharing the host's memory.

@@ -14,8 +14,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Protocol, cast
 
-from fleetserve.agent.discovery.base import Findings, GpuFacts
+from fleetserve.agent.discovery.base import Findings
 from fleetserve.agent.discovery.sysfs import normalize_bus_id
+from fleetserve.inventory.hardware import GpuFacts
 
 
 class AmdSmiLibrary(Protocol):

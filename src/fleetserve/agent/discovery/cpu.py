@@ -9,8 +9,9 @@ from pathlib import Path
 
 import psutil  # type: ignore[import-untyped]
 
-from fleetserve.agent.discovery.base import Findings, HostFacts
+from fleetserve.agent.discovery.base import Findings
 from fleetserve.agent.discovery.sysfs import read_text, subdirs
+from fleetserve.inventory.hardware import HostFacts
 
 _NUMA_NODE = re.compile(r"^node\d+$")
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from fleetserve.agent.discovery.base import Findings, HcaFacts
+from fleetserve.agent.discovery.base import Findings
 from fleetserve.agent.discovery.sysfs import read_text, subdirs
+from fleetserve.inventory.hardware import HcaFacts
 
 _GID = re.compile(r"^[0-9a-f]{4}(:[0-9a-f]{4}){7}$")
 _ZERO_GID = ":".join(["0000"] * 8)

@@ -20,9 +20,10 @@ from typing import Protocol
 
 import pynvml  # type: ignore[import-untyped]
 
-from fleetserve.agent.discovery.base import Findings, GpuFacts
+from fleetserve.agent.discovery.base import Findings
 from fleetserve.agent.discovery.sysfs import hex_id, normalize_bus_id
 from fleetserve.drivers import Driver
+from fleetserve.inventory.hardware import GpuFacts
 
 NVML_NVLINK_MAX_LINKS: int = pynvml.NVML_NVLINK_MAX_LINKS
 _NVMLError: type[Exception] = pynvml.NVMLError

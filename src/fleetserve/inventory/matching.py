@@ -30,9 +30,9 @@ from typing import Any
 from pydantic import TypeAdapter
 from pydantic import ValidationError as PydanticValidationError
 
-from fleetserve.agent.discovery.base import Discovery, GpuFacts, HcaFacts
 from fleetserve.drivers import DRIVERS, Driver, parse_driver
 from fleetserve.errors import ConfigError, Problem
+from fleetserve.inventory.hardware import Discovery, GpuFacts, HcaFacts
 from fleetserve.spec.loader import problems_from_pydantic
 from fleetserve.spec.resources import (
     CpuCapacity,

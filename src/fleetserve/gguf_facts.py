@@ -1,0 +1,77 @@
+"""Model facts read at the edge: a local GGUF file's header, before placement runs.
+
+The header is read with the ``gguf`` package (memory-mapped: tensor data is never loaded): weight
+bytes from the tensor table, KV-cache bytes per token from the architecture's layer count, KV
+heads and head size. A model that is not a local GGUF file gets the facts its document declares
+(``fleetserve.modelfacts.declared_facts``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fleetserve.errors import ConfigError, Problem, SourceError
+from fleetserve.modelfacts import DEFAULT_CONTEXT, DEFAULT_KV_DTYPE_BYTES, ModelFacts, declared_facts
+from fleetserve.sources import LocalSource, parse_source
+from fleetserve.spec.resources import Model
+
+
+def _field(reader: Any, key: str) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    # A scalar field's value sits in the last part; strings are byte arrays.
+    value = f.parts[f.data[0]]
+    if getattr(value, "dtype", None) is not None and value.dtype.kind == "u" and value.dtype.itemsize == 1:
+        return bytes(value).decode("utf-8", errors="replace")
+    return value.tolist()[0] if hasattr(value, "tolist") else value
+
+
+def read_gguf_facts(path: Path, name: str) -> ModelFacts:
+    """Read weight size and KV shape from a GGUF header without loading tensor data."""
+    import gguf  # imported here: only the edge needs it, and it pulls in numpy
+
+    try:
+        reader = gguf.GGUFReader(str(path), "r")
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            [Problem(f"Model {name}", "source", f"cannot read GGUF file {path}: {exc}")]
+        ) from exc
+    arch = _field(reader, "general.architecture") or "llama"
+    layers = int(_field(reader, f"{arch}.block_count") or 0)
+    heads = int(_field(reader, f"{arch}.attention.head_count") or 1)
+    kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv") or heads)
+    embed = int(_field(reader, f"{arch}.embedding_length") or 0)
+    key_len = _field(reader, f"{arch}.attention.key_length")
+    value_len = _field(reader, f"{arch}.attention.value_length")
+    head_dim = embed // heads if heads else 0
+    k = int(key_len) if key_len else head_dim
+    v = int(value_len) if value_len else head_dim
+    context = int(_field(reader, f"{arch}.context_length") or DEFAULT_CONTEXT)
+    weights = sum(int(t.n_bytes) for t in reader.tensors)
+    return ModelFacts(
+        name=name,
+        weight_bytes=weights or path.stat().st_size,
+        kv_bytes_per_token=layers * kv_heads * (k + v) * DEFAULT_KV_DTYPE_BYTES,
+        context_length=context,
+    )
+
+
+def local_path(source: str) -> Path | None:
+    """The local file a model source names, if it is one: the agents' own rule (``parse_source``)."""
+    try:
+        parsed = parse_source(source)
+    except SourceError:
+        return None
+    return parsed.path if isinstance(parsed, LocalSource) else None
+
+
+def model_facts(model: Model, base_dir: Path | None = None) -> ModelFacts:
+    """Facts for one model: from its GGUF header when the file is local, else from the document."""
+    path = local_path(model.source)
+    if path is not None and base_dir is not None and not path.is_absolute():
+        path = base_dir / path
+    if path is not None and path.suffix == ".gguf" and path.is_file():
+        return read_gguf_facts(path, model.name)
+    return declared_facts(model)
