@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from fleetserve.drivers import Driver
-from fleetserve.engines.capabilities import EngineKind
+from fleetserve.engines.spec import EngineKind
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.placement.demand import Demand, demand_for
 from fleetserve.placement.placer import Placement, Placer, SearchKind, Unplaced

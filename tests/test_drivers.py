@@ -13,7 +13,7 @@ from fleetserve.drivers import (
     pool_taint,
     stack_for,
 )
-from fleetserve.engines.capabilities import ENGINES, serving_drivers
+from fleetserve.engines.registry import ENGINES, serving_drivers
 
 
 @pytest.mark.parametrize(

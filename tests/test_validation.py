@@ -6,7 +6,7 @@ import pytest
 
 from builders import deployment as build_deployment
 from fleetserve.drivers import Driver, RuntimeVariant
-from fleetserve.engines.capabilities import EngineKind
+from fleetserve.engines.spec import EngineKind
 from fleetserve.spec.resources import Deployment, DeviceClass
 from fleetserve.validation import gate, resolve_profile, validate_deployment
 

@@ -12,7 +12,7 @@ from types import MappingProxyType
 
 from fleetserve.errors import ConfigError, Problem
 from fleetserve.gguf_facts import model_facts
-from fleetserve.kube.engines import image_problems
+from fleetserve.kube.pods import image_problems
 from fleetserve.kube.stack import cluster_problems
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.snapshot import ClusterSnapshot

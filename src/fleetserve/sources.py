@@ -48,6 +48,26 @@ class HfSource:
     revision: str | None = None
 
 
+@dataclass(frozen=True)
+class HfRepo:
+    """A Hugging Face repository, or one file of it, at a revision (None = main), as an engine
+    that downloads by itself names it."""
+
+    repo_id: str
+    path: str = ""
+    revision: str | None = None
+
+
+def parse_hf_repo(source: str) -> HfRepo:
+    """``hf://ORG/REPO[/PATH][@REV]`` → the repository, the path in it and the revision."""
+    rest = source.strip().partition("://")[2]
+    path, _, revision = rest.partition("@")
+    segments = [s for s in path.split("/") if s]
+    if len(segments) < 2:
+        raise SourceError(f"{source}: expected hf://ORG/REPO[/FILE][@REVISION]")
+    return HfRepo(f"{segments[0]}/{segments[1]}", "/".join(segments[2:]), revision or None)
+
+
 Source = LocalSource | HttpSource | ControlPlaneSource | HfSource
 
 

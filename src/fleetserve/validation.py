@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from fleetserve.conditions import Condition, ConditionReason, ConditionType
 from fleetserve.drivers import Driver, RuntimeVariant, parse_driver
-from fleetserve.engines.capabilities import ENGINES, EngineKind
+from fleetserve.engines.registry import ENGINES
+from fleetserve.engines.spec import EngineKind
 from fleetserve.errors import Problem
 from fleetserve.spec.resources import CpuRequest, Deployment, DeviceClass, Profile
 

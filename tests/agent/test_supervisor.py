@@ -26,10 +26,10 @@ import pytest
 
 from fleetserve.agent.supervisor import Supervisor
 from fleetserve.drivers import Driver, RuntimeVariant
-from fleetserve.engines.adapters import ADAPTERS
 from fleetserve.engines.binaries import resolve
-from fleetserve.engines.capabilities import EngineKind
 from fleetserve.engines.launch import LaunchContext, LaunchSpec
+from fleetserve.engines.registry import ENGINES
+from fleetserve.engines.spec import EngineKind
 from fleetserve.spec.resources import Profile, Replica, ReplicaState, Shard
 
 GRACE = 1.0
@@ -108,7 +108,7 @@ def llama_spec(tmp_path: Path) -> LaunchSpec:
         port=free_port(),
         context=256,
     )
-    return ADAPTERS[EngineKind.LLAMACPP].launch(ctx)
+    return ENGINES[EngineKind.LLAMACPP].adapter.launch(ctx)
 
 
 def running(sup: Supervisor, name: str, restarts: int = 0) -> int | None:

@@ -56,7 +56,8 @@ from e2e_support import (
 )
 from openai import OpenAI
 
-from fleetserve.engines.capabilities import ENGINES, EngineKind
+from fleetserve.engines.registry import ENGINES
+from fleetserve.engines.spec import EngineKind
 
 NODES = ("gw-a", "gw-b")
 # Grammars that make generation slow on purpose (see the module docstring).

@@ -12,9 +12,9 @@ import pytest
 
 from builders import deployment as build_deployment
 from fleetserve.drivers import Driver, RuntimeVariant
-from fleetserve.engines.adapters import ADAPTERS
-from fleetserve.engines.capabilities import EngineKind
 from fleetserve.engines.launch import LaunchContext, LaunchSpec
+from fleetserve.engines.registry import ENGINES
+from fleetserve.engines.spec import EngineKind
 from fleetserve.spec.resources import Deployment, DeviceClass, Profile, Replica, Shard
 from fleetserve.validation import validate_deployment
 
@@ -71,7 +71,7 @@ def launch(
         context=context,
         peer_addresses=peers,
     )
-    return ADAPTERS[engine].launch(ctx)
+    return ENGINES[engine].adapter.launch(ctx)
 
 
 def value_of(argv: tuple[str, ...], flag: str) -> str:

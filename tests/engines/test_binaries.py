@@ -15,7 +15,7 @@ import pytest
 
 from fleetserve.drivers import RuntimeVariant
 from fleetserve.engines.binaries import EngineUnavailable, parse_overrides, resolve
-from fleetserve.engines.capabilities import EngineKind
+from fleetserve.engines.spec import EngineKind
 from fleetserve.errors import FleetserveError
 
 LLAMA = EngineKind.LLAMACPP

@@ -12,22 +12,24 @@ from pathlib import Path
 
 import pytest
 
-from fleetserve.engines.capabilities import EngineKind
+from fleetserve.engines.llamacpp import METRICS as LLAMACPP_MAPPING
+from fleetserve.engines.registry import ENGINES
+from fleetserve.engines.spec import EngineKind
+from fleetserve.engines.vllm import METRICS as VLLM_MAPPING
 from fleetserve.errors import ConfigError
 from fleetserve.metrics.engine import (
     CANONICAL,
-    LLAMACPP_MAPPING,
-    MAPPINGS,
-    VLLM_MAPPING,
     EngineLabels,
-    MetricMapping,
-    Signal,
     effective_mapping,
     kv_from_slots,
     mapping_from_config,
     normalize,
 )
+from fleetserve.metrics.mapping import MetricMapping, Signal
 from fleetserve.metrics.promtext import COUNTER, GAUGE, HISTOGRAM, Sample, parse
+
+# Each engine row's mapping, keyed like the registry.
+MAPPINGS = {kind: spec.metrics for kind, spec in ENGINES.items()}
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "metrics"
 LABELS = EngineLabels(deployment="chat", replica="chat-0", node="node-a", engine="llama.cpp", model="tiny")

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from builders import cpu_32c_128g, deployment, gpu_server_64c_512g
 from builders import node as build_node
-from fleetserve.engines.capabilities import EngineKind
+from fleetserve.engines.spec import EngineKind
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.placement.choose import Found
 from fleetserve.placement.demand import Demand, demand_for

@@ -24,10 +24,10 @@ from fleetserve.agent.cache import ModelCache
 from fleetserve.agent.client import AgentApiError, AgentClient, Assignments
 from fleetserve.agent.supervisor import Supervisor
 from fleetserve.drivers import Driver, RuntimeVariant
-from fleetserve.engines.adapters import ADAPTERS
 from fleetserve.engines.binaries import resolve
-from fleetserve.engines.capabilities import EngineKind
 from fleetserve.engines.launch import LaunchContext
+from fleetserve.engines.registry import ENGINES
+from fleetserve.engines.spec import EngineKind
 from fleetserve.errors import FleetserveError, StaleEpoch
 from fleetserve.spec.resources import DeviceClass, Model, Node, Profile, Replica, ReplicaState
 
@@ -155,7 +155,7 @@ class Agent:
         with self._lock:
             if replica.name not in self._wanted:
                 return  # unassigned while the model was fetched
-        self.supervisor.start(replica.name, ADAPTERS[profile.engine].launch(ctx))
+        self.supervisor.start(replica.name, ENGINES[profile.engine].adapter.launch(ctx))
 
     # --- reporting --------------------------------------------------------------------------------
 

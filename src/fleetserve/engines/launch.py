@@ -2,7 +2,7 @@
 
 A launch spec is data: the argv list (never a shell string), the environment (the driver
 table's visible-devices variables for the runtime variant), the health and metrics URLs. The
-supervisor runs it; the adapters in ``ADAPTERS`` (one per engine) build it.
+supervisor runs it; each engine row's adapter (``ENGINES[kind].adapter``) builds it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from types import MappingProxyType
 from typing import Protocol
 
 from fleetserve.drivers import DRIVERS, Driver, RuntimeVariant
-from fleetserve.spec.resources import Profile, Replica
+from fleetserve.sources import HfRepo, HttpSource
+from fleetserve.spec.resources import ModelFormat, Profile, Replica
 
 
 @dataclass(frozen=True)
@@ -61,10 +62,14 @@ class LaunchSpec:
 
 
 class EngineAdapter(Protocol):
-    """Builds launch specs for one engine."""
+    """Builds one engine's command lines: on a node for an agent, and in a pod."""
 
     def launch(self, ctx: LaunchContext) -> LaunchSpec:
         """The launch spec of one shard."""
+        ...
+
+    def pod_model_args(self, text: str, source: HfRepo | HttpSource, fmt: ModelFormat) -> tuple[str, ...]:
+        """How the engine names a model it downloads itself in a pod; SourceError when it cannot."""
         ...
 
 

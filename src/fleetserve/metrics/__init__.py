@@ -3,9 +3,9 @@
 The pure mapping layer:
 
 - ``promtext``: Prometheus text exposition parsed into ``Sample`` values (the one sample type);
-- ``engine``: per-engine ``MetricMapping`` rows (``MAPPINGS``, keyed by ``EngineKind``) and
-  ``normalize``, which turns an engine's ``/metrics`` into ``fleetserve_requests_running`` and
-  the other canonical engine series; ``kv_from_slots`` for llama-server's ``/slots``;
+- ``mapping``: the ``MetricMapping`` value each engine's row carries (``ENGINES[kind].metrics``);
+- ``engine``: configured mappings, the default-mapping rule, and ``normalize``, which turns an
+  engine's ``/metrics`` into ``fleetserve_requests_running`` and the other canonical series; ``kv_from_slots`` for llama-server's ``/slots``;
 - ``gpu``: one ``SOURCES`` row per GPU metrics source (DCGM exporter, AMD device-metrics-exporter,
   the agent's NVML and sysfs reads) and ``normalize_gpu``/``from_nvml``/``from_amd_sysfs``.
 

@@ -10,12 +10,13 @@ Each engine publishes the same few signals under its own names (design.md, Metri
     generation_tokens  fleetserve_generation_tokens_total                             counter
     ttft               fleetserve_time_to_first_token_seconds (_bucket, _sum, _count) histogram
 
-A ``MetricMapping`` names, per signal, the engine metric that feeds it; a blank (``None``) field
-means the engine has no such metric and the canonical series stays absent: never zero, never
-borrowed from another engine. ``MAPPINGS`` holds the engines fleetserve runs; further engines are
+A ``MetricMapping`` (``fleetserve.metrics.mapping``) names, per signal, the engine metric that
+feeds it; a blank (``None``) field means the engine has no such metric and the canonical series
+stays absent: never zero, never borrowed from another engine. Each engine fleetserve runs carries
+its mapping in its row (``fleetserve.engines``, ``ENGINES[kind].metrics``); further engines are
 mapped by configuration (``mapping_from_config``). Two rules (``effective_mapping``): an empty
-mapping means vLLM's names; a mapping that names its own running metric is a complete statement,
-its blanks stay blank.
+mapping means the default engine's names (vLLM's, ``engines.registry.DEFAULT_MAPPING``); a
+mapping that names its own running metric is a complete statement, its blanks stay blank.
 
 llama.cpp has no KV gauge today (older builds exported ``llamacpp:kv_cache_usage_ratio``). Its
 ``/slots`` endpoint shows how full each slot's context is; ``kv_from_slots`` turns that into a
@@ -29,23 +30,12 @@ import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from enum import StrEnum
 from types import MappingProxyType
 
-from fleetserve.engines.capabilities import EngineKind
+from fleetserve.engines.registry import DEFAULT_MAPPING
 from fleetserve.errors import ConfigError, Problem
+from fleetserve.metrics.mapping import MetricMapping, Signal
 from fleetserve.metrics.promtext import COUNTER, GAUGE, HISTOGRAM, Sample, samples_of, series
-
-
-class Signal(StrEnum):
-    """A canonical engine signal; each value is also the ``MetricMapping`` field that feeds it."""
-
-    RUNNING = "running"
-    WAITING = "waiting"
-    KV_CACHE_USAGE = "kv_cache_usage"
-    PROMPT_TOKENS = "prompt_tokens"
-    GENERATION_TOKENS = "generation_tokens"
-    TTFT = "ttft"
 
 
 def _sum(values: Sequence[float]) -> float:
@@ -84,63 +74,9 @@ CANONICAL: Mapping[Signal, Canonical] = MappingProxyType(
 )
 
 
-@dataclass(frozen=True)
-class MetricMapping:
-    """Which engine metric feeds each canonical signal; ``None`` is a blank: the engine has none.
-
-    ``kv_cache_usage_fallbacks`` are older names of the KV metric, tried in order when the current
-    one is absent. ``ttft`` names a histogram by its base name (without ``_bucket``).
-    """
-
-    running: str | None = None
-    waiting: str | None = None
-    kv_cache_usage: str | None = None
-    kv_cache_usage_fallbacks: tuple[str, ...] = ()
-    prompt_tokens: str | None = None
-    generation_tokens: str | None = None
-    ttft: str | None = None
-
-    @property
-    def is_empty(self) -> bool:
-        """True when the mapping names nothing at all (which means vLLM's names)."""
-        return all(not getattr(self, f.name) for f in fields(self))
-
-    def names(self, signal: Signal) -> tuple[str, ...]:
-        """The engine metric names for ``signal``, preferred first; empty when blank."""
-        own: str | None = getattr(self, signal.value)
-        first = (own,) if own else ()
-        return first + self.kv_cache_usage_fallbacks if signal is Signal.KV_CACHE_USAGE else first
-
-
-VLLM_MAPPING = MetricMapping(
-    running="vllm:num_requests_running",
-    waiting="vllm:num_requests_waiting",
-    kv_cache_usage="vllm:kv_cache_usage_perc",
-    # Renamed in vLLM 0.10 (vllm-project/vllm#18354); older images still export only this one.
-    kv_cache_usage_fallbacks=("vllm:gpu_cache_usage_perc",),
-    prompt_tokens="vllm:prompt_tokens_total",
-    generation_tokens="vllm:generation_tokens_total",
-    ttft="vllm:time_to_first_token_seconds",
-)
-
-LLAMACPP_MAPPING = MetricMapping(
-    running="llamacpp:requests_processing",
-    waiting="llamacpp:requests_deferred",
-    # Exported by older builds only; absent from b11434, and then the canonical KV stays absent.
-    kv_cache_usage="llamacpp:kv_cache_usage_ratio",
-    prompt_tokens="llamacpp:prompt_tokens_total",
-    generation_tokens="llamacpp:tokens_predicted_total",
-    ttft=None,  # llama-server has no TTFT histogram
-)
-
-MAPPINGS: Mapping[EngineKind, MetricMapping] = MappingProxyType(
-    {EngineKind.VLLM: VLLM_MAPPING, EngineKind.LLAMACPP: LLAMACPP_MAPPING}
-)
-
-
 def effective_mapping(mapping: MetricMapping) -> MetricMapping:
-    """The mapping to apply: an empty one means vLLM's names; any other is taken as written."""
-    return MAPPINGS[EngineKind.VLLM] if mapping.is_empty else mapping
+    """The mapping to apply: an empty one means the default engine's names; any other is taken as written."""
+    return DEFAULT_MAPPING if mapping.is_empty else mapping
 
 
 _METRIC_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")

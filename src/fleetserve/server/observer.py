@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 from starlette.concurrency import run_in_threadpool
 
-from fleetserve.engines.capabilities import EngineKind
+from fleetserve.engines.registry import ENGINES
+from fleetserve.engines.spec import EngineKind
 from fleetserve.errors import FleetserveError
-from fleetserve.metrics.engine import MAPPINGS, EngineLabels, effective_mapping, normalize
+from fleetserve.metrics.engine import EngineLabels, effective_mapping, normalize
 from fleetserve.metrics.exposition import ENGINE_METRICS, GPU_METRICS, FleetMetrics, SeriesValue
 from fleetserve.metrics.promtext import ExpositionError
 from fleetserve.metrics.scraper import Scraper, Target
@@ -101,7 +102,7 @@ class Observer:
             labels = EngineLabels(**dict(target.labels))
             try:
                 mapped = normalize(
-                    scrape.body.decode("utf-8", "replace"), effective_mapping(MAPPINGS[engine]), labels
+                    scrape.body.decode("utf-8", "replace"), effective_mapping(ENGINES[engine].metrics), labels
                 )
             except ExpositionError as exc:
                 log.warning("replica %s: unreadable metrics: %s", key, exc)

@@ -22,7 +22,7 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from fleetserve.drivers import RuntimeVariant
-from fleetserve.engines.capabilities import EngineKind
+from fleetserve.engines.spec import EngineKind
 from fleetserve.units import parse_bytes
 
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?$")

@@ -1,0 +1,87 @@
+"""The shape of one engine's row: every fact fleetserve knows about an engine, in one value.
+
+Why the refusals (design.md, Engines): for vLLM an omitted device class would turn a typo into
+a replica placed on a machine with no hardware; llama.cpp splits across local GPUs by its own
+mechanism, which the adapter does not drive, so tensor parallel and multi-node are refused.
+
+Each engine module (``engines/llamacpp.py``, ``engines/vllm.py``) builds its ``EngineSpec``; the
+registry (``engines/registry.py``) lists them. Nothing outside ``engines/`` branches on an engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+from fleetserve.drivers import Driver, RuntimeVariant
+from fleetserve.metrics.mapping import MetricMapping
+
+if TYPE_CHECKING:
+    from fleetserve.engines.launch import EngineAdapter
+
+
+class EngineKind(StrEnum):
+    """An inference engine fleetserve can run."""
+
+    VLLM = "vllm"
+    LLAMACPP = "llama.cpp"
+
+
+@dataclass(frozen=True)
+class PodFacts:
+    """How an engine runs in a Kubernetes pod: the binary in its image, port, images, start-up time."""
+
+    binary: str
+    port: int
+    # The image per runtime variant; a Cluster overrides them per ``ENGINE/VARIANT``.
+    images: Mapping[RuntimeVariant, str]
+    # How long the engine may take to load a model before the startup probe gives up.
+    startup_seconds: int
+    # Whether the pod needs a memory-backed /dev/shm (vLLM's tensor-parallel workers share it).
+    shared_memory: bool = False
+
+
+def _none_bundled(_variant: RuntimeVariant) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine: what it serves and refuses, how it is launched, probed, scraped and packaged."""
+
+    kind: EngineKind
+    # Runtime variant → the driver whose devices it computes on.
+    variants: Mapping[RuntimeVariant, Driver]
+    # The variant a profile gets when it names a device class but no runtime.
+    default_variant: Mapping[Driver, RuntimeVariant]
+    # Whether a profile may omit its device class, meaning "run on the CPU".
+    cpu_without_class: bool
+    tensor_parallel: bool
+    multi_node: bool
+    # Engine flags a profile's engineArgs may carry. Anything else is refused at apply time, so
+    # no flag that changes host, port, model or served name can be smuggled in.
+    allowed_args: frozenset[str]
+    # Requests one replica serves at once before the gateway queues the next (llama.cpp: its
+    # parallel slots; vLLM batches many sequences).
+    concurrency_per_replica: int
+    # The executable looked up on PATH when the agent is not told where the binary is.
+    binary: str
+    health_path: str
+    metrics_path: str
+    # Environment variable → subdirectory of the model volume: where the engine's own download
+    # cache goes when it fetches its model itself (in a pod).
+    cache_env: Mapping[str, str]
+    pod: PodFacts
+    metrics: MetricMapping
+    # Builds the engine's argv for an agent and for a pod.
+    adapter: EngineAdapter
+    # A binary that ships with fleetserve's own install for a variant, if any.
+    bundled_binary: Callable[[RuntimeVariant], str | None] = _none_bundled
+    why_no_cpu: str = ""
+    why_no_split: str = ""
+
+    def drivers(self) -> frozenset[Driver]:
+        """Every driver this engine has a variant for."""
+        return frozenset(self.variants.values())
