@@ -55,15 +55,13 @@ class SliceFormat:
 
 @dataclass(frozen=True)
 class DriverSpec:
-    """Every per-driver fact: vendor, pool role, env, device-plugin resource, metrics, stack."""
+    """Every per-driver fact: pool role, env, device-plugin resource, stack, accelerator or host."""
 
-    vendor: str
     pool_role: str
     # Which environment variables restrict an engine to its devices, per runtime variant.
     visible_devices_env: Mapping[RuntimeVariant, tuple[str, ...]]
     # The Kubernetes device-plugin resource, per runtime variant (Vulkan uses the DRI render node).
     device_plugin_resource: Mapping[RuntimeVariant, str]
-    gpu_metrics_source: str
     stack_components: tuple[str, ...]
     is_accelerator: bool
     # How its ResourceSlices describe a GPU (``fleetserve kube import``); None: it publishes none.
@@ -81,11 +79,9 @@ def _frozen(d: dict[RuntimeVariant, tuple[str, ...]]) -> Mapping[RuntimeVariant,
 DRIVERS: Mapping[Driver, DriverSpec] = MappingProxyType(
     {
         Driver.NVIDIA: DriverSpec(
-            vendor="nvidia",
             pool_role="nvidia-gpu",
             visible_devices_env=_frozen({RuntimeVariant.CUDA: ("CUDA_VISIBLE_DEVICES",)}),
             device_plugin_resource=MappingProxyType({RuntimeVariant.CUDA: "nvidia.com/gpu"}),
-            gpu_metrics_source="DCGM exporter, or NVML in the agent",
             stack_components=("nvidia-dra-driver-gpu", "nvidia-gpu-operator", "dcgm-exporter", "nfd"),
             is_accelerator=True,
             resource_slice=SliceFormat(
@@ -93,7 +89,6 @@ DRIVERS: Mapping[Driver, DriverSpec] = MappingProxyType(
             ),
         ),
         Driver.AMD: DriverSpec(
-            vendor="amd",
             pool_role="amd-gpu",
             visible_devices_env=_frozen(
                 {
@@ -104,7 +99,6 @@ DRIVERS: Mapping[Driver, DriverSpec] = MappingProxyType(
             device_plugin_resource=MappingProxyType(
                 {RuntimeVariant.ROCM: "amd.com/gpu", RuntimeVariant.VULKAN: "squat.ai/dri"}
             ),
-            gpu_metrics_source="AMD device-metrics-exporter, or sysfs/amdsmi in the agent",
             stack_components=("amd-gpu-operator", "amd-device-metrics-exporter", "nfd"),
             is_accelerator=True,
             # cardIndex is the DRM card number (/dev/dri/cardN), the closest ordinal the slice has.
@@ -113,11 +107,9 @@ DRIVERS: Mapping[Driver, DriverSpec] = MappingProxyType(
             ),
         ),
         Driver.CPU: DriverSpec(
-            vendor="cpu",
             pool_role="cpu",
             visible_devices_env=_frozen({RuntimeVariant.CPU: ()}),
             device_plugin_resource=MappingProxyType({RuntimeVariant.CPU: "cpu"}),
-            gpu_metrics_source="none",
             stack_components=("dra-driver-cpu",),
             is_accelerator=False,
         ),
@@ -131,6 +123,14 @@ def parse_driver(name: str) -> Driver | None:
         return Driver(name)
     except ValueError:
         return None
+
+
+def host_driver() -> Driver:
+    """The driver of the host's own CPUs and memory: the one row that is not an accelerator.
+
+    It serves profiles without a device class and nodes without devices."""
+    (host,) = (d for d, spec in DRIVERS.items() if not spec.is_accelerator)
+    return host
 
 
 def pool_label(driver: Driver) -> tuple[str, str]:

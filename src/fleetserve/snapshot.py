@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from fleetserve.drivers import Driver, parse_driver
+from fleetserve.drivers import Driver, host_driver, parse_driver
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.spec.resources import DeviceClass, Fabric, Node, NodeState, Replica
 
@@ -41,7 +41,7 @@ class ClusterSnapshot:
         table still taints its node, so a GPU box never passes for a CPU node.
         """
         out = {cls.driver for d in node.devices if (cls := self.classes.get(d.device_class)) is not None}
-        return frozenset(out) if out else frozenset({Driver.CPU.value})
+        return frozenset(out) if out else frozenset({host_driver().value})
 
     def served_drivers(self) -> frozenset[Driver]:
         """Drivers of the table some node that is not Lost can serve (CPU wherever a CPU node is)."""

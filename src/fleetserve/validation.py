@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from fleetserve.conditions import Condition, ConditionReason, ConditionType
-from fleetserve.drivers import Driver, RuntimeVariant, parse_driver
+from fleetserve.drivers import DRIVERS, Driver, RuntimeVariant, host_driver, parse_driver
 from fleetserve.engines.registry import ENGINES
 from fleetserve.engines.spec import EngineKind
 from fleetserve.errors import Problem
@@ -43,6 +43,11 @@ class ResolvedProfile:
     @property
     def on_cpu(self) -> bool:
         return self.device_class is None
+
+
+def _needs_accelerator(driver: Driver | None) -> bool:
+    """Whether a runtime variant computing on ``driver`` needs a device (a class) to run."""
+    return driver is not None and DRIVERS[driver].is_accelerator
 
 
 def _variants_text(engine: EngineKind) -> str:
@@ -95,7 +100,7 @@ def profile_problems(profile: Profile, classes: Mapping[str, DeviceClass], locat
     if profile.device_class is None:
         if not caps.cpu_without_class:
             out.append(Problem(location, f"{field}.deviceClass", caps.why_no_cpu))
-        elif profile.runtime is not None and caps.variants.get(profile.runtime) not in (None, Driver.CPU):
+        elif profile.runtime is not None and _needs_accelerator(caps.variants.get(profile.runtime)):
             out.append(
                 Problem(
                     location,
@@ -153,7 +158,8 @@ def unsupported_driver(
     """The driver name that makes this profile unsupported, or None when it is supported."""
     caps = ENGINES[profile.engine]
     if profile.device_class is None:
-        return None if Driver.CPU in served else Driver.CPU.value
+        host = host_driver()
+        return None if host in served else host.value
     cls = classes.get(profile.device_class)
     if cls is None:
         return None
@@ -167,14 +173,14 @@ def resolve_profile(profile: Profile, classes: Mapping[str, DeviceClass]) -> Res
     """Work out variant and driver for a profile that passed ``validate_deployment`` and the gate."""
     caps = ENGINES[profile.engine]
     if profile.device_class is None:
-        driver = Driver.CPU
+        driver = host_driver()
     else:
         parsed = parse_driver(classes[profile.device_class].driver)
         assert parsed is not None, "resolve_profile needs a gated profile"
         driver = parsed
     variant = profile.runtime or caps.default_variant[driver]
     cpu = profile.cpu
-    if cpu is None and driver is Driver.CPU:
+    if cpu is None and not DRIVERS[driver].is_accelerator:
         cpu = CpuRequest(cores=DEFAULT_CPU_CORES)
     return ResolvedProfile(
         name=profile.name,

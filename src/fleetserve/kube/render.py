@@ -22,7 +22,7 @@ from typing import Any
 
 from kubernetes import client
 
-from fleetserve.drivers import DRIVERS, Driver, pool_label, pool_taint
+from fleetserve.drivers import DRIVERS, Driver, host_driver, pool_label, pool_taint
 from fleetserve.engines.launch import LaunchContext, LaunchSpec
 from fleetserve.engines.registry import ENGINES
 from fleetserve.engines.spec import EngineKind
@@ -59,7 +59,7 @@ LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
 LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
 # Gated Hugging Face repositories need a token; the Secret is optional.
 HF_TOKEN_SECRET = "fleetserve-hf-token"
-CPU_CAPACITY = f"{Driver.CPU.value}/cpu"
+CPU_CAPACITY = f"{host_driver().value}/cpu"
 # A per-replica volume holds the model plus room for the engine's download leftovers.
 VOLUME_HEADROOM = 1.2
 GIB = 1 << 30

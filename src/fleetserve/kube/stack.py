@@ -19,7 +19,7 @@ from typing import Any
 from kubernetes import client
 
 from fleetserve.conditions import Condition, ConditionReason, ConditionType
-from fleetserve.drivers import DRIVERS, Driver, parse_driver, stack_for
+from fleetserve.drivers import DRIVERS, Driver, host_driver, parse_driver, stack_for
 from fleetserve.errors import ConfigError, Problem
 from fleetserve.kube.objects import CLUSTER_LABEL, MANAGED_BY_KEY, MANAGER
 from fleetserve.spec.resources import Cluster, DeviceClass
@@ -88,7 +88,7 @@ def class_driver(name: str, classes: Mapping[str, DeviceClass]) -> str | None:
     if name in classes:
         return classes[name].driver
     if name == CPU_CLASS:
-        return Driver.CPU.value
+        return host_driver().value
     return None
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fleetserve.drivers import Driver
+from fleetserve.drivers import Driver, host_driver
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.spec.resources import DeviceClass
 from fleetserve.validation import ResolvedProfile
@@ -63,7 +63,7 @@ def demand_for(profile: ResolvedProfile, facts: ModelFacts, cls: DeviceClass | N
         host = max(profile.cpu.memory or 0, total + CPU_RUNTIME_OVERHEAD)
         return Demand(
             profile=profile.name,
-            driver=Driver.CPU,
+            driver=host_driver(),
             device_class=None,
             devices_per_node=0,
             nodes=1,

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator
 
 from sortedcontainers import SortedList
 
-from fleetserve.drivers import Driver, parse_driver
+from fleetserve.drivers import host_driver, parse_driver
 from fleetserve.placement.choose import Found, found_group, found_single, group_score
 from fleetserve.placement.demand import Demand
 from fleetserve.placement.filters import free_cores, free_memory
@@ -98,7 +98,7 @@ class IndexedSearch:
             if node.cordoned:
                 self.cordoned += 1
                 continue
-            if node.tolerates(Driver.CPU):
+            if node.tolerates(host_driver()):
                 self._cores[node.name] = node.free_cores
                 self._cpu_place(node, node.free_cores, add=True)
             else:
