@@ -19,7 +19,7 @@ from fleetserve.conditions import Condition, ConditionReason, ConditionType
 from fleetserve.drivers import DRIVERS, Driver, RuntimeVariant, host_driver, parse_driver
 from fleetserve.engines.registry import ENGINES
 from fleetserve.engines.spec import EngineKind
-from fleetserve.errors import Problem
+from fleetserve.errors import InternalError, Problem
 from fleetserve.spec.resources import CpuRequest, Deployment, DeviceClass, Profile
 
 # CPU cores a CPU profile claims when it does not say.
@@ -43,6 +43,12 @@ class ResolvedProfile:
     @property
     def on_cpu(self) -> bool:
         return self.device_class is None
+
+    def host_request(self) -> CpuRequest:
+        """The CPU request of a profile that runs on the host (always set once resolved)."""
+        if self.cpu is None:
+            raise InternalError(f"profile {self.name}: a resolved CPU profile has no CPU request")
+        return self.cpu
 
 
 def _needs_accelerator(driver: Driver | None) -> bool:
@@ -176,7 +182,8 @@ def resolve_profile(profile: Profile, classes: Mapping[str, DeviceClass]) -> Res
         driver = host_driver()
     else:
         parsed = parse_driver(classes[profile.device_class].driver)
-        assert parsed is not None, "resolve_profile needs a gated profile"
+        if parsed is None:
+            raise InternalError(f"profile {profile.name}: resolve_profile needs a gated profile")
         driver = parsed
     variant = profile.runtime or caps.default_variant[driver]
     cpu = profile.cpu

@@ -28,7 +28,7 @@ from fleetserve.engines.binaries import resolve
 from fleetserve.engines.launch import LaunchContext
 from fleetserve.engines.registry import ENGINES
 from fleetserve.engines.spec import EngineKind
-from fleetserve.errors import FleetserveError, StaleEpoch
+from fleetserve.errors import FleetserveError, InternalError, StaleEpoch
 from fleetserve.spec.resources import DeviceClass, Model, Node, Profile, Replica, ReplicaState
 
 log = logging.getLogger("fleetserve.agent")
@@ -127,8 +127,14 @@ class Agent:
         finally:
             self._preparing.discard(replica.name)
 
+    def _registered(self) -> Node:
+        """The node as registered: the agent registers before it starts or reports anything."""
+        if self.node is None:
+            raise InternalError("the agent has not registered its node yet")
+        return self.node
+
     def _start(self, replica: Replica, entry: dict[str, Any]) -> None:
-        assert self.node is not None
+        node = self._registered()
         model = Model.model_validate(entry["model"])
         profile = Profile.model_validate(entry["profile"])
         variant = RuntimeVariant(entry["runtime"])
@@ -138,7 +144,7 @@ class Agent:
         self.cache.pin(model.name)
         with self._lock:
             self._model_of[replica.name] = model.name
-        shard_index = next(i for i, s in enumerate(replica.shards) if s.node == self.node.name)
+        shard_index = next(i for i, s in enumerate(replica.shards) if s.node == node.name)
         ctx = LaunchContext(
             replica=replica,
             shard_index=shard_index,
@@ -161,7 +167,7 @@ class Agent:
 
     def report(self) -> None:
         """One status report (also the heartbeat); re-register on a stale epoch."""
-        assert self.node is not None
+        node = self._registered()
         statuses = self.supervisor.status()
         replicas = {
             name: {
@@ -180,7 +186,7 @@ class Agent:
             for s in self.cache.status()
         ]
         report: dict[str, Any] = {
-            "node": self.node.name,
+            "node": node.name,
             "epoch": self.epoch,
             "replicas": replicas,
             "modelCache": [m.name for m in self.cache.contents()],
@@ -189,7 +195,7 @@ class Agent:
         }
         if self.gpu_reader is not None:
             try:
-                report["gpuMetrics"] = self.gpu_reader(self.node)
+                report["gpuMetrics"] = self.gpu_reader(node)
             except (OSError, ValueError) as exc:
                 log.warning("reading the GPUs failed: %s", exc)
         try:
@@ -224,8 +230,7 @@ class Agent:
             try:
                 with self._lock:
                     epoch, since = self.epoch, self.revision
-                assert self.node is not None
-                assignments = self.client.assignments(self.node.name, epoch, since, wait=20.0)
+                assignments = self.client.assignments(self._registered().name, epoch, since, wait=20.0)
                 if assignments.revision != since:
                     self.follow(assignments)
             except StaleEpoch:

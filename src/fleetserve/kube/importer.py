@@ -34,6 +34,7 @@ from pydantic import ValidationError as PydanticValidationError
 from urllib3.exceptions import HTTPError as TransportError
 
 from fleetserve.drivers import DRIVERS, Driver, SliceFormat, parse_driver
+from fleetserve.errors import InternalError
 from fleetserve.inventory.hardware import GpuFacts
 from fleetserve.inventory.matching import Unmatched, match_gpu
 from fleetserve.kube.apply import REQUEST_TIMEOUT, KubeError, describe_api_error
@@ -386,7 +387,8 @@ def nodes_from_cluster(
                 f"list; its {len(devices)} device(s) ({device_names}) are not imported"
             )
             continue
-        assert driver is not None
+        if driver is None:
+            raise InternalError(f"ResourceSlice {slice_name}: driver {driver_name} passed the check unparsed")
         target = cpus if driver in NON_GPU_DRIVERS else gpus
         target[node].extend(_SliceDevice(driver, slice_name, d) for d in devices)
     out: list[Node] = []

@@ -17,6 +17,7 @@ import yaml
 from kubernetes.client import ApiClient
 from pydantic import ValidationError
 
+from fleetserve.errors import InternalError
 from fleetserve.spec.resources import Replica, ReplicaState
 
 MANAGED_BY_KEY = "app.kubernetes.io/managed-by"
@@ -53,7 +54,8 @@ def object_name(replica: str) -> str:
 def plain(model: Any) -> dict[str, Any]:
     """A client model (or plain data) as the API's JSON: camelCase names, no unset fields."""
     data = _API.sanitize_for_serialization(model)
-    assert isinstance(data, dict)
+    if not isinstance(data, dict):
+        raise InternalError(f"{type(model).__name__} serialized to {type(data).__name__}, not an object")
     return data
 
 

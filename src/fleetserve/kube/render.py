@@ -121,12 +121,12 @@ def _cel_selector(driver: Driver, cls: DeviceClass | None) -> list[client.V1Devi
 def claim_template(inp: ReplicaInput, rp: ResolvedProfile) -> client.V1ResourceClaimTemplate:
     """The DRA claim each pod of the replica gets: its devices per node, or its CPUs."""
     if not DRIVERS[rp.driver].is_accelerator:
-        assert rp.cpu is not None
+        cpu = rp.host_request()
         request = client.V1ExactDeviceRequest(
             device_class_name=rp.driver.value,
             allocation_mode="ExactCount",
             count=1,
-            capacity=client.V1CapacityRequirements(requests={CPU_CAPACITY: str(rp.cpu.cores)}),
+            capacity=client.V1CapacityRequirements(requests={CPU_CAPACITY: str(cpu.cores)}),
         )
     else:
         cls = inp.classes.get(rp.device_class or "")
@@ -156,11 +156,11 @@ def _resources(inp: ReplicaInput, rp: ResolvedProfile) -> client.V1ResourceRequi
     limits: dict[str, str] = {}
     requests: dict[str, str] = {}
     if not DRIVERS[rp.driver].is_accelerator:
-        assert rp.cpu is not None
+        cpu = rp.host_request()
         shard = inp.replica.shards[0]
-        memory = shard.memory or rp.cpu.memory or 0
+        memory = shard.memory or cpu.memory or 0
         requests = {
-            "cpu": str(rp.cpu.cores),
+            "cpu": str(cpu.cores),
             **({"memory": f"{math.ceil(memory / MIB)}Mi"} if memory else {}),
         }
         limits = dict(requests)

@@ -20,7 +20,7 @@ from kubernetes import client
 
 from fleetserve.conditions import Condition, ConditionReason, ConditionType
 from fleetserve.drivers import DRIVERS, Driver, host_driver, parse_driver, stack_for
-from fleetserve.errors import ConfigError, Problem
+from fleetserve.errors import ConfigError, InternalError, Problem
 from fleetserve.kube.objects import CLUSTER_LABEL, MANAGED_BY_KEY, MANAGER
 from fleetserve.spec.resources import Cluster, DeviceClass
 
@@ -142,7 +142,8 @@ def compose(cluster: Cluster, classes: Mapping[str, DeviceClass], existing: Sequ
     claimed: dict[str, list[str]] = {}
     for name in cluster.classes:
         driver = class_driver(name, classes)
-        assert driver is not None
+        if driver is None:
+            raise InternalError(f"class {name}: cluster_problems let a class with no driver through")
         claimed.setdefault(driver, []).append(name)
     unsupported = {d: tuple(cs) for d, cs in claimed.items() if parse_driver(d) is None}
     provided = [d for name in claimed if (d := parse_driver(name)) is not None]

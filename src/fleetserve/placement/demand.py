@@ -58,9 +58,9 @@ def demand_for(profile: ResolvedProfile, facts: ModelFacts, cls: DeviceClass | N
             f"profile {profile.name}: device class {profile.device_class} is not in the snapshot"
         )
     if profile.on_cpu or cls is None:
-        assert profile.cpu is not None, "a resolved CPU profile always has a CPU request"
+        cpu = profile.host_request()
         # An explicit claim may add headroom, never go below what the model needs.
-        host = max(profile.cpu.memory or 0, total + CPU_RUNTIME_OVERHEAD)
+        host = max(cpu.memory or 0, total + CPU_RUNTIME_OVERHEAD)
         return Demand(
             profile=profile.name,
             driver=host_driver(),
@@ -69,7 +69,7 @@ def demand_for(profile: ResolvedProfile, facts: ModelFacts, cls: DeviceClass | N
             nodes=1,
             device_memory=0,
             class_memory=0,
-            cpu_cores=profile.cpu.cores,
+            cpu_cores=cpu.cores,
             host_memory=host,
             model=facts.name,
         )
