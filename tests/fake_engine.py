@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from builders import deployment, node
+from fleetserve.agentapi import ReplicaStatus
 from fleetserve.spec.resources import Model, Replica, ReplicaState, Shard
 from fleetserve.store.sql import SqlStore
 
@@ -58,4 +59,4 @@ def run_replica_on(store: SqlStore, port: int, model_path: Path) -> None:
     epoch = store.register(node("c1", 4, "8GiB", address="127.0.0.1")).epoch
     shard = Shard(node="c1", cpu_cores=1, memory=1 << 30)
     store.allocate(Replica(name=REPLICA, deployment="tiny", profile="cpu", shards=(shard,)))
-    store.report("c1", epoch, datetime.now(UTC), {REPLICA: (ReplicaState.RUNNING, {"port": port})})
+    store.report("c1", epoch, datetime.now(UTC), {REPLICA: (ReplicaState.RUNNING, ReplicaStatus(port=port))})

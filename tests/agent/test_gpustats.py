@@ -18,7 +18,7 @@ def test_a_strix_halo_read_from_recorded_sysfs_gives_canonical_amd_samples():
             "devices": [{"index": 0, "class": "amd-gfx1151"}],
         }
     )
-    samples = {s["name"]: s for s in make_reader(STRIX_HALO)(node)}
+    samples = {s.name: s.model_dump() for s in make_reader(STRIX_HALO)(node)}
     labels = {"node": "halo", "device": "0", "driver": "gpu.amd.com", "class": "amd-gfx1151"}
     assert samples["fleetserve_gpu_utilization_ratio"]["labels"] == labels
     assert 0.0 <= samples["fleetserve_gpu_utilization_ratio"]["value"] <= 1.0

@@ -9,7 +9,8 @@ from fastapi.testclient import TestClient
 
 from fleetserve.server.app import create_app
 from fleetserve.spec.resources import Node
-from fleetserve.store.sql import SqlStore, TokenKind
+from fleetserve.store.credentials import TokenKind
+from fleetserve.store.sql import SqlStore
 
 
 def test_gpu_samples_an_agent_reports_appear_on_metrics(tmp_path):

@@ -1,12 +1,13 @@
-"""The agent's side of the agents' API: register, heartbeat, assignments, status, classes."""
+"""The agent's side of the agents' API (its bodies: ``fleetserve.agentapi``): register, heartbeat,
+assignments, status, classes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
+from fleetserve.agentapi import AssignmentSet, HeartbeatRequest, Registered, StatusReply, StatusReport
 from fleetserve.errors import FleetserveError, StaleEpoch
 from fleetserve.spec.resources import DeviceClass, Node
 
@@ -15,15 +16,6 @@ API = "/api/v1/agent"
 
 class AgentApiError(FleetserveError):
     """The control plane could not be reached or refused the agent."""
-
-
-@dataclass(frozen=True)
-class Assignments:
-    """The replicas a node must run, with the revision the server computed for the set."""
-
-    epoch: int
-    revision: str
-    entries: tuple[dict[str, Any], ...] = field(default=())
 
 
 class AgentClient:
@@ -62,28 +54,30 @@ class AgentClient:
         """The device classes, to match discovered devices against."""
         return [DeviceClass.model_validate(c) for c in self._call("GET", "/classes")]
 
-    def register(self, node: Node) -> tuple[Node, Assignments]:
+    def register(self, node: Node) -> tuple[Node, AssignmentSet]:
         """Register (or re-register) the node; its epoch and current assignments."""
         data = self._call("POST", "/register", json=node.model_dump(mode="json", by_alias=True))
-        entries = tuple(data["assignments"])
-        return Node.model_validate(data["node"]), Assignments(data["epoch"], data["revision"], entries)
+        registered = Registered.model_validate(data)
+        return registered.node, AssignmentSet(
+            epoch=registered.epoch, revision=registered.revision, assignments=registered.assignments
+        )
 
     def heartbeat(self, node: str, epoch: int) -> None:
         """Say the node is alive; StaleEpoch if it registered again since."""
-        self._call("POST", "/heartbeat", json={"node": node, "epoch": epoch})
+        body = HeartbeatRequest(node=node, epoch=epoch)
+        self._call("POST", "/heartbeat", json=body.model_dump(mode="json"))
 
-    def assignments(self, node: str, epoch: int, since: str | None, wait: float) -> Assignments:
+    def assignments(self, node: str, epoch: int, since: str | None, wait: float) -> AssignmentSet:
         """The node's assignments, held open up to ``wait`` seconds until they differ from ``since``."""
         params: dict[str, Any] = {"node": node, "epoch": epoch, "wait": wait}
         if since:
             params["since"] = since
-        data = self._call("GET", "/assignments", params=params)
-        return Assignments(data["epoch"], data["revision"], tuple(data["assignments"]))
+        return AssignmentSet.model_validate(self._call("GET", "/assignments", params=params))
 
-    def status(self, report: dict[str, Any]) -> list[str]:
+    def status(self, report: StatusReport) -> list[str]:
         """Send a status report; the names of replicas the agent must stop."""
-        data = self._call("POST", "/status", json=report)
-        return list(data.get("stop", []))
+        body = report.model_dump(mode="json", by_alias=True, exclude_unset=True)
+        return StatusReply.model_validate(self._call("POST", "/status", json=body)).stop
 
     def model_file_url(self, name: str) -> str:
         """Where the server serves a model file it holds."""

@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from fleetserve.agent.discovery.amd import AmdSysfsDiscoverer
+from fleetserve.agentapi import GpuSample
 from fleetserve.metrics.gpu import GpuContext, NvmlReading, from_amd_sysfs, from_nvml
 from fleetserve.spec.resources import Node
 
-GpuReader = Callable[[Node], list[dict[str, Any]]]
+GpuReader = Callable[[Node], list[GpuSample]]
 
 
 def _read(nvml: Any, call: str, *args: Any) -> Any:
@@ -56,12 +57,12 @@ def _nvml_readings() -> list[NvmlReading]:
 def make_reader(root: Path = Path("/")) -> GpuReader:
     """A function reading this machine's GPUs as canonical samples, labelled for ``node``."""
 
-    def read(node: Node) -> list[dict[str, Any]]:
+    def read(node: Node) -> list[GpuSample]:
         context = GpuContext(node=node.name, classes={str(d.index): d.device_class for d in node.devices})
         samples = list(from_nvml(_nvml_readings(), context))
         amd = AmdSysfsDiscoverer(root).discover().gpus
         if amd:
             samples += from_amd_sysfs(amd, context)
-        return [{"name": s.name, "labels": dict(s.labels), "value": s.value} for s in samples]
+        return [GpuSample(name=s.name, labels=dict(s.labels), value=s.value) for s in samples]
 
     return read

@@ -18,18 +18,18 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from fleetserve.agent.cache import ModelCache
-from fleetserve.agent.client import AgentApiError, AgentClient, Assignments
+from fleetserve.agent.client import AgentApiError, AgentClient
 from fleetserve.agent.supervisor import Supervisor
-from fleetserve.drivers import Driver, RuntimeVariant
+from fleetserve.agentapi import Assignment, AssignmentSet, Download, GpuSample, ReplicaReport, StatusReport
+from fleetserve.drivers import RuntimeVariant
 from fleetserve.engines.binaries import resolve
 from fleetserve.engines.launch import LaunchContext
 from fleetserve.engines.registry import ENGINES
 from fleetserve.engines.spec import EngineKind
 from fleetserve.errors import FleetserveError, InternalError, StaleEpoch
-from fleetserve.spec.resources import DeviceClass, Model, Node, Profile, Replica, ReplicaState
+from fleetserve.spec.resources import DeviceClass, Node, Replica, ReplicaState
 
 log = logging.getLogger("fleetserve.agent")
 
@@ -63,7 +63,7 @@ class Agent:
         supervisor: Supervisor,
         cache: ModelCache,
         settings: AgentSettings,
-        gpu_reader: Callable[[Node], list[dict[str, Any]]] | None = None,
+        gpu_reader: Callable[[Node], list[GpuSample]] | None = None,
     ) -> None:
         self.gpu_reader = gpu_reader
         self.client = client
@@ -76,7 +76,7 @@ class Agent:
         self.revision: str | None = None
         self.problems: list[str] = []
         self._lock = threading.RLock()
-        self._wanted: dict[str, dict[str, Any]] = {}  # replica → its assignment entry
+        self._wanted: dict[str, Assignment] = {}  # replica → its assignment
         self._preparing: set[str] = set()
         self._model_of: dict[str, str] = {}  # replica → the model it serves (one pin each)
 
@@ -95,9 +95,9 @@ class Agent:
         log.info("registered node %s at epoch %d with %d devices", node.name, self.epoch, len(node.devices))
         self.follow(assignments)
 
-    def follow(self, assignments: Assignments) -> None:
+    def follow(self, assignments: AssignmentSet) -> None:
         """Make what runs match the assignments: stop the unassigned, start the new."""
-        wanted = {e["replica"]["name"]: e for e in assignments.entries}
+        wanted = {a.replica.name: a for a in assignments.assignments}
         with self._lock:
             self.revision = assignments.revision
             self._wanted = wanted
@@ -114,8 +114,8 @@ class Agent:
 
     # --- starting a replica ----------------------------------------------------------------------
 
-    def _prepare(self, entry: dict[str, Any]) -> None:
-        replica = Replica.model_validate(entry["replica"])
+    def _prepare(self, entry: Assignment) -> None:
+        replica = entry.replica
         try:
             self._start(replica, entry)
         except FleetserveError as exc:
@@ -133,12 +133,9 @@ class Agent:
             raise InternalError("the agent has not registered its node yet")
         return self.node
 
-    def _start(self, replica: Replica, entry: dict[str, Any]) -> None:
+    def _start(self, replica: Replica, entry: Assignment) -> None:
         node = self._registered()
-        model = Model.model_validate(entry["model"])
-        profile = Profile.model_validate(entry["profile"])
-        variant = RuntimeVariant(entry["runtime"])
-        driver = Driver(entry["driver"])
+        model, profile, variant, driver = entry.model, entry.profile, entry.runtime, entry.driver
         binary = resolve(profile.engine, variant, self.settings.binaries)
         path = self.cache.ensure(model)
         self.cache.pin(model.name)
@@ -155,8 +152,8 @@ class Agent:
             binary=binary,
             host=self.settings.engine_host,
             port=free_port(self.settings.engine_host),
-            context=entry.get("context"),
-            peer_addresses=tuple(entry.get("peers", ())),
+            context=entry.context,
+            peer_addresses=tuple(entry.peers),
         )
         with self._lock:
             if replica.name not in self._wanted:
@@ -170,32 +167,32 @@ class Agent:
         node = self._registered()
         statuses = self.supervisor.status()
         replicas = {
-            name: {
-                "state": s.state.value,
-                "message": s.message[:4000],
-                "restarts": s.restarts,
-                "stderrTail": [line[:2000] for line in s.stderr_tail],
-                **({"port": s.port} if s.port else {}),
-            }
+            name: ReplicaReport(
+                state=s.state,
+                message=s.message[:4000],
+                restarts=s.restarts,
+                stderrTail=[line[:2000] for line in s.stderr_tail],
+                port=s.port or None,
+            )
             for name, s in statuses.items()
         }
         for name in self._preparing - set(statuses):
-            replicas[name] = {"state": ReplicaState.STARTING.value, "message": "fetching the model"}
+            replicas[name] = ReplicaReport(state=ReplicaState.STARTING, message="fetching the model")
         downloads = [
-            {"model": s.model, "state": s.state.value, "done": s.done, "total": s.total, "rate": s.rate}
+            Download(model=s.model, state=s.state.value, done=s.done, total=s.total, rate=s.rate)
             for s in self.cache.status()
         ]
-        report: dict[str, Any] = {
-            "node": node.name,
-            "epoch": self.epoch,
-            "replicas": replicas,
-            "modelCache": [m.name for m in self.cache.contents()],
-            "downloads": downloads,
-            "problems": [p[:2000] for p in self.problems[:100]],
-        }
+        report = StatusReport(
+            node=node.name,
+            epoch=self.epoch,
+            replicas=replicas,
+            modelCache=[m.name for m in self.cache.contents()],
+            downloads=downloads,
+            problems=[p[:2000] for p in self.problems[:100]],
+        )
         if self.gpu_reader is not None:
             try:
-                report["gpuMetrics"] = self.gpu_reader(node)
+                report.gpu_metrics = self.gpu_reader(node)
             except (OSError, ValueError) as exc:
                 log.warning("reading the GPUs failed: %s", exc)
         try:

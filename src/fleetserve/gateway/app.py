@@ -32,7 +32,8 @@ from fleetserve.gateway.endpoints import EndpointTable, Route
 from fleetserve.gateway.picker import Endpoint, Load, pick, prefix_key_for
 from fleetserve.gateway.ratelimit import Limits, RateLimiter
 from fleetserve.metrics.exposition import FleetMetrics
-from fleetserve.store.sql import ApiKey, SqlStore
+from fleetserve.store.credentials import ApiKey
+from fleetserve.store.sql import SqlStore
 
 log = logging.getLogger("fleetserve.gateway")
 T = TypeVar("T")

@@ -17,7 +17,8 @@ from starlette.concurrency import run_in_threadpool
 from fleetserve.engines.registry import ENGINES
 from fleetserve.errors import FleetserveError
 from fleetserve.gateway.picker import Endpoint
-from fleetserve.spec.resources import AdmissionPolicy, Deployment, ReplicaState
+from fleetserve.routing import routable
+from fleetserve.spec.resources import AdmissionPolicy, Deployment
 from fleetserve.store.sql import SqlStore
 
 log = logging.getLogger("fleetserve.gateway")
@@ -52,15 +53,12 @@ class EndpointTable:
             d.deployment.name: d.deployment for d in self.store.list_deployments()
         }
         endpoints: dict[str, list[Endpoint]] = {name: [] for name in deployments}
-        for replica, address, status in self.store.replica_endpoints():
-            port = status.get("port")
-            if replica.state is not ReplicaState.RUNNING or not port or not address:
-                continue
-            host = f"[{address}]" if ":" in address else address
+        for served in routable(self.store.replica_endpoints()):
+            replica = served.replica
             # Capacity across mixed hardware: a replica on more devices serves more at once.
             weight = float(max(1, sum(len(s.devices) for s in replica.shards)))
             endpoints.setdefault(replica.deployment, []).append(
-                Endpoint(replica=replica.name, url=f"http://{host}:{port}", weight=weight)
+                Endpoint(replica=replica.name, url=served.url, weight=weight)
             )
         return {
             name: Route(

@@ -34,7 +34,8 @@ from fleetserve.server.modelfiles import ModelFiles
 from fleetserve.server.observer import Observer
 from fleetserve.server.params import TEXT_PATTERN, NameParam, NameQuery
 from fleetserve.spec.resources import Node, Replica
-from fleetserve.store.sql import ApiKey, SqlStore
+from fleetserve.store.credentials import ApiKey
+from fleetserve.store.sql import SqlStore
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
@@ -94,7 +95,7 @@ def _node_view(node: Node, store: SqlStore, replicas: list[Replica], beats: dict
             "lastHeartbeat": beat.last_heartbeat.isoformat() if beat and beat.last_heartbeat else None,
             "allocatedDevices": held,
             "replicas": sorted({r.name for r in replicas}),
-            "agent": store.agent_status(node.name),
+            "agent": store.agent_status(node.name).stored(),
         },
     }
 
@@ -168,11 +169,9 @@ def build_admin_router(
 
     @api.post("/nodes/{name}/drain", tags=["nodes"], summary="Cordon a node and move its replicas away")
     def drain(name: NameParam, body: CordonRequest) -> dict[str, Any]:
-        node = store.cordon(name, body.reason)
-        moved = [r.name for r in _replicas_by_node(store.replicas()).get(name, [])]
-        for replica in moved:
-            store.release(replica)  # the reconciler places replacements elsewhere
-        return {**_doc(node), "released": moved}
+        # One transaction; the reconciler places replacements elsewhere.
+        node, released = store.drain(name, body.reason)
+        return {**_doc(node), "released": [r.name for r in released]}
 
     @api.delete("/nodes/{name}", tags=["nodes"], summary="Forget a node that holds no replica")
     def delete_node(name: NameParam) -> dict[str, str]:
@@ -261,14 +260,14 @@ def build_admin_router(
         return {
             "replica": name,
             "state": replica.state.value,
-            "message": status.get("message", ""),
-            "restarts": status.get("restarts", 0),
-            "lines": status.get("stderrTail", []),
+            "message": status.message,
+            "restarts": status.restarts,
+            "lines": status.stderr_tail,
         }
 
     @api.get("/replicas/{name}", tags=["replicas"])
     def get_replica(name: NameParam) -> dict[str, Any]:
-        return {**_doc(store.get_replica(name)), "status": store.replica_status(name)}
+        return {**_doc(store.get_replica(name)), "status": store.replica_status(name).stored()}
 
     return api
 

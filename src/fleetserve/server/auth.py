@@ -18,7 +18,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fleetserve.errors import StoreError
 from fleetserve.server.problems import Unauthorized, error_body
-from fleetserve.store.sql import SqlStore, TokenKind
+from fleetserve.store.credentials import TokenKind
+from fleetserve.store.sql import SqlStore
 
 _bearer = HTTPBearer(auto_error=False, description="An admin token (admin API) or a join token (agent API).")
 

@@ -20,7 +20,7 @@ from fleetserve.metrics.engine import EngineLabels, effective_mapping, normalize
 from fleetserve.metrics.exposition import ENGINE_METRICS, GPU_METRICS, FleetMetrics, SeriesValue
 from fleetserve.metrics.promtext import ExpositionError
 from fleetserve.metrics.scraper import Scraper, Target
-from fleetserve.spec.resources import ReplicaState
+from fleetserve.routing import routable
 from fleetserve.store.sql import SqlStore
 
 log = logging.getLogger("fleetserve.observer")
@@ -52,9 +52,9 @@ class Observer:
         """The GPU samples agents read themselves (blocking: reads the store)."""
         out: list[SeriesValue] = []
         for status in self.store.agent_statuses().values():
-            for sample in status.get("gpuMetrics", []):
-                if sample.get("name") in GPU_METRICS:
-                    out.append((sample["name"], dict(sample.get("labels", {})), float(sample["value"])))
+            for sample in status.gpu_metrics:
+                if sample.name in GPU_METRICS:
+                    out.append((sample.name, dict(sample.labels), sample.value))
         return out
 
     def restarts(self, statuses: list[tuple[str, str, int]]) -> None:
@@ -71,22 +71,22 @@ class Observer:
         deployments = {d.deployment.name: d.deployment for d in self.store.list_deployments()}
         out = []
         endpoints = self.store.replica_endpoints()
-        self.restarts([(r.deployment, r.name, int(st.get("restarts", 0) or 0)) for r, _, st in endpoints])
-        for replica, address, status in endpoints:
+        self.restarts([(e.replica.deployment, e.replica.name, e.status.restarts) for e in endpoints])
+        for served in routable(endpoints):
+            replica = served.replica
             dep = deployments.get(replica.deployment)
-            port = status.get("port")
-            if dep is None or replica.state is not ReplicaState.RUNNING or not port or not address:
+            if dep is None:
                 continue
             profile = next((p for p in dep.profiles if p.name == replica.profile), None)
             if profile is None:
                 continue
             self._engines[replica.name] = profile.engine
-            host = f"[{address}]" if ":" in address else address
             labels = {
                 "deployment": dep.name, "replica": replica.name, "node": replica.shards[0].node,
                 "engine": profile.engine.value, "model": dep.model,
             }  # fmt: skip
-            out.append(Target(key=replica.name, url=f"http://{host}:{port}/metrics", labels=labels))
+            url = served.url + ENGINES[profile.engine].metrics_path
+            out.append(Target(key=replica.name, url=url, labels=labels))
         return out
 
     def collect(self) -> None:

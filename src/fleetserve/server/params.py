@@ -6,7 +6,8 @@ from typing import Annotated
 
 from fastapi import Path, Query
 
-NAME_PATTERN = r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?$"
+from fleetserve.spec.resources import NAME_PATTERN
+
 # Printable text only: no NUL or other control characters a database column would refuse.
 TEXT_PATTERN = r"^[^\x00-\x1f\x7f]*$"
 

@@ -32,7 +32,8 @@ from fleetserve.server.app import Lifespan, Serving, create_app, create_gateway_
 from fleetserve.server.observer import Observer
 from fleetserve.server.reconciler import Reconciler, SignalSource
 from fleetserve.spec.resources import AutoscalePolicy, Deployment, Replica, ReplicaState
-from fleetserve.store.sql import SqlStore, TokenKind
+from fleetserve.store.credentials import TokenKind
+from fleetserve.store.sql import SqlStore
 
 # The exit status of a gateway whose app did not start (its lifespan failed), as ``uvicorn.run`` has it.
 STARTUP_FAILURE = 3

@@ -25,6 +25,8 @@ from fleetserve.drivers import RuntimeVariant
 from fleetserve.engines.spec import EngineKind
 from fleetserve.units import parse_bytes
 
+# A name as a pattern for API parameters and bodies (their lengths are bounded apart).
+NAME_PATTERN = r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?$"
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?$")
 
 

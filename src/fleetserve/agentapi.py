@@ -1,0 +1,157 @@
+"""The server↔agent protocol, defined once: every body that crosses between the control plane and
+a node agent, imported by the server's agent routes (``server/agents.py``), the agent's client
+(``agent/client.py``) and its runtime (``agent/runtime.py``); the store keeps the statuses typed.
+
+    agent → server   Node (register), HeartbeatRequest, StatusReport (ReplicaReport, Download, GpuSample)
+    server → agent   Registered, AssignmentSet (Assignment), HeartbeatReply, StatusReply
+
+Every input is bounded (lengths, counts, ranges) and free text may not hold NUL. Field names on
+the wire are camelCase where they were (``stderrTail``, ``modelCache``, ``gpuMetrics``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from fleetserve.drivers import Driver, RuntimeVariant
+from fleetserve.spec.resources import NAME_PATTERN, Model, Node, Profile, Replica, ReplicaState
+
+# Free text from an agent may hold newlines (stderr), never NUL.
+TEXT_PATTERN = r"^[^\x00]*$"
+
+NodeName = Annotated[str, Field(min_length=1, max_length=63, pattern=NAME_PATTERN)]
+ReplicaName = Annotated[str, Field(max_length=63, pattern=NAME_PATTERN)]
+Epoch = Annotated[int, Field(ge=1, le=2**31 - 1)]
+
+
+class HeartbeatRequest(BaseModel):
+    """An agent saying its node is alive, for the registration (epoch) it speaks for."""
+
+    model_config = ConfigDict(extra="forbid")
+    node: NodeName
+    epoch: Epoch | None = None
+
+
+class HeartbeatReply(BaseModel):
+    """The node's current epoch, as the server holds it."""
+
+    node: str
+    epoch: int
+
+
+class ReplicaStatus(BaseModel):
+    """What the agent last reported about one replica beyond its state; the store keeps it."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    message: str = Field(default="", max_length=4000, pattern=TEXT_PATTERN)
+    restarts: int = Field(default=0, ge=0, le=2**31 - 1)
+    stderr_tail: list[Annotated[str, Field(max_length=2000, pattern=TEXT_PATTERN)]] = Field(
+        default_factory=list, max_length=100, alias="stderrTail"
+    )
+    port: int | None = Field(default=None, ge=1, le=65535)
+
+    def stored(self) -> dict[str, object]:
+        """The JSON the store keeps: the fields the agent sent (an unreported status is ``{}``)."""
+        return self.model_dump(mode="json", by_alias=True, exclude_unset=True)
+
+
+class ReplicaReport(ReplicaStatus):
+    """What the agent knows about one replica it runs: its state and its status."""
+
+    state: ReplicaState
+
+    def status(self) -> ReplicaStatus:
+        """The report without its state, every field set: what the store keeps of it."""
+        return ReplicaStatus(
+            message=self.message, restarts=self.restarts, stderrTail=self.stderr_tail, port=self.port
+        )
+
+
+class Download(BaseModel):
+    """A model download in flight on the node."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(max_length=63, pattern=NAME_PATTERN)
+    state: str = Field(max_length=32, pattern=TEXT_PATTERN)
+    done: int = Field(ge=0)
+    total: int | None = Field(default=None, ge=0)
+    rate: float = Field(default=0.0, ge=0)
+
+
+class GpuSample(BaseModel):
+    """One canonical GPU sample (``fleetserve_gpu_*``) with its node/device/driver/class labels."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(max_length=64, pattern=r"^fleetserve_gpu_[a-z_]+$")
+    labels: dict[
+        Annotated[str, Field(max_length=16, pattern=r"^(node|device|driver|class)$")],
+        Annotated[str, Field(max_length=253, pattern=TEXT_PATTERN)],
+    ] = Field(max_length=4)
+    value: float = Field(allow_inf_nan=False)
+
+
+class StatusReport(BaseModel):
+    """An agent's periodic report: replica states, cache contents, downloads."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    node: NodeName
+    epoch: Epoch
+    replicas: dict[ReplicaName, ReplicaReport] = Field(default_factory=dict, max_length=1000)
+    model_cache: list[ReplicaName] | None = Field(default=None, alias="modelCache", max_length=10_000)
+    downloads: list[Download] = Field(default_factory=list, max_length=1000)
+    problems: list[Annotated[str, Field(max_length=2000, pattern=TEXT_PATTERN)]] = Field(
+        default_factory=list, max_length=100
+    )
+    # Canonical GPU samples the agent read itself (NVML, sysfs) where no exporter runs.
+    gpu_metrics: list[GpuSample] = Field(default_factory=list, max_length=10_000, alias="gpuMetrics")
+
+
+class AgentStatus(BaseModel):
+    """What a node's agent last reported beyond replica states; the store keeps it per node."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    downloads: list[Download] = Field(default_factory=list)
+    problems: list[str] = Field(default_factory=list)
+    gpu_metrics: list[GpuSample] = Field(default_factory=list, alias="gpuMetrics")
+    reported_at: str = Field(default="", alias="reportedAt")
+
+    def stored(self) -> dict[str, object]:
+        """The JSON the store keeps and the API shows (a node never reported is ``{}``)."""
+        return self.model_dump(mode="json", by_alias=True, exclude_unset=True)
+
+
+class StatusReply(BaseModel):
+    """The replicas the agent reported that are not its node's: it must stop them."""
+
+    stop: list[str]
+
+
+class Assignment(BaseModel):
+    """What an agent needs to run one replica: the replica, its profile with the runtime variant
+    and driver worked out, the model document, and the addresses of the replica's nodes."""
+
+    replica: Replica
+    profile: Profile
+    runtime: RuntimeVariant
+    driver: Driver
+    model: Model
+    context: int | None = None
+    # Addresses of the replica's nodes, shard order ("" for a node not known any more).
+    peers: list[str] = Field(default_factory=list)
+
+
+class AssignmentSet(BaseModel):
+    """The replicas a node must run, with the revision the server computed for the set."""
+
+    epoch: int
+    revision: str
+    assignments: list[Assignment] = Field(default_factory=list)
+
+
+class Registered(AssignmentSet):
+    """A registration's answer: the node as stored, whether it is new, and its assignments."""
+
+    node: Node
+    created: bool

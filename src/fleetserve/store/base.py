@@ -1,0 +1,117 @@
+"""The store's common ground: the engine, one transaction per public method (``_write`` /
+``_read``), the upsert and delete helpers every aggregate uses, and the row → value converters.
+
+Every public method of the aggregates (``inventory``, ``reports``, ``deployments``,
+``credentials``, ``lease``) is one transaction. Writers serialise where they must: on SQLite every
+write transaction starts with ``BEGIN IMMEDIATE`` (see ``db``); on PostgreSQL a write locks the
+rows it changes (``SELECT … FOR UPDATE``). Times are passed in (``now``); nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from pydantic import BaseModel
+from sqlalchemy import Engine, delete, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from fleetserve.errors import (
+    NotFound,
+    UnknownNode,
+)
+from fleetserve.spec.resources import (
+    Cordon,
+    Node,
+    Replica,
+)
+from fleetserve.store.db import converted, read_only
+from fleetserve.store.tables import (
+    Base,
+    NodeRow,
+)
+
+
+def doc(model: BaseModel, exclude: set[str] | None = None) -> dict[str, Any]:
+    """A document as the JSON the store keeps."""
+    return model.model_dump(mode="json", by_alias=True, exclude=exclude)
+
+
+def node_of(row: NodeRow) -> Node:
+    """A node row as the Node document, with its state and cordon."""
+    cordon = None
+    if row.cordon_reason is not None:
+        cordon = Cordon(reason=row.cordon_reason, by=row.cordon_by or "operator")
+    return Node.model_validate({**row.spec, "state": row.state, "cordon": cordon})
+
+
+def replica_of(spec: dict[str, Any], state: str) -> Replica:
+    """A replica row's spec and state as the Replica."""
+    return Replica.model_validate({**spec, "state": state})
+
+
+class SqlBase:
+    """A SQLAlchemy engine (SQLite or PostgreSQL) with the session helpers every aggregate uses."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._reader = read_only(engine)
+        self._postgres = engine.dialect.name == "postgresql"
+        self._owned = False
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    # --- transactions ---------------------------------------------------------------------
+
+    @contextmanager
+    def _write(self, action: str) -> Iterator[Session]:
+        with converted(action), Session(self._engine) as session, session.begin():
+            yield session
+
+    @contextmanager
+    def _read(self, action: str) -> Iterator[Session]:
+        with converted(action), Session(self._reader) as session, session.begin():
+            yield session
+
+    def _insert_new(self, session: Session, entity: type[Base], **values: Any) -> bool:
+        """Insert a row unless its key exists; whether it was inserted. Race-free on both
+        backends (ON CONFLICT DO NOTHING), so two first registrations never collide."""
+        dialect_insert = postgresql.insert if self._postgres else sqlite.insert
+        key = Base.metadata.tables[entity.__tablename__].primary_key.columns
+        stmt = dialect_insert(entity).values(**values).on_conflict_do_nothing().returning(*key)
+        # RETURNING, not rowcount: drivers need not report a rowcount for INSERT.
+        return session.connection().execute(stmt).first() is not None
+
+    def _put(self, session: Session, entity: type[Base], name: str, spec: dict[str, Any]) -> None:
+        dialect_insert = postgresql.insert if self._postgres else sqlite.insert
+        stmt = dialect_insert(entity).values(name=name, spec=spec)
+        session.connection().execute(
+            stmt.on_conflict_do_update(index_elements=["name"], set_={"spec": stmt.excluded.spec})
+        )
+
+    def _delete(self, session: Session, entity: type[Base], name: str, what: str) -> None:
+        table = Base.metadata.tables[entity.__tablename__]
+        result = session.connection().execute(delete(table).where(table.c.name == name))
+        if result.rowcount == 0:
+            raise NotFound(f"no {what} named {name!r} is stored")
+
+    def _put_spec(self, s: Session, entity: type[Base], name: str, spec: dict[str, Any]) -> str:
+        row = s.get(entity, name)
+        result = (
+            "created"
+            if row is None
+            else ("unchanged" if getattr(row, "spec", None) == spec else "configured")
+        )
+        self._put(s, entity, name, spec)
+        return result
+
+    @staticmethod
+    def _locked_node(session: Session, name: str) -> NodeRow:
+        row = session.scalars(select(NodeRow).where(NodeRow.name == name).with_for_update()).one_or_none()
+        if row is None:
+            raise UnknownNode(f"no node named {name!r} is registered")
+        return row

@@ -1,0 +1,152 @@
+"""The credentials aggregate over SQL: admin and join tokens, and the gateway's API keys. Only
+a secret's sha256 is stored (secrets are 256 random bits, so a fast hash is enough).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+
+from sqlalchemy import select, update
+
+from fleetserve.errors import (
+    NotFound,
+)
+from fleetserve.store.base import SqlBase
+from fleetserve.store.tables import (
+    ApiKeyRow,
+    TokenRow,
+    stamp,
+)
+
+
+class TokenKind(StrEnum):
+    """What a token lets its bearer do."""
+
+    ADMIN = "admin"  # the admin API
+    JOIN = "join"  # an agent registering its node
+
+
+@dataclass(frozen=True)
+class IssuedToken:
+    """A new token. ``plaintext`` is returned this once; only its sha256 is stored."""
+
+    id: int
+    kind: TokenKind
+    plaintext: str
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """A gateway API key, without its secret."""
+
+    id: int
+    name: str
+    models: tuple[str, ...]
+    rpm: int | None
+    tpm: int | None
+    created_at: datetime
+    revoked: bool
+
+    def allows(self, model: str) -> bool:
+        """Whether this key may use ``model``."""
+        return "*" in self.models or model in self.models
+
+
+def _api_key(row: ApiKeyRow) -> ApiKey:
+    return ApiKey(row.id, row.name, tuple(row.models), row.rpm, row.tpm, row.created_at, row.revoked)
+
+
+@dataclass(frozen=True)
+class TokenRecord:
+    """A stored token, without any secret."""
+
+    id: int
+    kind: TokenKind
+    created_at: datetime
+    revoked: bool
+
+
+def _hash(plaintext: str) -> str:
+    return hashlib.sha256(plaintext.encode()).hexdigest()
+
+
+class SqlCredentials(SqlBase):
+    """Tokens and API keys, over SQL."""
+
+    def create_token(self, kind: TokenKind, now: datetime) -> IssuedToken:
+        """A new random token of ``kind``. Its plaintext is in the result only; the store keeps
+        its sha256 (tokens are 256 random bits, so a fast hash is enough)."""
+        kind = TokenKind(kind)
+        when = stamp(now)
+        plaintext = f"fs_{kind.value}_{secrets.token_urlsafe(32)}"
+        with self._write(f"creating a {kind.value} token") as s:
+            row = TokenRow(kind=kind.value, token_hash=_hash(plaintext), created_at=when, revoked=False)
+            s.add(row)
+            s.flush()
+            return IssuedToken(row.id, kind, plaintext)
+
+    def verify_token(self, plaintext: str, kind: TokenKind) -> bool:
+        """Whether ``plaintext`` is a stored, unrevoked token of ``kind``."""
+        query = select(TokenRow.id).where(
+            TokenRow.token_hash == _hash(plaintext),
+            TokenRow.kind == TokenKind(kind).value,
+            TokenRow.revoked.is_(False),
+        )
+        with self._read("verifying a token") as s:
+            return s.scalar(query) is not None
+
+    def revoke_token(self, token_id: int) -> None:
+        """Revoke a token for good; raises NotFound."""
+        with self._write(f"revoking token {token_id}") as s:
+            result = s.connection().execute(
+                update(TokenRow).where(TokenRow.id == token_id).values(revoked=True)
+            )
+            if result.rowcount == 0:
+                raise NotFound(f"no token with id {token_id} is stored")
+
+    def list_tokens(self) -> list[TokenRecord]:
+        with self._read("listing tokens") as s:
+            rows = s.scalars(select(TokenRow).order_by(TokenRow.id))
+            return [TokenRecord(r.id, TokenKind(r.kind), r.created_at, r.revoked) for r in rows]
+
+    def create_api_key(
+        self, name: str, models: Sequence[str], rpm: int | None, tpm: int | None, now: datetime
+    ) -> tuple[ApiKey, str]:
+        """A new API key; the plaintext is returned this once, only its sha256 is stored."""
+        plaintext = f"fs_key_{secrets.token_urlsafe(32)}"
+        when = stamp(now)
+        with self._write(f"creating API key {name}") as s:
+            row = ApiKeyRow(
+                name=name, key_hash=_hash(plaintext), models=list(models), rpm=rpm, tpm=tpm,
+                created_at=when, revoked=False,
+            )  # fmt: skip
+            s.add(row)
+            s.flush()
+            return _api_key(row), plaintext
+
+    def list_api_keys(self) -> list[ApiKey]:
+        """Every API key (no secrets), by id."""
+        with self._read("listing API keys") as s:
+            return [_api_key(r) for r in s.scalars(select(ApiKeyRow).order_by(ApiKeyRow.id))]
+
+    def revoke_api_key(self, key_id: int) -> None:
+        """Revoke an API key for good; raises NotFound."""
+        with self._write(f"revoking API key {key_id}") as s:
+            result = s.connection().execute(
+                update(ApiKeyRow).where(ApiKeyRow.id == key_id).values(revoked=True)
+            )
+            if result.rowcount == 0:
+                raise NotFound(f"no API key with id {key_id}")
+
+    def verify_api_key(self, plaintext: str) -> ApiKey | None:
+        """The unrevoked key ``plaintext`` is, or None."""
+        with self._read("verifying an API key") as s:
+            row = s.scalars(
+                select(ApiKeyRow).where(ApiKeyRow.key_hash == _hash(plaintext), ApiKeyRow.revoked.is_(False))
+            ).one_or_none()
+            return _api_key(row) if row is not None else None

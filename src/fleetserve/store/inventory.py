@@ -1,0 +1,327 @@
+"""The inventory aggregate over SQL: device classes, fabrics, nodes (registration, cordons,
+states), the allocation of replicas onto devices, and the cluster snapshot placement reads.
+
+An allocation locks the rows of the nodes it touches (in name order, so two allocations never
+deadlock), then checks free capacity, then inserts its device rows — whose primary key
+(node, device_index) makes the database refuse a doubly allocated device even if every check above
+were wrong. ``drain`` cordons a node and releases its replicas in one transaction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+
+from pydantic import ValidationError as PydanticValidationError
+from sqlalchemy import delete, func, insert, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from fleetserve.errors import (
+    AllocationConflict,
+    ConfigError,
+    Problem,
+    UnknownNode,
+    UnknownReplica,
+)
+from fleetserve.inventory.base import Registration
+from fleetserve.modelfacts import ModelFacts
+from fleetserve.placement.state import WorkingState
+from fleetserve.snapshot import ClusterSnapshot, replica_ordinal
+from fleetserve.spec.resources import (
+    Cordon,
+    DeviceClass,
+    Fabric,
+    Node,
+    NodeState,
+    Replica,
+    ReplicaState,
+)
+from fleetserve.store.base import SqlBase, doc, node_of, replica_of
+from fleetserve.store.db import describe
+from fleetserve.store.tables import (
+    DeviceAllocationRow,
+    DeviceClassRow,
+    FabricRow,
+    NodeRow,
+    ReplicaOrdinalRow,
+    ReplicaRow,
+    ReplicaShardRow,
+)
+
+
+class SqlInventory(SqlBase):
+    """Classes, fabrics, nodes, allocations and the snapshot, over SQL."""
+
+    def put_class(self, cls: DeviceClass) -> None:
+        with self._write(f"storing device class {cls.name}") as s:
+            self._put(s, DeviceClassRow, cls.name, doc(cls))
+
+    def put_fabric(self, fabric: Fabric) -> None:
+        with self._write(f"storing fabric {fabric.name}") as s:
+            self._put(s, FabricRow, fabric.name, doc(fabric))
+
+    def register(self, node: Node) -> Registration:
+        with self._write(f"registering node {node.name}") as s:
+            return self._register(s, node)
+
+    def _register(self, s: Session, node: Node) -> Registration:
+        created = self._insert_new(
+            s,
+            NodeRow,
+            name=node.name,
+            spec={},
+            state=NodeState.READY.value,
+            # A new node keeps a cordon its document carries; an existing one keeps its own.
+            cordon_reason=node.cordon.reason if node.cordon else None,
+            cordon_by=node.cordon.by if node.cordon else None,
+            epoch=0,
+        )
+        row = self._locked_node(s, node.name)
+        row.spec = doc(node, exclude={"state", "cordon"})
+        row.state = NodeState.READY.value
+        row.epoch += 1
+        return Registration(node_of(row), row.epoch, created)
+
+    def get_node(self, name: str) -> Node:
+        with self._read(f"reading node {name}") as s:
+            row = s.get(NodeRow, name)
+            if row is None:
+                raise UnknownNode(f"no node named {name!r} is registered")
+            return node_of(row)
+
+    def nodes(self) -> list[Node]:
+        with self._read("listing nodes") as s:
+            return sorted((node_of(r) for r in s.scalars(select(NodeRow))), key=lambda n: n.name)
+
+    def epoch(self, name: str) -> int:
+        """The node's registration epoch (0 if never registered)."""
+        with self._read(f"reading node {name}") as s:
+            return s.scalar(select(NodeRow.epoch).where(NodeRow.name == name)) or 0
+
+    @staticmethod
+    def _cordon(name: str, reason: str, by: str) -> Cordon:
+        """The cordon to record, validated before anything touches the database."""
+        try:
+            return Cordon(reason=reason, by=by)
+        except PydanticValidationError as exc:
+            raise ConfigError(
+                [Problem(f"Node {name}", "cordon.reason", "give a reason for the cordon")]
+            ) from exc
+
+    def cordon(self, name: str, reason: str, by: str = "operator") -> Node:
+        cordon = self._cordon(name, reason, by)
+        with self._write(f"cordoning node {name}") as s:
+            row = self._locked_node(s, name)
+            row.cordon_reason, row.cordon_by = cordon.reason, cordon.by
+            return node_of(row)
+
+    def uncordon(self, name: str) -> Node:
+        with self._write(f"uncordoning node {name}") as s:
+            row = self._locked_node(s, name)
+            row.cordon_reason = row.cordon_by = None
+            return node_of(row)
+
+    def set_state(self, name: str, state: NodeState) -> Node:
+        with self._write(f"setting node {name} {state}") as s:
+            row = self._locked_node(s, name)
+            row.state = NodeState(state).value
+            return node_of(row)
+
+    def allocate(self, replica: Replica) -> None:
+        names = sorted({shard.node for shard in replica.shards})
+        with self._write(f"allocating replica {replica.name}") as s:
+            # Lock the nodes first: concurrent allocations on them wait here, then see our rows.
+            rows = s.scalars(
+                select(NodeRow).where(NodeRow.name.in_(names)).order_by(NodeRow.name).with_for_update()
+            ).all()
+            if s.get(ReplicaRow, replica.name) is not None:
+                raise AllocationConflict(f"replica {replica.name} is already allocated")
+            self._free_capacity(s, rows).check(replica)
+            epochs = {row.name: row.epoch for row in rows}
+            conn = s.connection()
+            try:
+                conn.execute(
+                    insert(ReplicaRow).values(
+                        name=replica.name,
+                        deployment=replica.deployment,
+                        profile=replica.profile,
+                        spec=doc(replica, exclude={"state"}),
+                        state=replica.state.value,
+                    )
+                )
+                conn.execute(
+                    insert(ReplicaShardRow),
+                    [
+                        {
+                            "replica": replica.name,
+                            "shard": i,
+                            "node": shard.node,
+                            "cpu_cores": shard.cpu_cores,
+                            "memory": shard.memory,
+                            "node_epoch": epochs[shard.node],
+                        }
+                        for i, shard in enumerate(replica.shards)
+                    ],
+                )
+                devices = [
+                    {"node": shard.node, "device_index": index, "replica": replica.name}
+                    for shard in replica.shards
+                    for index in shard.devices
+                ]
+                if devices:
+                    conn.execute(insert(DeviceAllocationRow), devices)
+                ordinal = replica_ordinal(replica.deployment, replica.name)
+                if ordinal is not None:
+                    self._bump_ordinal(s, replica.deployment, ordinal + 1)
+            except IntegrityError as exc:
+                raise AllocationConflict(
+                    f"replica {replica.name}: taken concurrently by another allocation ({describe(exc)})"
+                ) from exc
+
+    def _bump_ordinal(self, s: Session, deployment: str, at_least: int) -> None:
+        dialect_insert = postgresql.insert if self._postgres else sqlite.insert
+        stmt = dialect_insert(ReplicaOrdinalRow).values(deployment=deployment, next_ordinal=at_least)
+        s.connection().execute(
+            stmt.on_conflict_do_update(
+                index_elements=["deployment"],
+                set_={"next_ordinal": func.max(ReplicaOrdinalRow.next_ordinal, stmt.excluded.next_ordinal)}
+                if not self._postgres
+                else {
+                    "next_ordinal": func.greatest(ReplicaOrdinalRow.next_ordinal, stmt.excluded.next_ordinal)
+                },
+            )
+        )
+
+    @staticmethod
+    def _free_capacity(session: Session, rows: Sequence[NodeRow]) -> WorkingState:
+        """The free devices, cores and memory of the locked nodes, as a ``WorkingState``."""
+        state = WorkingState(ClusterSnapshot(classes=MappingProxyType({}), nodes=tuple(map(node_of, rows))))
+        names = [row.name for row in rows]
+        taken = select(DeviceAllocationRow.node, DeviceAllocationRow.device_index).where(
+            DeviceAllocationRow.node.in_(names)
+        )
+        for node, index in session.execute(taken):
+            work = state.by_name[node]
+            cls = work.class_of.get(index)
+            if cls is not None and cls in work.free:
+                work.free[cls].discard(index)
+        used = (
+            select(
+                ReplicaShardRow.node, func.sum(ReplicaShardRow.cpu_cores), func.sum(ReplicaShardRow.memory)
+            )
+            .where(ReplicaShardRow.node.in_(names))
+            .group_by(ReplicaShardRow.node)
+        )
+        for node, cores, memory in session.execute(used):
+            state.by_name[node].used_cores = int(cores or 0)
+            state.by_name[node].used_memory = int(memory or 0)
+        return state
+
+    def release(self, name: str) -> Replica:
+        with self._write(f"releasing replica {name}") as s:
+            # Shards and device rows go with it (ON DELETE CASCADE).
+            row = (
+                s.connection()
+                .execute(
+                    delete(ReplicaRow)
+                    .where(ReplicaRow.name == name)
+                    .returning(ReplicaRow.spec, ReplicaRow.state)
+                )
+                .one_or_none()
+            )
+            if row is None:
+                raise UnknownReplica(f"no replica named {name!r} is allocated")
+            return replica_of(row.spec, row.state)
+
+    def replicas(self, deployment: str | None = None) -> list[Replica]:
+        """Every allocated replica (of one deployment, if named), by name."""
+        query = select(ReplicaRow)
+        if deployment is not None:
+            query = query.where(ReplicaRow.deployment == deployment)
+        with self._read("listing replicas") as s:
+            out = [replica_of(r.spec, r.state) for r in s.scalars(query)]
+        return sorted(out, key=lambda r: r.name)
+
+    def snapshot(self, models: Mapping[str, ModelFacts] | None = None) -> ClusterSnapshot:
+        with self._read("taking a snapshot") as s:
+            classes = {r.name: DeviceClass.model_validate(r.spec) for r in s.scalars(select(DeviceClassRow))}
+            fabrics = {r.name: Fabric.model_validate(r.spec) for r in s.scalars(select(FabricRow))}
+            nodes = sorted((node_of(r) for r in s.scalars(select(NodeRow))), key=lambda n: n.name)
+            replicas = sorted(
+                (replica_of(r.spec, r.state) for r in s.scalars(select(ReplicaRow))), key=lambda r: r.name
+            )
+            ordinal_rows = s.execute(select(ReplicaOrdinalRow.deployment, ReplicaOrdinalRow.next_ordinal))
+            ordinals = {name: n for name, n in ordinal_rows}
+        return ClusterSnapshot(
+            classes=MappingProxyType(dict(sorted(classes.items()))),
+            nodes=tuple(nodes),
+            fabrics=MappingProxyType(dict(sorted(fabrics.items()))),
+            replicas=tuple(replicas),
+            models=MappingProxyType(dict(models or {})),
+            next_ordinals=MappingProxyType(ordinals),
+        )
+
+    def delete_class(self, name: str) -> None:
+        """Forget a device class. Nodes and deployments naming it stay; the gate reports them."""
+        with self._write(f"deleting device class {name}") as s:
+            self._delete(s, DeviceClassRow, name, "device class")
+
+    def delete_fabric(self, name: str) -> None:
+        """Forget a fabric."""
+        with self._write(f"deleting fabric {name}") as s:
+            self._delete(s, FabricRow, name, "fabric")
+
+    def delete_node(self, name: str) -> None:
+        """Forget a node; refused (AllocationConflict) while a replica holds anything on it."""
+        with self._write(f"deleting node {name}") as s:
+            self._locked_node(s, name)
+            held = s.scalars(select(ReplicaShardRow.replica).where(ReplicaShardRow.node == name)).all()
+            if held:
+                raise AllocationConflict(
+                    f"node {name} still holds replicas {sorted(set(held))}; drain it first"
+                )
+            self._delete(s, NodeRow, name, "node")
+
+    def get_replica(self, name: str) -> Replica:
+        with self._read(f"reading replica {name}") as s:
+            row = s.get(ReplicaRow, name)
+            if row is None:
+                raise UnknownReplica(f"no replica named {name!r} is allocated")
+            return replica_of(row.spec, row.state)
+
+    def set_replica_state(self, name: str, state: ReplicaState) -> Replica:
+        """Record where a replica is in its life; raises UnknownReplica."""
+        with self._write(f"setting replica {name} {state}") as s:
+            row = s.scalars(select(ReplicaRow).where(ReplicaRow.name == name).with_for_update()).one_or_none()
+            if row is None:
+                raise UnknownReplica(f"no replica named {name!r} is allocated")
+            row.state = ReplicaState(state).value
+            return replica_of(row.spec, row.state)
+
+    def placement_epochs(self, name: str) -> dict[str, int]:
+        """Per node of the replica, the node's epoch when the replica was placed (fencing)."""
+        with self._read(f"reading replica {name}") as s:
+            if s.get(ReplicaRow, name) is None:
+                raise UnknownReplica(f"no replica named {name!r} is allocated")
+            rows = s.execute(
+                select(ReplicaShardRow.node, ReplicaShardRow.node_epoch).where(
+                    ReplicaShardRow.replica == name
+                )
+            )
+            return {node: epoch for node, epoch in rows}
+
+    def drain(self, name: str, reason: str, by: str = "operator") -> tuple[Node, list[Replica]]:
+        """Cordon ``name`` and release every replica with a shard on it, in ONE transaction: the
+        node and its replicas are never seen half drained. The node, and the released replicas."""
+        cordon = self._cordon(name, reason, by)
+        with self._write(f"draining node {name}") as s:
+            row = self._locked_node(s, name)
+            row.cordon_reason, row.cordon_by = cordon.reason, cordon.by
+            held = select(ReplicaShardRow.replica).where(ReplicaShardRow.node == name)
+            # Shards and device rows go with each replica (ON DELETE CASCADE).
+            gone = delete(ReplicaRow).where(ReplicaRow.name.in_(held))
+            released = s.connection().execute(gone.returning(ReplicaRow.spec, ReplicaRow.state))
+            replicas = sorted((replica_of(r.spec, r.state) for r in released), key=lambda r: r.name)
+            return node_of(row), replicas

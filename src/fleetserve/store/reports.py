@@ -1,0 +1,150 @@
+"""What agents report, over SQL: heartbeats and epochs (fencing), each node's assignments, the
+replicas' reported states and typed statuses (``agentapi.ReplicaStatus``), each node's agent
+status (``agentapi.AgentStatus``), and the replicas' endpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import select, update
+
+from fleetserve.agentapi import AgentStatus, ReplicaStatus
+from fleetserve.errors import (
+    StaleEpoch,
+    UnknownNode,
+    UnknownReplica,
+)
+from fleetserve.routing import ReplicaEndpoint
+from fleetserve.spec.resources import (
+    NodeState,
+    Replica,
+    ReplicaState,
+)
+from fleetserve.store.base import SqlBase, replica_of
+from fleetserve.store.tables import (
+    NodeRow,
+    ReplicaRow,
+    ReplicaShardRow,
+    stamp,
+)
+
+
+@dataclass(frozen=True)
+class NodeHeartbeat:
+    """When a node's agent was last heard from, with the node's state and epoch."""
+
+    name: str
+    state: NodeState
+    epoch: int
+    last_heartbeat: datetime | None
+
+
+class SqlReports(SqlBase):
+    """Heartbeats, assignments and the agents' status reports, over SQL."""
+
+    def heartbeat(self, name: str, now: datetime, epoch: int | None = None) -> None:
+        """Record that the node's agent was heard from at ``now``; raises UnknownNode, and
+        StaleEpoch when ``epoch`` is given and is not the node's current registration."""
+        when = stamp(now)
+        with self._write(f"recording a heartbeat of node {name}") as s:
+            row = s.get(NodeRow, name)
+            if row is None:
+                raise UnknownNode(f"no node named {name!r} is registered")
+            self._check_epoch(row, epoch)
+            s.connection().execute(update(NodeRow).where(NodeRow.name == name).values(last_heartbeat=when))
+
+    @staticmethod
+    def _check_epoch(row: NodeRow, epoch: int | None) -> None:
+        if epoch is None:
+            return
+        if epoch != row.epoch:
+            raise StaleEpoch(
+                f"node {row.name} is at epoch {row.epoch}, not {epoch}: it registered again since; "
+                "register again and stop every replica not assigned"
+            )
+        if row.state != NodeState.READY.value:
+            # Judged NotReady or Lost while silent: only a registration brings it back, and tells
+            # the agent which of its replicas were moved away meanwhile.
+            raise StaleEpoch(f"node {row.name} was marked {row.state} while silent; register again")
+
+    def assignments(self, node: str) -> list[Replica]:
+        """The replicas with a shard on ``node``, by name: what its agent must run."""
+        with self._read(f"listing the assignments of node {node}") as s:
+            names = select(ReplicaShardRow.replica).where(ReplicaShardRow.node == node)
+            rows = s.scalars(select(ReplicaRow).where(ReplicaRow.name.in_(names)))
+            return sorted((replica_of(r.spec, r.state) for r in rows), key=lambda r: r.name)
+
+    def report(
+        self,
+        node: str,
+        epoch: int,
+        now: datetime,
+        replicas: Mapping[str, tuple[ReplicaState, ReplicaStatus]],
+        model_cache: Sequence[str] | None = None,
+        agent_status: AgentStatus | None = None,
+    ) -> list[str]:
+        """An agent's status report, in one transaction: the states of its replicas (only those
+        assigned to it), its model cache (placement prefers nodes holding a model) and anything
+        else it reports; also a heartbeat. Returns the reported names not assigned to the node —
+        the agent must stop those. Raises StaleEpoch for an old registration."""
+        when = stamp(now)
+        with self._write(f"recording a status report of node {node}") as s:
+            row = self._locked_node(s, node)
+            self._check_epoch(row, epoch)
+            row.last_heartbeat = when
+            if model_cache is not None:
+                row.spec = {**row.spec, "modelCache": sorted(set(model_cache))}
+            if agent_status is not None:
+                row.agent_status = agent_status.stored()
+            mine = set(s.scalars(select(ReplicaShardRow.replica).where(ReplicaShardRow.node == node)))
+            for name, (state, status) in replicas.items():
+                if name in mine:
+                    s.connection().execute(
+                        update(ReplicaRow)
+                        .where(ReplicaRow.name == name)
+                        .values(state=ReplicaState(state).value, status=status.stored())
+                    )
+            return sorted(set(replicas) - mine)
+
+    def replica_status(self, name: str) -> ReplicaStatus:
+        """What the agent last reported about a replica (message, restarts, stderr tail)."""
+        with self._read(f"reading replica {name}") as s:
+            row = s.get(ReplicaRow, name)
+            if row is None:
+                raise UnknownReplica(f"no replica named {name!r} is allocated")
+            return ReplicaStatus.model_validate(row.status or {})
+
+    def agent_statuses(self) -> dict[str, AgentStatus]:
+        """Every node's last agent report beyond replica states, in one read."""
+        with self._read("reading the agents' reports") as s:
+            rows = s.execute(select(NodeRow.name, NodeRow.agent_status))
+            return {name: AgentStatus.model_validate(status or {}) for name, status in rows}
+
+    def agent_status(self, node: str) -> AgentStatus:
+        """What the node's agent last reported beyond replica states (downloads, problems)."""
+        with self._read(f"reading node {node}") as s:
+            row = s.get(NodeRow, node)
+            if row is None:
+                raise UnknownNode(f"no node named {node!r} is registered")
+            return AgentStatus.model_validate(row.agent_status or {})
+
+    def node_heartbeats(self) -> list[NodeHeartbeat]:
+        """Every node's state, epoch and last heartbeat (None if never heard), by name."""
+        with self._read("listing heartbeats") as s:
+            rows = s.execute(select(NodeRow.name, NodeRow.state, NodeRow.epoch, NodeRow.last_heartbeat))
+            out = [NodeHeartbeat(name, NodeState(state), epoch, last) for name, state, epoch, last in rows]
+        return sorted(out, key=lambda h: h.name)
+
+    def replica_endpoints(self) -> list[ReplicaEndpoint]:
+        """Every replica with the address of its first shard's node and its reported status."""
+        with self._read("listing replica endpoints") as s:
+            addresses = {r.name: r.spec.get("address", "") for r in s.scalars(select(NodeRow))}
+            out = []
+            for row in s.scalars(select(ReplicaRow)):
+                replica = replica_of(row.spec, row.state)
+                address = addresses.get(replica.shards[0].node, "")
+                out.append(ReplicaEndpoint(replica, address, ReplicaStatus.model_validate(row.status or {})))
+        return sorted(out, key=lambda e: e.replica.name)
