@@ -17,7 +17,7 @@ from sqlalchemy import select, text
 
 from builders import cpu_8c_16g as node
 from builders import deployment as build_deployment
-from fleetserve.errors import NotFound, StoreError, UnknownNode, UnknownReplica
+from fleetserve.errors import ConfigError, NotFound, StoreError, UnknownNode, UnknownReplica
 from fleetserve.spec.resources import Deployment, Model, NodeState, Replica, ReplicaState
 from fleetserve.store import SqlStore, TokenKind, make_engine, migrate
 from fleetserve.store.schema import MIGRATIONS
@@ -145,6 +145,55 @@ def test_replica_state_and_placement_epochs(store: SqlStore) -> None:
     ):
         with pytest.raises(UnknownReplica):
             operation()
+
+
+def test_drain_cordons_and_releases_in_one_transaction(store: SqlStore) -> None:
+    for name in ("n1", "n2", "n3"):
+        store.register(node(name))
+    spread = {"deployment": "chat", "profile": "cpu", "state": "Running"}
+    store.allocate(
+        Replica.model_validate({**spread, "name": "chat-0", "shards": [{"node": "n1", "cpuCores": 2}]})
+    )
+    store.allocate(
+        Replica.model_validate(
+            {
+                **spread,
+                "name": "chat-1",
+                "shards": [{"node": "n2", "cpuCores": 2}, {"node": "n1", "cpuCores": 2}],
+            }
+        )
+    )
+    store.allocate(
+        Replica.model_validate({**spread, "name": "chat-2", "shards": [{"node": "n3", "cpuCores": 2}]})
+    )
+
+    drained, released = store.drain("n1", "kernel update")
+
+    assert drained.cordon is not None and drained.cordon.reason == "kernel update"
+    assert [r.name for r in released] == ["chat-0", "chat-1"]
+    assert store.get_node("n1").cordon == drained.cordon
+    assert [r.name for r in store.replicas()] == ["chat-2"]
+    assert store.snapshot().nodes[0].cordon == drained.cordon
+
+
+def test_a_drain_that_fails_changes_nothing(store: SqlStore) -> None:
+    store.register(node("n1"))
+    store.allocate(
+        Replica.model_validate(
+            {
+                "name": "chat-0",
+                "deployment": "chat",
+                "profile": "cpu",
+                "shards": [{"node": "n1", "cpuCores": 2}],
+            }
+        )
+    )
+    with pytest.raises(UnknownNode):
+        store.drain("ghost", "retire")
+    with pytest.raises(ConfigError):
+        store.drain("n1", "")  # a cordon needs a reason: refused before anything is written
+    assert store.get_node("n1").cordon is None
+    assert [r.name for r in store.replicas()] == ["chat-0"]
 
 
 # --- decisions ---------------------------------------------------------------------------------

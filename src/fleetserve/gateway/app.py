@@ -33,7 +33,7 @@ from fleetserve.gateway.picker import Endpoint, Load, pick, prefix_key_for
 from fleetserve.gateway.ratelimit import Limits, RateLimiter
 from fleetserve.metrics.exposition import FleetMetrics
 from fleetserve.store.credentials import ApiKey
-from fleetserve.store.sql import SqlStore
+from fleetserve.store.protocols import GatewayStore
 
 log = logging.getLogger("fleetserve.gateway")
 T = TypeVar("T")
@@ -89,7 +89,7 @@ class Gateway:
 
     def __init__(
         self,
-        store: SqlStore,
+        store: GatewayStore,
         refresh_seconds: float = 1.0,
         seed: int | None = None,
         metrics: FleetMetrics | None = None,

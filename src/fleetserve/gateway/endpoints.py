@@ -19,7 +19,7 @@ from fleetserve.errors import FleetserveError
 from fleetserve.gateway.picker import Endpoint
 from fleetserve.routing import routable
 from fleetserve.spec.resources import AdmissionPolicy, Deployment
-from fleetserve.store.sql import SqlStore
+from fleetserve.store.protocols import RouteSource
 
 log = logging.getLogger("fleetserve.gateway")
 
@@ -41,7 +41,7 @@ class Route:
 class EndpointTable:
     """The routes, refreshed every ``refresh_seconds`` from the store."""
 
-    store: SqlStore
+    store: RouteSource
     refresh_seconds: float = 1.0
     routes: dict[str, Route] = field(default_factory=dict)
     on_change: Callable[[str], None] | None = None

@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from fleetserve.errors import StoreError
 from fleetserve.server.problems import Unauthorized, error_body
 from fleetserve.store.credentials import TokenKind
+from fleetserve.store.protocols import Tokens
 from fleetserve.store.sql import SqlStore
 
 _bearer = HTTPBearer(auto_error=False, description="An admin token (admin API) or a join token (agent API).")
@@ -39,7 +40,7 @@ def kind_for(path: str) -> TokenKind | None:
     return None
 
 
-def check_bearer(store: SqlStore, authorization: str | None, kind: TokenKind) -> None:
+def check_bearer(store: Tokens, authorization: str | None, kind: TokenKind) -> None:
     """Raise Unauthorized unless ``authorization`` carries a valid, unrevoked token of ``kind``."""
     scheme, _, token = (authorization or "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
@@ -57,7 +58,7 @@ class TokenMiddleware:
     a client's disconnect from the route, which the gateway needs to cancel upstream requests.
     """
 
-    def __init__(self, app: ASGIApp, store: Callable[[], SqlStore]) -> None:
+    def __init__(self, app: ASGIApp, store: Callable[[], Tokens]) -> None:
         self.app = app
         self.store = store
 

@@ -21,7 +21,7 @@ from fleetserve.metrics.exposition import ENGINE_METRICS, GPU_METRICS, FleetMetr
 from fleetserve.metrics.promtext import ExpositionError
 from fleetserve.metrics.scraper import Scraper, Target
 from fleetserve.routing import routable
-from fleetserve.store.sql import SqlStore
+from fleetserve.store.protocols import AgentReports
 
 log = logging.getLogger("fleetserve.observer")
 
@@ -39,7 +39,7 @@ class ReplicaLoad:
 class Observer:
     """Follows the replicas' engine metrics."""
 
-    def __init__(self, store: SqlStore, metrics: FleetMetrics, interval: float = 1.0) -> None:
+    def __init__(self, store: AgentReports, metrics: FleetMetrics, interval: float = 1.0) -> None:
         self.store = store
         self.metrics = metrics
         self.interval = interval

@@ -33,6 +33,7 @@ from fleetserve.server.observer import Observer
 from fleetserve.server.reconciler import Reconciler, SignalSource
 from fleetserve.spec.resources import AutoscalePolicy, Deployment, Replica, ReplicaState
 from fleetserve.store.credentials import TokenKind
+from fleetserve.store.protocols import Tokens
 from fleetserve.store.sql import SqlStore
 
 # The exit status of a gateway whose app did not start (its lifespan failed), as ``uvicorn.run`` has it.
@@ -63,7 +64,7 @@ def heartbeat_policy(not_ready_after: float, lost_after: float) -> HeartbeatPoli
     return HeartbeatPolicy(timedelta(seconds=not_ready_after), timedelta(seconds=lost_after))
 
 
-def ensure_tokens(store: SqlStore, token_file: Path | None, console: Console) -> None:
+def ensure_tokens(store: Tokens, token_file: Path | None, console: Console) -> None:
     """On first start, create the admin and join tokens and show them once (stored hashed)."""
     existing: set[TokenKind] = {t.kind for t in store.list_tokens() if not t.revoked}
     created: dict[str, str] = {}

@@ -27,7 +27,7 @@ from fleetserve.modelfacts import ModelFacts
 from fleetserve.reconcile.core import reconcile
 from fleetserve.reconcile.health import HeartbeatPolicy, transitions
 from fleetserve.spec.resources import Deployment, Model, Replica
-from fleetserve.store.sql import SqlStore
+from fleetserve.store.protocols import ReconcilerStore
 
 log = logging.getLogger("fleetserve.reconciler")
 
@@ -59,7 +59,7 @@ class Reconciler:
 
     def __init__(
         self,
-        store: SqlStore,
+        store: ReconcilerStore,
         policy: HeartbeatPolicy | None = None,
         lease_ttl: timedelta = timedelta(seconds=15),
         clock: Callable[[], datetime] = utcnow,

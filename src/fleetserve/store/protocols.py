@@ -1,0 +1,103 @@
+"""The narrow views of the state store its consumers depend on, as ``inventory.Inventory`` is.
+
+Each consumer names the few methods it calls, so a test can hand it an in-memory fake instead of
+a database, and ``SqlStore`` is checked (below) to provide every view. They live together here,
+beside the store that implements them, because several consumers share views (the gateway and
+the observer both read routes); each is small enough to fake in a few lines.
+
+    RouteSource      the gateway's endpoint table     deployments + replica endpoints
+    ApiKeys          the gateway's key check          verify an API key
+    AgentReports     the observer                     routes + the agents' GPU samples
+    Tokens           auth, token bootstrap            verify, create, list tokens
+    Deployments      the reconciler                   models, deployments, status, decisions
+    Heartbeats       the reconciler                   when each node was last heard from
+    Lease            the reconciler                   one leader among servers
+    ReconcilerStore  the reconciler                   Inventory + the three above
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, Protocol
+
+from fleetserve.agentapi import AgentStatus
+from fleetserve.inventory.base import Inventory
+from fleetserve.routing import ReplicaEndpoint
+from fleetserve.spec.resources import Model
+from fleetserve.store.credentials import ApiKey, IssuedToken, TokenKind, TokenRecord
+from fleetserve.store.deployments import StoredDeployment
+from fleetserve.store.reports import NodeHeartbeat
+
+if TYPE_CHECKING:
+    from fleetserve.store.sql import SqlStore
+
+
+class RouteSource(Protocol):
+    """What the gateway's endpoint table reads: the deployments and where their replicas are."""
+
+    def list_deployments(self) -> list[StoredDeployment]: ...
+
+    def replica_endpoints(self) -> list[ReplicaEndpoint]: ...
+
+
+class ApiKeys(Protocol):
+    """What the gateway checks a request's API key against."""
+
+    def verify_api_key(self, plaintext: str) -> ApiKey | None: ...
+
+
+class GatewayStore(RouteSource, ApiKeys, Protocol):
+    """Everything a gateway reads: routes and API keys."""
+
+
+class AgentReports(RouteSource, Protocol):
+    """What the observer reads: the routes, and the GPU samples agents reported."""
+
+    def agent_statuses(self) -> dict[str, AgentStatus]: ...
+
+
+class Tokens(Protocol):
+    """Admin and join tokens: checked on every request, created on first start."""
+
+    def verify_token(self, plaintext: str, kind: TokenKind) -> bool: ...
+
+    def create_token(self, kind: TokenKind, now: datetime) -> IssuedToken: ...
+
+    def list_tokens(self) -> list[TokenRecord]: ...
+
+
+class Deployments(Protocol):
+    """The deployments and models the reconciler drives, their status and its decisions."""
+
+    def list_deployments(self) -> list[StoredDeployment]: ...
+
+    def list_models(self) -> list[Model]: ...
+
+    def set_deployment_status(self, name: str, status: Mapping[str, Any]) -> None: ...
+
+    def record_decision(self, deployment: str, explanation: Mapping[str, Any], now: datetime) -> int: ...
+
+
+class Heartbeats(Protocol):
+    """When each node's agent was last heard from."""
+
+    def node_heartbeats(self) -> list[NodeHeartbeat]: ...
+
+
+class Lease(Protocol):
+    """A lease one holder at a time has: the reconciler's leadership among servers."""
+
+    def try_acquire_leadership(self, name: str, holder: str, now: datetime, ttl: timedelta) -> bool: ...
+
+    def release_leadership(self, name: str, holder: str) -> bool: ...
+
+
+class ReconcilerStore(Inventory, Deployments, Heartbeats, Lease, Protocol):
+    """Everything the reconciler reads and writes."""
+
+
+if TYPE_CHECKING:
+
+    def _conforms(store: SqlStore) -> tuple[GatewayStore, AgentReports, Tokens, ReconcilerStore]:
+        return store, store, store, store  # mypy checks that SqlStore provides every view

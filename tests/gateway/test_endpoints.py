@@ -1,0 +1,88 @@
+"""The gateway's endpoint table over an in-memory RouteSource: no database, the routing rule alone."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from builders import deployment
+from fleetserve.agentapi import ReplicaStatus
+from fleetserve.gateway.endpoints import EndpointTable
+from fleetserve.routing import ReplicaEndpoint, routable
+from fleetserve.spec.resources import Deployment, Replica, ReplicaState, Shard
+from fleetserve.store.deployments import StoredDeployment
+from fleetserve.store.protocols import RouteSource
+
+VLLM_TP2 = {"name": "tp2", "engine": "vllm", "deviceClass": "h100", "devicesPerNode": 2}
+LLAMA_CPU = {"name": "cpu", "engine": "llama.cpp", "cpu": {"cores": 2}}
+
+
+@dataclass
+class Routes:
+    """A RouteSource held in memory."""
+
+    deployments: list[StoredDeployment] = field(default_factory=list)
+    endpoints: list[ReplicaEndpoint] = field(default_factory=list)
+
+    def list_deployments(self) -> list[StoredDeployment]:
+        return list(self.deployments)
+
+    def replica_endpoints(self) -> list[ReplicaEndpoint]:
+        return list(self.endpoints)
+
+
+def stored(*deps: Deployment) -> list[StoredDeployment]:
+    return [StoredDeployment(d, 1, {}) for d in deps]
+
+
+def endpoint(
+    name: str,
+    dep: str,
+    profile: str,
+    address: str,
+    port: int | None,
+    state: ReplicaState = ReplicaState.RUNNING,
+    devices: tuple[int, ...] = (),
+) -> ReplicaEndpoint:
+    shard = Shard(node="n1", devices=devices)
+    replica = Replica(name=name, deployment=dep, profile=profile, shards=(shard,), state=state)
+    return ReplicaEndpoint(replica, address, ReplicaStatus(port=port))
+
+
+def test_only_running_replicas_with_a_port_on_an_addressed_node_are_routed():
+    source: RouteSource = Routes(
+        stored(deployment("chat", 4, LLAMA_CPU)),
+        [
+            endpoint("chat-0", "chat", "cpu", "10.0.0.1", 8001),
+            endpoint("chat-1", "chat", "cpu", "10.0.0.2", None),  # no port reported yet
+            endpoint("chat-2", "chat", "cpu", "", 8003),  # node without an address
+            endpoint("chat-3", "chat", "cpu", "10.0.0.4", 8004, ReplicaState.STARTING),
+        ],
+    )
+    routes = EndpointTable(source).load()
+    assert [e.replica for e in routes["chat"].endpoints] == ["chat-0"]
+    assert routes["chat"].endpoints[0].url == "http://10.0.0.1:8001"
+
+
+def test_an_ipv6_address_is_bracketed_once_and_devices_weigh_the_endpoint():
+    source = Routes(
+        stored(deployment("big", 1, VLLM_TP2)),
+        [endpoint("big-0", "big", "tp2", "fd00::7", 8000, devices=(0, 1))],
+    )
+    (served,) = EndpointTable(source).load()["big"].endpoints
+    assert served.url == "http://[fd00::7]:8000"
+    assert served.weight == 2.0
+
+
+def test_a_deployment_without_replicas_has_a_route_with_no_endpoints_and_its_engines_concurrency():
+    routes = EndpointTable(Routes(stored(deployment("idle", {"min": 0, "max": 2}, LLAMA_CPU)))).load()
+    assert routes["idle"].endpoints == ()
+    assert routes["idle"].scales_from_zero is True
+    assert routes["idle"].concurrency_per_replica == 4
+
+
+def test_the_observer_and_the_gateway_read_the_same_rule():
+    endpoints = [
+        endpoint("a-0", "a", "cpu", "::1", 9000),
+        endpoint("a-1", "a", "cpu", "127.0.0.1", None),
+    ]
+    assert [(r.replica.name, r.url) for r in routable(endpoints)] == [("a-0", "http://[::1]:9000")]

@@ -1,0 +1,115 @@
+"""The reconciler over in-memory fakes of its narrow store views: no database at all.
+
+The SQL store's own behaviour is covered in tests/server/test_reconciler.py; here the point is
+that ``Reconciler`` needs nothing but ``ReconcilerStore``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from builders import deployment, gpu_host_32c_256g
+from fleetserve.inventory.memory import InMemoryInventory
+from fleetserve.reconcile.health import HeartbeatPolicy
+from fleetserve.server.reconciler import Reconciler
+from fleetserve.spec.resources import DeviceClass, Model, NodeState
+from fleetserve.store.deployments import StoredDeployment
+from fleetserve.store.protocols import ReconcilerStore
+from fleetserve.store.reports import NodeHeartbeat
+
+T0 = datetime(2025, 6, 1, 12, 0, tzinfo=UTC)
+H100 = DeviceClass(name="h100", driver="gpu.nvidia.com", memory="80GiB")
+MODEL = Model.model_validate(
+    {
+        "name": "m",
+        "source": "hf://org/m",
+        "format": "safetensors",
+        "size": "8GB",
+        "architecture": {"layers": 8, "kvHeads": 4, "headDim": 64, "contextLength": 4096},
+    }
+)
+
+
+class FakeStore(InMemoryInventory):
+    """The reconciler's store in memory: the reference inventory plus deployments, beats, a lease."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.deployments: dict[str, StoredDeployment] = {}
+        self.models: list[Model] = []
+        self.statuses: dict[str, Mapping[str, Any]] = {}
+        self.decisions: list[tuple[str, Mapping[str, Any]]] = []
+        self.heard: dict[str, datetime] = {}
+        self.lease_holder: str | None = None
+
+    def list_deployments(self) -> list[StoredDeployment]:
+        return [self.deployments[n] for n in sorted(self.deployments)]
+
+    def list_models(self) -> list[Model]:
+        return list(self.models)
+
+    def set_deployment_status(self, name: str, status: Mapping[str, Any]) -> None:
+        self.statuses[name] = dict(status)
+
+    def record_decision(self, deployment: str, explanation: Mapping[str, Any], now: datetime) -> int:
+        self.decisions.append((deployment, explanation))
+        return len(self.decisions)
+
+    def node_heartbeats(self) -> list[NodeHeartbeat]:
+        return [
+            NodeHeartbeat(n.name, n.state, self.epoch(n.name), self.heard.get(n.name)) for n in self.nodes()
+        ]
+
+    def try_acquire_leadership(self, name: str, holder: str, now: datetime, ttl: timedelta) -> bool:
+        if self.lease_holder in (None, holder):
+            self.lease_holder = holder
+            return True
+        return False
+
+    def release_leadership(self, name: str, holder: str) -> bool:
+        held = self.lease_holder == holder
+        self.lease_holder = None if held else self.lease_holder
+        return held
+
+
+def fleet() -> FakeStore:
+    store = FakeStore()
+    store.put_class(H100)
+    store.register(gpu_host_32c_256g("g1", "h100", count=2))
+    store.heard["g1"] = T0
+    store.models.append(MODEL)
+    dep = deployment("chat", 2, {"name": "p", "engine": "vllm", "deviceClass": "h100"}, model="m")
+    store.deployments["chat"] = StoredDeployment(dep, 1, {})
+    return store
+
+
+def test_the_leader_places_every_replica_through_the_narrow_views():
+    store = fleet()
+    view: ReconcilerStore = store
+    result = Reconciler(view, clock=lambda: T0, holder="me").run_once()
+    assert result.leader
+    assert sorted(result.allocated) == ["chat-0", "chat-1"]
+    assert sorted(r.name for r in store.replicas()) == ["chat-0", "chat-1"]
+    assert {s.devices for r in store.replicas() for s in r.shards} == {(0,), (1,)}
+    assert "chat" in store.statuses
+
+
+def test_a_follower_only_bids_for_the_lease():
+    store = fleet()
+    store.lease_holder = "someone-else"
+    result = Reconciler(store, clock=lambda: T0, holder="me").run_once()
+    assert not result.leader
+    assert store.replicas() == []
+
+
+def test_a_silent_node_goes_not_ready_and_nothing_is_placed_on_it():
+    store = fleet()
+    policy = HeartbeatPolicy(not_ready_after=timedelta(seconds=40), lost_after=timedelta(seconds=300))
+    result = Reconciler(
+        store, policy=policy, clock=lambda: T0 + timedelta(seconds=60), holder="me"
+    ).run_once()
+    assert result.transitions == [("g1", "Ready", "NotReady")]
+    assert store.get_node("g1").state is NodeState.NOT_READY
+    assert result.allocated == []
