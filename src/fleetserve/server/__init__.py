@@ -1,1 +1,2 @@
-"""The control plane: REST admin API, state store, reconciler loop."""
+"""The control plane: the REST admin API and the agents' API, the reconciler loop, the observer,
+and how a process (``fleetserve server`` or ``fleetserve gateway``) is assembled (``process``)."""

@@ -1,5 +1,5 @@
 """The agents' API (join token): register, heartbeat, assignments by long-poll, status reports,
-device classes for discovery, and model files.
+device classes for discovery, and model files. Every body is a model of ``fleetserve.agentapi``.
 
 Fencing: every registration bumps the node's epoch. Heartbeats and reports name the epoch they
 speak for; an older one gets 409 and the agent must register again — and stop every replica it
