@@ -1,4 +1,4 @@
-"""Shared test builders: nodes named after their hardware shape, and one deployment builder.
+"""Shared test builders: nodes named after their hardware shape, one deployment and one model builder.
 
 Every suite builds its fleet from these (``from builders import nvidia_h100_80gb_x8``; tests/ is on
 ``sys.path`` through tests/conftest.py), so a node shape is written once. A shape fixes what a
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from fleetserve.spec.resources import Deployment, Node
+from fleetserve.spec.resources import Deployment, Model, Node
 
 GiB = 1 << 30
 
@@ -150,4 +150,20 @@ def deployment(
     profs = list(profiles) or [{"name": "p", "engine": "vllm", "deviceClass": "h100"}]
     return Deployment.model_validate(
         {"name": name, "model": model, "replicas": replicas, "profiles": profs} | fields
+    )
+
+
+# --- models ------------------------------------------------------------------------------------
+
+
+def safetensors_8gb(name: str = "m") -> Model:
+    """An 8 GB safetensors model on the Hub with a small KV shape (8 layers, 4 KV heads of 64)."""
+    return Model.model_validate(
+        {
+            "name": name,
+            "source": f"hf://org/{name}",
+            "format": "safetensors",
+            "size": "8GB",
+            "architecture": {"layers": 8, "kvHeads": 4, "headDim": 64, "contextLength": 4096},
+        }
     )

@@ -14,14 +14,14 @@ from typing import Any
 import pytest
 
 from builders import deployment as build_deployment
-from builders import gpu_host_32c_256g
+from builders import gpu_host_32c_256g, safetensors_8gb
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.reconcile.core import reconcile
 from fleetserve.reconcile.health import HeartbeatPolicy
 from fleetserve.server.apply import apply_batch
 from fleetserve.server.reconciler import LEASE, CycleResult, Reconciler
 from fleetserve.snapshot import ClusterSnapshot
-from fleetserve.spec.resources import Deployment, DeviceClass, Model, Node, NodeState, Replica
+from fleetserve.spec.resources import Deployment, DeviceClass, Node, NodeState, Replica
 from fleetserve.store import SqlStore
 
 T0 = datetime(2025, 6, 1, 12, 0, tzinfo=UTC)
@@ -30,15 +30,7 @@ TTL = timedelta(seconds=15)
 
 H100 = DeviceClass(name="h100", driver="gpu.nvidia.com", memory="80GiB")
 MI300 = DeviceClass(name="mi300x", driver="gpu.amd.com", memory="192GiB")
-MODEL = Model.model_validate(
-    {
-        "name": "m",
-        "source": "hf://org/m",
-        "format": "safetensors",
-        "size": "8GB",
-        "architecture": {"layers": 8, "kvHeads": 4, "headDim": 64, "contextLength": 4096},
-    }
-)
+MODEL = safetensors_8gb()
 
 
 class FakeClock:

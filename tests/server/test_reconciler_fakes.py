@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from builders import deployment, gpu_host_32c_256g
+from builders import deployment, gpu_host_32c_256g, safetensors_8gb
 from fleetserve.inventory.memory import InMemoryInventory
 from fleetserve.reconcile.health import HeartbeatPolicy
 from fleetserve.server.reconciler import Reconciler
@@ -21,15 +21,7 @@ from fleetserve.store.reports import NodeHeartbeat
 
 T0 = datetime(2025, 6, 1, 12, 0, tzinfo=UTC)
 H100 = DeviceClass(name="h100", driver="gpu.nvidia.com", memory="80GiB")
-MODEL = Model.model_validate(
-    {
-        "name": "m",
-        "source": "hf://org/m",
-        "format": "safetensors",
-        "size": "8GB",
-        "architecture": {"layers": 8, "kvHeads": 4, "headDim": 64, "contextLength": 4096},
-    }
-)
+MODEL = safetensors_8gb()
 
 
 class FakeStore(InMemoryInventory):
