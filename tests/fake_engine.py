@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from builders import deployment, node
-from fleetserve.agentapi import ReplicaStatus
+from fleetserve.protocol import ReplicaStatus
 from fleetserve.spec.resources import Model, Replica, ReplicaState, Shard
 from fleetserve.store.sql import SqlStore
 

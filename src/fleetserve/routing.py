@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from fleetserve.agentapi import ReplicaStatus
 from fleetserve.engines.launch import url_host
+from fleetserve.protocol import ReplicaStatus
 from fleetserve.spec.resources import Replica, ReplicaState
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from builders import deployment
-from fleetserve.agentapi import ReplicaStatus
 from fleetserve.gateway.endpoints import EndpointTable
+from fleetserve.protocol import ReplicaStatus
 from fleetserve.routing import ReplicaEndpoint, routable
 from fleetserve.spec.resources import Deployment, Replica, ReplicaState, Shard
 from fleetserve.store.deployments import StoredDeployment

@@ -1,4 +1,4 @@
-"""The agent's side of the agents' API (its bodies: ``fleetserve.agentapi``): register, heartbeat,
+"""The agent's side of the agents' API (its bodies: ``fleetserve.protocol``): register, heartbeat,
 assignments, status, classes."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from typing import Any
 
 import httpx
 
-from fleetserve.agentapi import AssignmentSet, HeartbeatRequest, Registered, StatusReply, StatusReport
 from fleetserve.errors import FleetserveError, StaleEpoch
+from fleetserve.protocol import AssignmentSet, HeartbeatRequest, Registered, StatusReply, StatusReport
 from fleetserve.spec.resources import DeviceClass, Node
 
 API = "/api/v1/agent"

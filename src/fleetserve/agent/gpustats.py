@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from fleetserve.agent.discovery.amd import AmdSysfsDiscoverer
-from fleetserve.agentapi import GpuSample
 from fleetserve.metrics.gpu import GpuContext, NvmlReading, from_amd_sysfs, from_nvml
+from fleetserve.protocol import GpuSample
 from fleetserve.spec.resources import Node
 
 GpuReader = Callable[[Node], list[GpuSample]]

@@ -22,13 +22,13 @@ from pathlib import Path
 from fleetserve.agent.cache import ModelCache
 from fleetserve.agent.client import AgentApiError, AgentClient
 from fleetserve.agent.supervisor import Supervisor
-from fleetserve.agentapi import Assignment, AssignmentSet, Download, GpuSample, ReplicaReport, StatusReport
 from fleetserve.drivers import RuntimeVariant
 from fleetserve.engines.binaries import resolve
 from fleetserve.engines.launch import LaunchContext
 from fleetserve.engines.registry import ENGINES
 from fleetserve.engines.spec import EngineKind
 from fleetserve.errors import FleetserveError, InternalError, StaleEpoch
+from fleetserve.protocol import Assignment, AssignmentSet, Download, GpuSample, ReplicaReport, StatusReport
 from fleetserve.spec.resources import DeviceClass, Node, Replica, ReplicaState
 
 log = logging.getLogger("fleetserve.agent")

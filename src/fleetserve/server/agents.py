@@ -1,5 +1,5 @@
 """The agents' API (join token): register, heartbeat, assignments by long-poll, status reports,
-device classes for discovery, and model files. Every body is a model of ``fleetserve.agentapi``.
+device classes for discovery, and model files. Every body is a model of ``fleetserve.protocol``.
 
 Fencing: every registration bumps the node's epoch. Heartbeats and reports name the epoch they
 speak for; an older one gets 409 and the agent must register again — and stop every replica it
@@ -21,7 +21,8 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from fleetserve.agentapi import (
+from fleetserve.errors import InternalError, NotFound, UnknownNode
+from fleetserve.protocol import (
     AgentStatus,
     Assignment,
     AssignmentSet,
@@ -31,7 +32,6 @@ from fleetserve.agentapi import (
     StatusReply,
     StatusReport,
 )
-from fleetserve.errors import InternalError, NotFound, UnknownNode
 from fleetserve.server.auth import agent
 from fleetserve.server.modelfiles import ModelFiles
 from fleetserve.server.params import NameParam

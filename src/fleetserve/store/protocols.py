@@ -21,8 +21,8 @@ from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
-from fleetserve.agentapi import AgentStatus
 from fleetserve.inventory.base import Inventory
+from fleetserve.protocol import AgentStatus
 from fleetserve.routing import ReplicaEndpoint
 from fleetserve.spec.resources import Model
 from fleetserve.store.credentials import ApiKey, IssuedToken, TokenKind, TokenRecord

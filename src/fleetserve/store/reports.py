@@ -1,6 +1,6 @@
 """What agents report, over SQL: heartbeats and epochs (fencing), each node's assignments, the
-replicas' reported states and typed statuses (``agentapi.ReplicaStatus``), each node's agent
-status (``agentapi.AgentStatus``), and the replicas' endpoints.
+replicas' reported states and typed statuses (``protocol.ReplicaStatus``), each node's agent
+status (``protocol.AgentStatus``), and the replicas' endpoints.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from datetime import datetime
 
 from sqlalchemy import select, update
 
-from fleetserve.agentapi import AgentStatus, ReplicaStatus
 from fleetserve.errors import (
     StaleEpoch,
     UnknownNode,
     UnknownReplica,
 )
+from fleetserve.protocol import AgentStatus, ReplicaStatus
 from fleetserve.routing import ReplicaEndpoint
 from fleetserve.spec.resources import (
     NodeState,
