@@ -1,7 +1,9 @@
 """One rule, one place: which replicas can be sent requests (and scraped), and at which URL.
 
-A replica is routable when it is Running, its agent reported the port its engine listens on, and
-its first shard's node has an address; its URL is ``http://ADDRESS:PORT`` with an IPv6 address in
+A replica is routable when it is Running (its agent saw its engine pass its health check), its
+agent reported the port its engine listens on, every node it has a shard on is Ready (a node that
+stopped heartbeating is out of the routes as soon as it is judged NotReady, not when it is Lost),
+and its first shard's node has an address; its URL is ``http://ADDRESS:PORT`` with an IPv6 address in
 brackets (``url_host``). The gateway's endpoint table and the observer's scrape targets both ask
 ``routable``.
 """
@@ -13,16 +15,18 @@ from dataclasses import dataclass
 
 from fleetserve.engines.launch import url_host
 from fleetserve.protocol import ReplicaStatus
-from fleetserve.spec.resources import Replica, ReplicaState
+from fleetserve.spec.resources import NodeState, Replica, ReplicaState
 
 
 @dataclass(frozen=True)
 class ReplicaEndpoint:
-    """A replica as the store holds it: the address of its first shard's node, its last status."""
+    """A replica as the store holds it: the address of its first shard's node, its last status,
+    and the state of its least healthy node (NotReady if any of its nodes is, Lost if any is)."""
 
     replica: Replica
     address: str
     status: ReplicaStatus
+    node_state: NodeState = NodeState.READY
 
 
 @dataclass(frozen=True)
@@ -34,11 +38,14 @@ class Routable:
 
 
 def routable(endpoints: Iterable[ReplicaEndpoint]) -> list[Routable]:
-    """The endpoints of Running replicas with a reported port on a node with an address."""
+    """The endpoints of Running replicas with a reported port, on Ready nodes, the first with an
+    address."""
     out = []
     for e in endpoints:
         port = e.status.port
-        if e.replica.state is not ReplicaState.RUNNING or not port or not e.address:
+        if e.replica.state is not ReplicaState.RUNNING or e.node_state is not NodeState.READY:
+            continue
+        if not port or not e.address:
             continue
         out.append(Routable(e.replica, f"http://{url_host(e.address)}:{port}"))
     return out

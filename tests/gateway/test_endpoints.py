@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
+import httpx
+import pytest
+
 from builders import deployment
-from fleetserve.gateway.endpoints import EndpointTable
+from fleetserve.gateway.endpoints import EJECT_MAX_SECONDS, EJECT_SECONDS, Ejections, EndpointTable
 from fleetserve.protocol import ReplicaStatus
 from fleetserve.routing import ReplicaEndpoint, routable
-from fleetserve.spec.resources import Deployment, Replica, ReplicaState, Shard
+from fleetserve.spec.resources import Deployment, NodeState, Replica, ReplicaState, Shard
 from fleetserve.store.deployments import StoredDeployment
 from fleetserve.store.protocols import RouteSource
 
@@ -42,10 +46,11 @@ def endpoint(
     port: int | None,
     state: ReplicaState = ReplicaState.RUNNING,
     devices: tuple[int, ...] = (),
+    node_state: NodeState = NodeState.READY,
 ) -> ReplicaEndpoint:
     shard = Shard(node="n1", devices=devices)
     replica = Replica(name=name, deployment=dep, profile=profile, shards=(shard,), state=state)
-    return ReplicaEndpoint(replica, address, ReplicaStatus(port=port))
+    return ReplicaEndpoint(replica, address, ReplicaStatus(port=port), node_state)
 
 
 def test_only_running_replicas_with_a_port_on_an_addressed_node_are_routed():
@@ -86,3 +91,95 @@ def test_the_observer_and_the_gateway_read_the_same_rule():
         endpoint("a-1", "a", "cpu", "127.0.0.1", None),
     ]
     assert [(r.replica.name, r.url) for r in routable(endpoints)] == [("a-0", "http://[::1]:9000")]
+
+
+def test_replicas_on_nodes_not_ready_or_lost_and_engines_failing_health_are_not_routed():
+    # The agent reports an engine whose health check fails as Starting ("health check failing").
+    source = Routes(
+        stored(deployment("chat", 4, LLAMA_CPU)),
+        [
+            endpoint("chat-0", "chat", "cpu", "10.0.0.1", 8001),
+            endpoint("chat-1", "chat", "cpu", "10.0.0.2", 8002, node_state=NodeState.NOT_READY),
+            endpoint("chat-2", "chat", "cpu", "10.0.0.3", 8003, node_state=NodeState.LOST),
+            endpoint("chat-3", "chat", "cpu", "10.0.0.4", 8004, ReplicaState.STARTING),
+        ],
+    )
+    assert [e.replica for e in EndpointTable(source).load()["chat"].endpoints] == ["chat-0"]
+
+
+def test_a_node_judged_not_ready_leaves_the_routes_at_the_next_refresh():
+    source = Routes(
+        stored(deployment("chat", 2, LLAMA_CPU)),
+        [
+            endpoint("chat-0", "chat", "cpu", "10.0.0.1", 8001),
+            endpoint("chat-1", "chat", "cpu", "10.0.0.2", 8002),
+        ],
+    )
+    changed: list[str] = []
+    table = EndpointTable(source, on_change=changed.append)
+    asyncio.run(table.refresh())
+    assert len(table.routes["chat"].endpoints) == 2
+    source.endpoints[1] = endpoint("chat-1", "chat", "cpu", "10.0.0.2", 8002, node_state=NodeState.NOT_READY)
+    asyncio.run(table.refresh())
+    assert [e.replica for e in table.routes["chat"].endpoints] == ["chat-0"]
+    assert changed == ["chat", "chat"]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_an_ejected_endpoint_is_out_for_a_backoff_that_doubles_in_a_row_and_starts_over_after_quiet():
+    clock = Clock()
+    ejections = Ejections(clock=clock)
+    assert ejections.eject("a") == EJECT_SECONDS
+    assert ejections.ejected(["a", "b"]) == {"a"}
+    clock.now += EJECT_SECONDS + 0.01
+    assert ejections.ejected(["a", "b"]) == frozenset()
+    assert ejections.eject("a") == 2 * EJECT_SECONDS  # failed again as soon as it was back
+    assert ejections.eject("a") == 4 * EJECT_SECONDS
+    for _ in range(10):
+        ejections.eject("a")
+    assert ejections.until["a"] - clock.now == pytest.approx(EJECT_MAX_SECONDS)
+    clock.now += 3 * EJECT_MAX_SECONDS  # a quiet spell: the next failure starts over
+    assert ejections.eject("a") == EJECT_SECONDS
+
+
+def test_when_every_endpoint_is_ejected_none_is():
+    ejections = Ejections(clock=Clock())
+    ejections.eject("a")
+    ejections.eject("b")
+    assert ejections.ejected(["a", "b"]) == frozenset()
+    assert ejections.ejected(["a", "b", "c"]) == {"a", "b"}
+
+
+@pytest.mark.parametrize(
+    ("error", "ejected"),
+    [
+        pytest.param(httpx.ConnectError("refused"), True, id="connection-refused-ejects"),
+        pytest.param(httpx.ConnectTimeout("no answer"), True, id="connect-timeout-ejects"),
+        pytest.param(httpx.ReadTimeout("slow"), False, id="a-slow-answer-does-not"),
+        pytest.param(httpx.RemoteProtocolError("cut"), False, id="a-cut-answer-does-not"),
+    ],
+)
+def test_a_connect_failure_ejects_the_endpoint_for_this_gateway_at_once(error, ejected):
+    source = Routes(
+        stored(deployment("chat", 2, LLAMA_CPU)),
+        [
+            endpoint("chat-0", "chat", "cpu", "10.0.0.1", 8001),
+            endpoint("chat-1", "chat", "cpu", "10.0.0.2", 8002),
+        ],
+    )
+    table = EndpointTable(source)
+    asyncio.run(table.refresh())
+    table.failed("chat-0", error)
+    assert table.ejected("chat") == ({"chat-0"} if ejected else frozenset())
+    assert table.ejected("no-such-model") == frozenset()
+    # A replica that leaves the routes is forgotten (names are never reused).
+    del source.endpoints[0]
+    asyncio.run(table.refresh())
+    assert "chat-0" not in table.ejections.until

@@ -147,6 +147,28 @@ def test_replica_state_and_placement_epochs(store: SqlStore) -> None:
             operation()
 
 
+def test_replica_endpoints_carry_the_state_of_the_least_healthy_node(store: SqlStore) -> None:
+    for name in ("n1", "n2", "n3"):
+        store.register(node(name))
+    for name, nodes in (("one-0", ["n1"]), ("two-0", ["n1", "n2"]), ("far-0", ["n3"])):
+        shards = [{"node": n, "cpuCores": 1} for n in nodes]
+        store.allocate(
+            Replica.model_validate(
+                {
+                    "name": name,
+                    "deployment": name[:-2],
+                    "profile": "cpu",
+                    "state": "Running",
+                    "shards": shards,
+                }
+            )
+        )
+    store.set_state("n2", NodeState.NOT_READY)
+    store.set_state("n3", NodeState.LOST)
+    states = {e.replica.name: e.node_state for e in store.replica_endpoints()}
+    assert states == {"one-0": NodeState.READY, "two-0": NodeState.NOT_READY, "far-0": NodeState.LOST}
+
+
 def test_drain_cordons_and_releases_in_one_transaction(store: SqlStore) -> None:
     for name in ("n1", "n2", "n3"):
         store.register(node(name))

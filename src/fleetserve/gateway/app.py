@@ -163,6 +163,7 @@ class Gateway:
         if route is None:
             return None
         loads = {e.replica: self._load(e.replica) for e in route.endpoints}
+        exclude = exclude | self.table.ejected(model)  # outlier ejection: connect failures, backoff
         return pick(route.endpoints, loads, self.rng, exclude=exclude, prefix_key=prefix)
 
     # --- the request -----------------------------------------------------------------------------
@@ -328,6 +329,7 @@ class Gateway:
                 raise
             except httpx.TransportError as exc:
                 self.in_flight[endpoint.replica] -= 1
+                self.table.failed(endpoint.replica, exc)  # a connect failure ejects it at once
                 last_error = f"replica {endpoint.replica}: {exc.__class__.__name__}"
                 continue
             if response.status_code >= 500:

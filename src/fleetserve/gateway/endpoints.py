@@ -1,7 +1,13 @@
 """Which replicas can serve each deployment, refreshed from the state store.
 
 Every gateway process reads the same store, so a replica that starts, stops or moves reaches all
-of them within one refresh, without a restart.
+of them within one refresh, without a restart; so does a node judged NotReady, and an engine whose
+health check failed (``routing.routable`` leaves both out).
+
+Between refreshes, each gateway ejects on its own (outlier ejection, as Envoy does) an endpoint
+it could not connect to: out of its picks at once, for a backoff that doubles with each ejection
+in a row (``Ejections``), so a host that dropped off the network costs one connect failure per
+gateway, not one per request until the control plane notices.
 """
 
 from __future__ import annotations
@@ -9,9 +15,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+import httpx
 from starlette.concurrency import run_in_threadpool
 
 from fleetserve.engines.registry import ENGINES
@@ -37,6 +45,57 @@ class Route:
     created: int = 0
 
 
+EJECT_SECONDS = 5.0
+"""How long an endpoint that refused a connection stays out of a gateway's picks the first time."""
+
+EJECT_MAX_SECONDS = 60.0
+"""The longest ejection: each ejection in a row doubles the backoff up to this."""
+
+# Failures that mean nothing reached the engine: its host is unreachable or nothing listens.
+CONNECT_FAILURES = (httpx.ConnectError, httpx.ConnectTimeout)
+
+
+@dataclass
+class Ejections:
+    """Endpoints one gateway could not connect to, each kept out of its picks until a deadline.
+
+    The backoff doubles with every ejection that follows the previous one within
+    ``EJECT_MAX_SECONDS`` of its end (``strikes``), and starts over after a quiet spell. When every
+    endpoint of a route is ejected none is: trying one beats refusing the request outright.
+    """
+
+    base_seconds: float = EJECT_SECONDS
+    max_seconds: float = EJECT_MAX_SECONDS
+    clock: Callable[[], float] = time.monotonic
+    until: dict[str, float] = field(default_factory=dict)
+    strikes: dict[str, int] = field(default_factory=dict)
+
+    def eject(self, replica: str) -> float:
+        """Keep ``replica`` out of the picks from now on for its backoff; that backoff, in seconds."""
+        now = self.clock()
+        previous = self.until.get(replica)
+        quiet = previous is None or now - previous > self.max_seconds
+        strikes = 1 if quiet else self.strikes.get(replica, 0) + 1
+        backoff = min(self.max_seconds, self.base_seconds * 2.0 ** (strikes - 1))
+        self.strikes[replica] = strikes
+        self.until[replica] = now + backoff
+        return backoff
+
+    def ejected(self, replicas: Iterable[str]) -> frozenset[str]:
+        """Those of ``replicas`` ejected now; none when that would be every one of them."""
+        now = self.clock()
+        names = list(replicas)
+        out = frozenset(name for name in names if self.until.get(name, -1.0) > now)
+        return frozenset() if len(out) == len(names) else out
+
+    def keep_only(self, replicas: Iterable[str]) -> None:
+        """Forget replicas that are no longer routed (their names are never reused)."""
+        live = set(replicas)
+        for name in [n for n in self.until if n not in live]:
+            self.until.pop(name, None)
+            self.strikes.pop(name, None)
+
+
 @dataclass
 class EndpointTable:
     """The routes, refreshed every ``refresh_seconds`` from the store."""
@@ -45,6 +104,7 @@ class EndpointTable:
     refresh_seconds: float = 1.0
     routes: dict[str, Route] = field(default_factory=dict)
     on_change: Callable[[str], None] | None = None
+    ejections: Ejections = field(default_factory=Ejections)
     _task: asyncio.Task[None] | None = None
 
     def load(self) -> dict[str, Route]:
@@ -84,9 +144,21 @@ class EndpointTable:
             n for n in set(fresh) | set(self.routes) if endpoints(fresh, n) != endpoints(self.routes, n)
         ]
         self.routes = fresh
+        self.ejections.keep_only(e.replica for route in fresh.values() for e in route.endpoints)
         if self.on_change is not None:
             for name in changed:
                 self.on_change(name)
+
+    def ejected(self, model: str) -> frozenset[str]:
+        """The replicas of ``model``'s route this gateway keeps out of its picks right now."""
+        route = self.routes.get(model)
+        return self.ejections.ejected(e.replica for e in route.endpoints) if route else frozenset()
+
+    def failed(self, replica: str, error: BaseException) -> None:
+        """A request to ``replica`` failed with ``error``: a connect failure ejects it at once."""
+        if isinstance(error, CONNECT_FAILURES):
+            backoff = self.ejections.eject(replica)
+            log.warning("ejected %s for %.0f s: cannot connect (%s)", replica, backoff, type(error).__name__)
 
     async def _loop(self) -> None:
         while True:

@@ -34,7 +34,13 @@ def classify(last_heartbeat: datetime, now: datetime, policy: HeartbeatPolicy) -
     return NodeState.READY
 
 
-_RANK = {NodeState.READY: 0, NodeState.NOT_READY: 1, NodeState.LOST: 2}
+SEVERITY = {NodeState.READY: 0, NodeState.NOT_READY: 1, NodeState.LOST: 2}
+"""How far from serving each node state is: a state only moves up by silence."""
+
+
+def least_healthy(states: Iterable[NodeState]) -> NodeState:
+    """The worst of ``states`` (Lost over NotReady over Ready); Ready when there are none."""
+    return max(states, key=SEVERITY.__getitem__, default=NodeState.READY)
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,6 @@ def transitions(
             continue
         new = classify(last, now, policy)
         # Silence only ever worsens a state: Ready → NotReady/Lost, NotReady → Lost.
-        if _RANK[new] > _RANK[state]:
+        if SEVERITY[new] > SEVERITY[state]:
             out.append(Transition(name, state, new))
     return out

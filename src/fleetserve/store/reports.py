@@ -17,6 +17,7 @@ from fleetserve.errors import (
     UnknownReplica,
 )
 from fleetserve.protocol import AgentStatus, ReplicaStatus
+from fleetserve.reconcile.health import least_healthy
 from fleetserve.routing import ReplicaEndpoint
 from fleetserve.spec.resources import (
     NodeState,
@@ -139,12 +140,23 @@ class SqlReports(SqlBase):
         return sorted(out, key=lambda h: h.name)
 
     def replica_endpoints(self) -> list[ReplicaEndpoint]:
-        """Every replica with the address of its first shard's node and its reported status."""
+        """Every replica with the address of its first shard's node, its reported status and the
+        state of its least healthy node (a node no longer stored counts as Lost)."""
         with self._read("listing replica endpoints") as s:
-            addresses = {r.name: r.spec.get("address", "") for r in s.scalars(select(NodeRow))}
+            nodes = {
+                r.name: (r.spec.get("address", ""), NodeState(r.state)) for r in s.scalars(select(NodeRow))
+            }
             out = []
             for row in s.scalars(select(ReplicaRow)):
                 replica = replica_of(row.spec, row.state)
-                address = addresses.get(replica.shards[0].node, "")
-                out.append(ReplicaEndpoint(replica, address, ReplicaStatus.model_validate(row.status or {})))
+                address = nodes.get(replica.shards[0].node, ("", NodeState.LOST))[0]
+                states = [nodes.get(shard.node, ("", NodeState.LOST))[1] for shard in replica.shards]
+                out.append(
+                    ReplicaEndpoint(
+                        replica,
+                        address,
+                        ReplicaStatus.model_validate(row.status or {}),
+                        least_healthy(states),
+                    )
+                )
         return sorted(out, key=lambda e: e.replica.name)
