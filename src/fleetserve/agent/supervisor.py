@@ -1,8 +1,11 @@
-"""The engine supervisor: starts each replica's processes in their own process group, follows
-health (503 while loading, 200 when ready), restarts a crashed engine with exponential backoff,
-marks a crash loop with the last lines of its stderr, stops gracefully (SIGTERM, then SIGKILL
-after a grace period), and leaves no orphan: every engine gets PR_SET_PDEATHSIG, so it dies with
-the agent even when the agent is killed with SIGKILL.
+"""The engine supervisor: starts each replica's processes in their own process group (and, given a
+state directory, in one cgroup per replica: ``containment.py``), follows health (503 while
+loading, 200 when ready), restarts a crashed engine with exponential backoff, marks a crash loop
+with the last lines of its stderr, stops gracefully (SIGTERM, then SIGKILL after a grace period,
+then whatever is left in the cgroup), and leaves no orphan: every engine gets PR_SET_PDEATHSIG, so
+it dies with the agent even when the agent is killed with SIGKILL, and what the engine started
+(which has no parent-death signal) is stopped by the next agent from its record before that agent
+starts anything.
 
 All processes are started from the supervisor's own long-lived thread: the parent-death signal
 fires when the *thread* that forked the child ends, so forking from a short-lived thread would
@@ -27,6 +30,7 @@ from typing import IO
 
 import httpx
 
+from fleetserve.agent.containment import Containment, join_cgroup, kill_cgroup
 from fleetserve.engines.launch import LaunchSpec
 from fleetserve.process import die_with_parent, group_alive
 from fleetserve.spec.resources import ReplicaState
@@ -67,6 +71,7 @@ class _Engine:
     restart_at: float | None = None
     stderr: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=STDERR_LINES))
     stopping: bool = False
+    cgroup: Path | None = None
 
 
 class Supervisor:
@@ -78,8 +83,14 @@ class Supervisor:
         grace_seconds: float = 10.0,
         poll_seconds: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
+        state_dir: Path | None = None,
+        use_cgroups: bool = True,
     ) -> None:
         self.log_dir = log_dir
+        # With a state directory: cgroups and records, and what a previous run left is stopped
+        # now, before this supervisor can start anything.
+        self.containment = Containment(state_dir, use_cgroups=use_cgroups) if state_dir else None
+        self.leftovers = self.containment.reap_leftovers() if self.containment else []
         self.grace = grace_seconds
         self.poll = poll_seconds
         self.clock = clock
@@ -174,6 +185,14 @@ class Supervisor:
     def _spawn(self, engine: _Engine) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **engine.spec.env}
+        cgroup = self.containment.make_cgroup(engine.name) if self.containment else None
+        engine.cgroup = cgroup
+
+        def prepare_child() -> None:  # pragma: no cover - runs in the child between fork and exec
+            die_with_parent()
+            if cgroup is not None:
+                join_cgroup(cgroup)
+
         out = engine.log_path.open("ab")
         procs: list[subprocess.Popen[bytes]] = []
         try:
@@ -181,19 +200,21 @@ class Supervisor:
                 procs.append(
                     subprocess.Popen(
                         list(argv), env=env, stdout=out, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                        start_new_session=True, preexec_fn=die_with_parent,
+                        start_new_session=True, preexec_fn=prepare_child,
                     )
                 )  # fmt: skip
-        except OSError as exc:
-            self._terminate(procs)  # sidecars already started must not outlive the failed start
+        except (OSError, subprocess.SubprocessError) as exc:
+            self._terminate(procs, cgroup)  # sidecars already started must not outlive the failed start
             engine.procs = []
             engine.state = ReplicaState.FAILED
-            engine.message = f"cannot start {engine.spec.argv[0]}: {exc.strerror or exc}"
+            engine.message = f"cannot start {engine.spec.argv[0]}: {getattr(exc, 'strerror', None) or exc}"
             engine.restart_at = None
             return
         finally:
             out.close()
         engine.procs = procs
+        if self.containment is not None:
+            self.containment.record(engine.name, (p.pid for p in procs), cgroup)
         # A restart after a crash loop stays marked CrashLoop until the engine is healthy again.
         looping = engine.exits_since_healthy >= CRASH_LOOP_AFTER
         engine.state = ReplicaState.CRASH_LOOP if looping else ReplicaState.STARTING
@@ -232,13 +253,16 @@ class Supervisor:
         if engine is None:
             return
         engine.stopping = True
-        self._terminate(engine.procs)
+        self._terminate(engine.procs, engine.cgroup)
+        if self.containment is not None:
+            self.containment.forget(name, engine.cgroup)
         log.info("stopped %s", name)
 
-    def _terminate(self, procs: list[subprocess.Popen[bytes]]) -> None:
+    def _terminate(self, procs: list[subprocess.Popen[bytes]], cgroup: Path | None = None) -> None:
         """SIGTERM every process group, then SIGKILL every group with anything left after the grace
         period — whether or not its leader (the engine) is still alive: an engine that exited may
-        have left children in its group, and only the leader has the parent-death signal."""
+        have left children in its group, and only the leader has the parent-death signal — and
+        last every process left in the replica's cgroup (one that left its group, too)."""
         groups = [proc.pid for proc in procs]  # each was started as its own session: pgid == pid
         for pgid in groups:
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -252,6 +276,8 @@ class Supervisor:
         for pgid in groups:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, signal.SIGKILL)
+        if cgroup is not None:
+            kill_cgroup(cgroup)
         for proc in procs:
             proc.wait()
 
@@ -280,7 +306,7 @@ class Supervisor:
             exited = [p for p in engine.procs if p.poll() is not None]
             if exited:
                 code = exited[0].returncode
-                self._terminate(engine.procs)  # one process of the group died: restart it whole
+                self._terminate(engine.procs, engine.cgroup)  # one process died: restart it whole
                 engine.exits_since_healthy += 1
                 looping = engine.exits_since_healthy >= CRASH_LOOP_AFTER
                 engine.state = ReplicaState.CRASH_LOOP if looping else ReplicaState.STARTING

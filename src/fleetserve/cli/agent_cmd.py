@@ -61,6 +61,7 @@ def run_agent(
     engine_binaries: list[str],
     interval: float,
     log_dir: Path,
+    state_dir: Path,
     root: Path,
     log_level: str,
 ) -> None:
@@ -74,7 +75,10 @@ def run_agent(
     describe = make_describe(name, labels, address, load_fabric_map(fabric_map), inventory_file, root)
     client = AgentClient(server, token)
     cache = ModelCache(cache_dir, max_bytes=cache_max, control_plane=(server, token))
-    supervisor = Supervisor(log_dir)
+    # Stops what a previous run of this agent left (recorded in state_dir) before anything starts.
+    supervisor = Supervisor(log_dir, state_dir=state_dir)
+    for leftover in supervisor.leftovers:
+        logging.getLogger("fleetserve.agent").warning("stopped what a previous run left: %s", leftover)
     agent = Agent(client, describe, supervisor, cache, settings, gpu_reader=make_reader(root))
     stop = threading.Event()
 

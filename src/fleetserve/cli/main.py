@@ -199,6 +199,13 @@ def agent_command(
         float, typer.Option(help="Seconds between status reports (heartbeats).", min=0.2)
     ] = 5.0,
     log_dir: Annotated[Path | None, typer.Option(help="Engine logs. Default: <cache-dir>/../logs.")] = None,
+    state_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="Records of the engines this agent runs (pids, cgroups), so that a restarted agent "
+            "stops what its previous run left. Default: <cache-dir>/../state."
+        ),
+    ] = None,
     sysfs_root: Annotated[
         Path, typer.Option(hidden=True, help="Read /sys and /proc under this root.")
     ] = Path("/"),
@@ -208,7 +215,8 @@ def agent_command(
     plane, report heartbeats, and start, supervise and stop the engines assigned to this node.
 
     Every registration gets a new epoch; replicas moved away while the agent was gone are stopped.
-    SIGTERM or Ctrl-C stops every engine the agent started.
+    SIGTERM or Ctrl-C stops every engine the agent started; a restarted agent first stops what its
+    previous run left (each engine runs in a cgroup of its own where the agent may make one).
     """
     from fleetserve.agent.describe import node_name
     from fleetserve.agent.runtime import default_cache_dir
@@ -220,7 +228,8 @@ def agent_command(
         run_agent(
             server, token, name or node_name(), parse_labels(label or []), address, engine_host or address,
             cache, parse_bytes(cache_max) if cache_max else None, inventory_file, fabric_map,
-            engine_binary or [], interval, log_dir or cache.parent / "logs", sysfs_root, log_level,
+            engine_binary or [], interval, log_dir or cache.parent / "logs",
+            state_dir or cache.parent / "state", sysfs_root, log_level,
         )  # fmt: skip
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
