@@ -1,0 +1,97 @@
+"""The multi-host lab (tests/lab/lab.py): hosts in network namespaces, each with a real agent on
+its own address and real llama-servers, the server on the bridge. Each scenario runs under
+gateway load and prints its figures (requests sent / completed / failed / truncated,
+non-streamed and streamed apart; time to recover; time to fence).
+
+Skipped, with the reason, where the machine cannot make network namespaces (not root).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import scenarios
+from lab import Lab, unavailable
+from scenarios import Result
+
+REASON = unavailable()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+
+# A request in flight to a host when its link is cut never gets an answer: the client's timeout
+# fails it. Those are the only failures a partition may cost (2 non-streamed workers).
+IN_FLIGHT = 2
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    built = scenarios.start(tmp_path_factory.mktemp("lab"))
+    try:
+        yield built
+    finally:
+        built.close()
+
+
+def report(result: Result, capsys: pytest.CaptureFixture[str]) -> None:
+    with capsys.disabled():
+        print(
+            f"\n  {result.name}: requests {result.requests}; streams {result.streams}; "
+            f"recovered {result.recovered and round(result.recovered, 1)} s; "
+            f"fenced {result.fenced and round(result.fenced, 1)} s; "
+            f"engines per replica at most {result.max_engines_per_replica}; {'; '.join(result.notes)}"
+        )
+
+
+def no_orphans(lab: Lab) -> None:
+    """Every live engine of the lab serves a replica the store lists."""
+    listed = {r["name"] for r in lab.replicas(scenarios.MODEL)}
+    strays = {pid: name for pid, name in lab.engines().items() if name not in listed}
+    assert not strays, f"engines of replicas no longer listed: {strays}"
+
+
+def test_an_engine_killed_with_sigkill_is_restarted_and_no_request_fails(lab, capsys):
+    result = scenarios.kill_engine(lab)
+    report(result, capsys)
+    assert result.requests.sent > 0 and result.recovered is not None
+    assert (result.requests.failed, result.requests.truncated) == (0, 0), result.requests
+    assert result.max_engines_per_replica == 1
+    no_orphans(lab)
+
+
+def test_an_agent_killed_with_sigkill_takes_its_engines_along_and_no_request_fails(lab, capsys):
+    result = scenarios.kill_agent(lab)
+    report(result, capsys)
+    assert result.requests.sent > 0 and result.recovered is not None
+    assert (result.requests.failed, result.requests.truncated) == (0, 0), result.requests
+    assert result.max_engines_per_replica == 1
+    no_orphans(lab)
+
+
+def test_a_partitioned_host_is_replaced_after_the_deadline_and_fenced_on_heal(lab, capsys):
+    result = scenarios.partition(lab)
+    report(result, capsys)
+    assert result.recovered is not None and result.fenced is not None
+    assert result.requests.truncated == 0, result.requests
+    assert result.requests.failed <= IN_FLIGHT, result.requests
+    assert result.max_engines_per_replica == 1, "two engines served one replica at once"
+    no_orphans(lab)
+
+
+def test_a_drained_host_hands_its_replicas_over_without_failing_a_request(lab, capsys):
+    result = scenarios.drain(lab)
+    report(result, capsys)
+    assert result.recovered is not None
+    assert (result.requests.failed, result.requests.truncated) == (0, 0), result.requests
+    assert result.max_engines_per_replica == 1
+    no_orphans(lab)
+
+
+@pytest.mark.skipif(not scenarios.rollout_available(), reason="rolling updates (fleetserve rollout) not in this build")
+def test_a_rolling_update_replaces_every_replica_without_failing_a_request(lab, capsys):
+    result = scenarios.roll(lab)
+    report(result, capsys)
+    assert result.recovered is not None
+    assert (result.requests.failed, result.requests.truncated) == (0, 0), result.requests
+    assert result.max_engines_per_replica == 1
+    no_orphans(lab)
