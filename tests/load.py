@@ -9,6 +9,9 @@
   connection dropped after the status line);
 - **failed**: no 200 (an error status, a connect or read failure, the client's timeout).
 
+``slowest`` is the longest a completed request took: a request that paid a connect timeout to a
+host that dropped off the network shows there.
+
 ``BackgroundLoad`` runs it in a thread for the span of a ``with`` block.
 """
 
@@ -16,11 +19,14 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+SLOW = 1.0
 
 
 @dataclass
@@ -31,13 +37,16 @@ class LoadCounts:
     completed: int = 0
     failed: int = 0
     truncated: int = 0
+    slowest: float = 0.0
     reasons: Counter[str] = field(default_factory=Counter)
+    # (monotonic start, seconds, outcome) of every request that took over SLOW seconds
+    slow: list[tuple[float, float, str]] = field(default_factory=list)
 
     def __str__(self) -> str:
         why = ", ".join(f"{n} {r}" for r, n in self.reasons.most_common(3))
         return (
             f"sent {self.sent}, completed {self.completed}, failed {self.failed}, "
-            f"truncated {self.truncated}" + (f" ({why})" if why else "")
+            f"truncated {self.truncated}, slowest {self.slowest:.2f} s" + (f" ({why})" if why else "")
         )
 
 
@@ -91,9 +100,15 @@ def run_load(
             while not stop.is_set():
                 with lock:
                     counts.sent += 1
+                started = time.monotonic()
                 outcome, reason = _one(http, model, stream, max_tokens)
+                took = time.monotonic() - started
                 with lock:
                     setattr(counts, outcome, getattr(counts, outcome) + 1)
+                    if outcome == "completed":
+                        counts.slowest = max(counts.slowest, took)
+                    if took > SLOW:
+                        counts.slow.append((started, took, outcome))
                     if reason:
                         counts.reasons[reason] += 1
 

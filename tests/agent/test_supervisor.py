@@ -372,3 +372,46 @@ def test_own_pids_holds_every_process_started_each_in_its_own_process_group(supe
     supervisor.stop("sleepy-0")
     assert supervisor.own_pids() == frozenset()
     assert all(gone(pid) for pid in pids)
+
+
+# --- health after Running -------------------------------------------------------------------------
+
+# An engine stand-in answering /health with 200, or 503 while the file argv[2] exists.
+FLAKY = r"""
+import os, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(503 if os.path.exists(sys.argv[2]) else 200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_a_running_engine_that_fails_its_health_check_is_reported_not_running_until_it_passes(
+    supervisor, tmp_path
+):
+    # Not Running is what takes a replica out of every gateway's routes (routing.routable).
+    port, sick = free_port(), tmp_path / "sick"
+    spec = LaunchSpec(
+        argv=(sys.executable, "-c", FLAKY, str(port), str(sick)),
+        env={},
+        health_url=f"http://127.0.0.1:{port}/health",
+        metrics_url=None,
+        port=port,
+    )
+    supervisor.start("flaky-0", spec)
+    wait_for(lambda: running(supervisor, "flaky-0"), 10, lambda: str(supervisor.status()))
+    sick.touch()
+    wait_for(
+        lambda: supervisor.status()["flaky-0"].state is ReplicaState.STARTING,
+        5,
+        lambda: f"still {supervisor.status()['flaky-0']} while /health answers 503",
+    )
+    assert supervisor.status()["flaky-0"].message == "health check failing"
+    assert supervisor.status()["flaky-0"].restarts == 0  # it runs: it is not restarted for this
+    sick.unlink()
+    wait_for(lambda: running(supervisor, "flaky-0"), 5, lambda: str(supervisor.status()))

@@ -273,7 +273,9 @@ class Lab:
 
     def running(self, deployment: str) -> dict[str, str]:
         """{replica: node} of the deployment's Running replicas."""
-        return {r["name"]: r["shards"][0]["node"] for r in self.replicas(deployment) if r["state"] == "Running"}
+        return {
+            r["name"]: r["shards"][0]["node"] for r in self.replicas(deployment) if r["state"] == "Running"
+        }
 
     def node_state(self, name: str) -> str:
         return str(self.api("GET", f"/nodes/{name}")["state"])

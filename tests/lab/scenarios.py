@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from lab import FLEETSERVE, Lab, wait_until
-from load import BackgroundLoad, LoadCounts
 
 from fleetserve.dev.tinymodel import write_tiny_model
+from lab import FLEETSERVE, Lab, wait_until
+from load import BackgroundLoad, LoadCounts
 
 MODEL = "tiny"
 REPLICAS = 2
@@ -78,9 +78,7 @@ def start(workdir: Path) -> Lab:
         for name in lab.hosts:
             lab.start_agent(name)
         model = write_tiny_model(workdir / "models" / "tiny.gguf")
-        lab.apply(
-            [{"kind": "Model", "name": MODEL, "source": str(model), "format": "gguf"}, deployment()]
-        )
+        lab.apply([{"kind": "Model", "name": MODEL, "source": str(model), "format": "gguf"}, deployment()])
         settled(lab)
     except BaseException:
         lab.close()
@@ -249,9 +247,7 @@ def drain(lab: Lab) -> Result:
     with under_load(lab, result):
         t0 = time.monotonic()
         lab.api("POST", f"/nodes/{host}/drain", json={"reason": "lab drain"})
-        wait_until(
-            lambda: (r := ready(lab)) and host not in r.values(), RECOVER_TIMEOUT, f"{host} drained"
-        )
+        wait_until(lambda: (r := ready(lab)) and host not in r.values(), RECOVER_TIMEOUT, f"{host} drained")
         wait_until(lambda: not lab.engines(host), 60, f"{host}'s engines stopped")
         result.recovered = time.monotonic() - t0
     lab.api("POST", f"/nodes/{host}/uncordon")

@@ -9,12 +9,12 @@ Skipped, with the reason, where the machine cannot make network namespaces (not 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import scenarios
-from lab import Lab, unavailable
 from scenarios import Result
+
+from lab import Lab, unavailable
 
 REASON = unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
@@ -87,7 +87,9 @@ def test_a_drained_host_hands_its_replicas_over_without_failing_a_request(lab, c
     no_orphans(lab)
 
 
-@pytest.mark.skipif(not scenarios.rollout_available(), reason="rolling updates (fleetserve rollout) not in this build")
+@pytest.mark.skipif(
+    not scenarios.rollout_available(), reason="rolling updates (fleetserve rollout) not in this build"
+)
 def test_a_rolling_update_replaces_every_replica_without_failing_a_request(lab, capsys):
     result = scenarios.roll(lab)
     report(result, capsys)
