@@ -34,6 +34,7 @@ HOSTS = 3
 # How long each scenario's load runs before the fault and after recovery.
 SETTLE = 1.0
 RECOVER_TIMEOUT = 60.0
+PARTITION_CLIENTS = 4
 
 
 @dataclass
@@ -45,6 +46,10 @@ class Result:
     streams: LoadCounts
     recovered: float | None = None  # seconds from the fault to all replicas Running again
     fenced: float | None = None  # seconds from the heal to the old engine stopped
+    fault_at: float = 0.0  # time.monotonic() of the fault
+    not_ready_at: float | None = None  # time.monotonic() when the host was seen NotReady
+    # Requests the old engine took up between the heal and its stop (a partition's fencing).
+    served_after_heal: int | None = None
     notes: list[str] = field(default_factory=list)
     # Engines seen serving one replica at once, at most (1: never two engines under one replica).
     max_engines_per_replica: int = 0
@@ -138,10 +143,11 @@ class EngineWatch:
 
 
 @contextmanager
-def under_load(lab: Lab, result: Result) -> Iterator[None]:
-    """Non-streamed and streamed requests at the gateway, and the engine watch, while the block
-    runs (plus ``SETTLE`` seconds before and after); their counts go into ``result``."""
-    requests = BackgroundLoad(lab.gateway_url, lab.api_key, MODEL, concurrency=2)
+def under_load(lab: Lab, result: Result, concurrency: int = 2) -> Iterator[None]:
+    """Non-streamed requests (``concurrency`` clients) and streamed ones (one client) at the
+    gateway, and the engine watch, while the block runs (plus ``SETTLE`` seconds before and
+    after); their counts go into ``result``."""
+    requests = BackgroundLoad(lab.gateway_url, lab.api_key, MODEL, concurrency=concurrency)
     streams = BackgroundLoad(lab.gateway_url, lab.api_key, MODEL, concurrency=1, stream=True)
     with EngineWatch(lab) as watch, requests, streams:
         time.sleep(SETTLE)
@@ -153,6 +159,13 @@ def under_load(lab: Lab, result: Result) -> Iterator[None]:
 
 def engine_pid(lab: Lab, replica: str) -> int:
     return next(pid for pid, name in lab.engines().items() if name == replica)
+
+
+def launched(lab: Lab, host: str, replica: str) -> int:
+    """How many requests the replica's engine on ``host`` has taken up so far (its log's lines
+    of a slot launching a task)."""
+    path = lab.hosts[host].root / "logs" / f"{replica}.log"
+    return path.read_text(encoding="utf-8", errors="replace").count("launch_slot_")
 
 
 def gone(pid: int) -> bool:
@@ -172,7 +185,7 @@ def kill_engine(lab: Lab) -> Result:
     replica = sorted(settled(lab))[0]
     pid = engine_pid(lab, replica)
     with under_load(lab, result):
-        t0 = time.monotonic()
+        t0 = result.fault_at = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         wait_until(lambda: gone(pid), 10, f"engine {pid} to die")
         wait_until(
@@ -192,7 +205,7 @@ def kill_agent(lab: Lab) -> Result:
     replica = sorted(running)[0]
     host = running[replica]
     with under_load(lab, result):
-        t0 = time.monotonic()
+        t0 = result.fault_at = time.monotonic()
         lab.kill_agent(host)
         wait_until(lambda: not lab.engines(host), 10, f"{host}'s engines to die with their agent")
         time.sleep(0.5)
@@ -211,12 +224,15 @@ def partition(lab: Lab) -> Result:
     replica = sorted(running)[0]
     host = running[replica]
     pid = engine_pid(lab, replica)
-    with under_load(lab, result):
-        t0 = time.monotonic()
+    # More clients than replicas: some would always be waiting on the silent host if the gateway
+    # kept sending it requests.
+    with under_load(lab, result, concurrency=PARTITION_CLIENTS):
+        t0 = result.fault_at = time.monotonic()
         lab.cut(host)
         try:
-            wait_until(lambda: lab.node_state(host) != "Ready", 30, f"{host} judged NotReady")
-            result.notes.append(f"NotReady after {time.monotonic() - t0:.1f} s")
+            wait_until(lambda: lab.node_state(host) != "Ready", 30, f"{host} judged NotReady", interval=0.05)
+            result.not_ready_at = time.monotonic()
+            result.notes.append(f"NotReady after {result.not_ready_at - t0:.1f} s")
             replaced = wait_until(
                 lambda: (r := lab.running(MODEL)) and len(r) == REPLICAS and host not in r.values() and r,
                 RECOVER_TIMEOUT,
@@ -229,10 +245,12 @@ def partition(lab: Lab) -> Result:
             if gone(pid):
                 result.notes.append("the old engine stopped while partitioned")
         finally:
+            before = launched(lab, host, replica)
             t1 = time.monotonic()
             lab.heal(host)
         wait_until(lambda: gone(pid), 60, f"the old engine of {replica} stopped after the heal")
         result.fenced = time.monotonic() - t1
+        result.served_after_heal = launched(lab, host, replica) - before
         if any(r["name"] == replica for r in lab.replicas(MODEL)):
             raise AssertionError(f"{replica} came back after the heal")
         wait_until(lambda: lab.node_state(host) == "Ready", 30, f"{host} Ready again")
@@ -245,7 +263,7 @@ def drain(lab: Lab) -> Result:
     running = settled(lab)
     host = running[sorted(running)[0]]
     with under_load(lab, result):
-        t0 = time.monotonic()
+        t0 = result.fault_at = time.monotonic()
         lab.api("POST", f"/nodes/{host}/drain", json={"reason": "lab drain"})
         wait_until(lambda: (r := ready(lab)) and host not in r.values(), RECOVER_TIMEOUT, f"{host} drained")
         wait_until(lambda: not lab.engines(host), 60, f"{host}'s engines stopped")
@@ -266,7 +284,7 @@ def roll(lab: Lab) -> Result:
     result = Result("roll a deployment", LoadCounts(), LoadCounts())
     old = set(settled(lab))
     with under_load(lab, result):
-        t0 = time.monotonic()
+        t0 = result.fault_at = time.monotonic()
         lab.apply([deployment(engine_args=("--threads", "1"))])
         wait_until(
             lambda: (r := ready(lab)) and not (set(r) & old), RECOVER_TIMEOUT, "every replica replaced"

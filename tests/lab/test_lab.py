@@ -20,8 +20,12 @@ REASON = unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 
 # A request in flight to a host when its link is cut never gets an answer: the client's timeout
-# fails it. Those are the only failures a partition may cost (2 non-streamed workers).
-IN_FLIGHT = 2
+# fails it. Those are the only failures a partition may cost (one per non-streamed client).
+IN_FLIGHT = scenarios.PARTITION_CLIENTS
+# The gateway's connect timeout is 5 s: a request that took this long after a fault paid one.
+PAID_A_CONNECT_TIMEOUT = 4.0
+# The gateway re-reads its routes every second.
+ROUTE_REFRESH = 1.5
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +44,11 @@ def report(result: Result, capsys: pytest.CaptureFixture[str]) -> None:
             f"recovered {result.recovered and round(result.recovered, 1)} s; "
             f"fenced {result.fenced and round(result.fenced, 1)} s; "
             f"engines per replica at most {result.max_engines_per_replica}; {'; '.join(result.notes)}"
+            + (
+                f"; served after heal {result.served_after_heal}"
+                if result.served_after_heal is not None
+                else ""
+            )
         )
 
 
@@ -74,7 +83,15 @@ def test_a_partitioned_host_is_replaced_after_the_deadline_and_fenced_on_heal(la
     assert result.recovered is not None and result.fenced is not None
     assert result.requests.truncated == 0, result.requests
     assert result.requests.failed <= IN_FLIGHT, result.requests
+    # Health-aware routing: the gateway pays one connect timeout for the silent host (then ejects
+    # it) and drops it from its routes once it is NotReady, long before it is Lost.
+    paid = [s for s in result.requests.slow if s[0] >= result.fault_at and s[1] >= PAID_A_CONNECT_TIMEOUT]
+    assert len(paid) <= 1, f"requests sent after the cut that waited on the silent host: {paid}"
+    assert result.not_ready_at is not None
+    late = [s for s in paid if s[0] >= result.not_ready_at + ROUTE_REFRESH]
+    assert not late, f"requests sent to the host after it was NotReady (and routes refreshed): {late}"
     assert result.max_engines_per_replica == 1, "two engines served one replica at once"
+    assert result.served_after_heal == 0, "the old engine took requests after the heal, before it was fenced"
     no_orphans(lab)
 
 
