@@ -12,7 +12,7 @@ host is spare). Heartbeat deadlines are short (NotReady after 2 s, Lost after 6 
 sends streamed ones, back to back, from a second before the fault until a second after recovery.
 
 Figures per scenario: requests and streams sent / completed / failed / truncated; the slowest
-completed request (a connect timeout paid shows there); recovered, the seconds from the fault
+non-streamed request (a connect timeout paid shows there); recovered, the seconds from the fault
 until the deployment had all its replicas Running and answering again (for a partition: the
 replica re-placed on another host after the Lost deadline); fenced, for a partition, the seconds
 from the heal until the old engine on the healed host was stopped.
@@ -74,7 +74,7 @@ def main() -> int:
     print(header)
     print("-" * len(header))
     for r in results:
-        slowest = max(r.requests.slowest, r.streams.slowest)
+        slowest = r.timing.slowest
         print(
             f"{r.name:<20} {counts(r.requests):>17} {counts(r.streams):>16} {slowest:>10.2f} "
             f"{seconds(r.recovered):>12} {seconds(r.fenced):>9}"

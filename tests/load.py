@@ -1,145 +1,133 @@
-"""A small load generator for the OpenAI gateway, shared by the lab tests and bench/chaos.py.
+"""Request load against an OpenAI-compatible endpoint, counted: sent, completed, failed, truncated.
 
-``run_load(url, key, model, stop)`` keeps ``concurrency`` chat completions in flight until
-``stop`` is set and counts every request it sent as exactly one of:
-
-- **completed**: 200 and a whole answer (non-streamed: a JSON body with choices; streamed: the
-  events end with ``data: [DONE]``);
-- **truncated**: 200, but the answer broke off (the body or the stream ended early, or the
-  connection dropped after the status line);
-- **failed**: no 200 (an error status, a connect or read failure, the client's timeout).
-
-``slowest`` is the longest a completed request took: a request that paid a connect timeout to a
-host that dropped off the network shows there.
-
-``BackgroundLoad`` runs it in a thread for the span of a ``with`` block.
+``run_load(url, model, stop)`` sends chat completions from a few threads until ``stop`` is set
+and returns the ``LoadCounts``. A non-streamed answer is *completed* when it is HTTP 200 with a
+choice that finished (``finish_reason`` set); *truncated* when it is 200 without one or cut
+mid-body; *failed* otherwise (any other status, or no answer). A streamed answer is *completed*
+when it ends with ``data: [DONE]`` and carries no error event; *truncated* when it ends without
+``[DONE]`` or with an error event (a broken upstream must be signalled, never a clean end).
+Lifecycle tests (drains, rollouts, failures) assert ``failed == truncated == 0``.
 """
 
 from __future__ import annotations
 
 import json
 import threading
-import time
-from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-SLOW = 1.0
-
 
 @dataclass
 class LoadCounts:
-    """What a load run sent and how each request ended."""
+    """What a load run sent and how each request ended; thread-safe."""
 
     sent: int = 0
     completed: int = 0
     failed: int = 0
     truncated: int = 0
-    slowest: float = 0.0
-    reasons: Counter[str] = field(default_factory=Counter)
-    # (monotonic start, seconds, outcome) of every request that took over SLOW seconds
-    slow: list[tuple[float, float, str]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def __str__(self) -> str:
-        why = ", ".join(f"{n} {r}" for r, n in self.reasons.most_common(3))
+    def add(self, outcome: str, detail: str = "") -> None:
+        with self._lock:
+            self.sent += 1
+            setattr(self, outcome, getattr(self, outcome) + 1)
+            if detail and len(self.errors) < 50:
+                self.errors.append(detail)
+
+    def summary(self) -> str:
         return (
-            f"sent {self.sent}, completed {self.completed}, failed {self.failed}, "
-            f"truncated {self.truncated}, slowest {self.slowest:.2f} s" + (f" ({why})" if why else "")
+            f"sent {self.sent}, completed {self.completed}, failed {self.failed}, truncated {self.truncated}"
         )
 
 
-def _one(http: httpx.Client, model: str, stream: bool, max_tokens: int) -> tuple[str, str]:
-    """Send one request; (outcome, reason)."""
-    body: dict[str, Any] = {
+def _body(model: str, stream: bool, max_tokens: int, extra: Mapping[str, Any]) -> dict[str, Any]:
+    return {
         "model": model,
         "messages": [{"role": "user", "content": "hello"}],
         "max_tokens": max_tokens,
         "stream": stream,
+        **extra,
     }
+
+
+def one_request(
+    client: httpx.Client,
+    url: str,
+    model: str,
+    counts: LoadCounts,
+    *,
+    stream: bool = False,
+    max_tokens: int = 8,
+    headers: Mapping[str, str] | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> None:
+    """Send one chat completion to ``url`` (the /v1 base) and count how it ended."""
+    body = _body(model, stream, max_tokens, extra or {})
     try:
-        with http.stream("POST", "/chat/completions", json=body) as response:
+        if not stream:
+            response = client.post(f"{url}/chat/completions", json=body, headers=dict(headers or {}))
             if response.status_code != 200:
-                response.read()
-                return "failed", f"HTTP {response.status_code}"
-            try:
-                text = response.read().decode("utf-8", errors="replace")
-            except httpx.HTTPError as exc:
-                return "truncated", type(exc).__name__
+                counts.add("failed", f"{response.status_code}: {response.text[:200]}")
+                return
+            choice = (response.json().get("choices") or [{}])[0]
+            if choice.get("finish_reason"):
+                counts.add("completed")
+            else:
+                counts.add("truncated", f"no finish_reason: {response.text[:200]}")
+            return
+        with client.stream("POST", f"{url}/chat/completions", json=body, headers=dict(headers or {})) as r:
+            if r.status_code != 200:
+                counts.add("failed", f"{r.status_code}: {r.read()[:200]!r}")
+                return
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        errors = [e for e in events if e != "[DONE]" and "error" in json.loads(e)]
+        if events and events[-1] == "[DONE]" and not errors:
+            counts.add("completed")
+        else:
+            counts.add("truncated", f"stream ended {events[-1:] if events else 'empty'}; errors {errors[:1]}")
     except httpx.HTTPError as exc:
-        return "failed", type(exc).__name__
-    if stream:
-        events = [line for line in text.splitlines() if line.startswith("data: ")]
-        ended = bool(events) and events[-1] == "data: [DONE]"
-        return ("completed", "") if ended else ("truncated", "stream ended without [DONE]")
-    try:
-        ok = bool(json.loads(text).get("choices"))
-    except ValueError:
-        ok = False
-    return ("completed", "") if ok else ("truncated", "incomplete JSON body")
+        # A non-streamed request cut mid-body is truncated; one never answered has failed.
+        kind = "truncated" if isinstance(exc, httpx.RemoteProtocolError) else "failed"
+        counts.add(kind, f"{type(exc).__name__}: {exc}")
 
 
 def run_load(
     url: str,
-    key: str,
     model: str,
     stop: threading.Event,
     *,
-    concurrency: int = 4,
+    workers: int = 2,
     stream: bool = False,
     max_tokens: int = 8,
-    timeout: float = 15.0,
+    headers: Mapping[str, str] | None = None,
+    extra: Mapping[str, Any] | None = None,
+    timeout: float = 60.0,
 ) -> LoadCounts:
-    """Keep ``concurrency`` requests in flight to ``url`` (the gateway's ``…/v1``) until ``stop``."""
+    """Send requests from ``workers`` threads, back to back, until ``stop`` is set; the counts."""
     counts = LoadCounts()
-    lock = threading.Lock()
 
-    def worker() -> None:
-        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=timeout) as http:
+    def work() -> None:
+        with httpx.Client(timeout=timeout) as client:
             while not stop.is_set():
-                with lock:
-                    counts.sent += 1
-                started = time.monotonic()
-                outcome, reason = _one(http, model, stream, max_tokens)
-                took = time.monotonic() - started
-                with lock:
-                    setattr(counts, outcome, getattr(counts, outcome) + 1)
-                    if outcome == "completed":
-                        counts.slowest = max(counts.slowest, took)
-                    if took > SLOW:
-                        counts.slow.append((started, took, outcome))
-                    if reason:
-                        counts.reasons[reason] += 1
+                one_request(
+                    client,
+                    url,
+                    model,
+                    counts,
+                    stream=stream,
+                    max_tokens=max_tokens,
+                    headers=headers,
+                    extra=extra,
+                )
 
-    threads = [threading.Thread(target=worker, name=f"load-{i}", daemon=True) for i in range(concurrency)]
+    threads = [threading.Thread(target=work, name=f"load-{i}", daemon=True) for i in range(workers)]
     for thread in threads:
         thread.start()
+    stop.wait()
     for thread in threads:
-        thread.join()
+        thread.join(timeout + 5)
     return counts
-
-
-class BackgroundLoad:
-    """``run_load`` in a thread while a ``with`` block runs; ``counts`` once the block ends."""
-
-    def __init__(self, url: str, key: str, model: str, **options: Any) -> None:
-        self._stop = threading.Event()
-        self._result: list[LoadCounts] = []
-        self._thread = threading.Thread(
-            target=lambda: self._result.append(run_load(url, key, model, self._stop, **options)),
-            name="load",
-            daemon=True,
-        )
-
-    def __enter__(self) -> BackgroundLoad:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    @property
-    def counts(self) -> LoadCounts:
-        return self._result[0] if self._result else LoadCounts()

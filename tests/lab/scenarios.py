@@ -26,7 +26,7 @@ import httpx
 
 from fleetserve.dev.tinymodel import write_tiny_model
 from lab import FLEETSERVE, Lab, wait_until
-from load import BackgroundLoad, LoadCounts
+from load import LoadCounts, one_request
 
 MODEL = "tiny"
 REPLICAS = 2
@@ -37,13 +37,62 @@ RECOVER_TIMEOUT = 60.0
 PARTITION_CLIENTS = 4
 
 
+SLOW = 1.0
+"""Requests that take longer than this (seconds) are listed with their start."""
+
+
+@dataclass
+class Timing:
+    """How long a load run's requests took: the slowest, and (monotonic start, seconds) of each
+    that took over ``SLOW`` seconds — a request that paid a connect timeout to a host that
+    dropped off the network shows there."""
+
+    slowest: float = 0.0
+    slow: list[tuple[float, float]] = field(default_factory=list)
+
+
+class BackgroundLoad:
+    """``workers`` clients sending chat completions back to back (load.one_request) while a
+    ``with`` block runs; their ``counts`` and ``timing``."""
+
+    def __init__(self, lab: Lab, *, workers: int, stream: bool = False, timeout: float = 15.0) -> None:
+        self.counts, self.timing = LoadCounts(), Timing()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        headers = {"Authorization": f"Bearer {lab.api_key}"}
+
+        def work() -> None:
+            with httpx.Client(timeout=timeout) as client:
+                while not self._stop.is_set():
+                    started = time.monotonic()
+                    one_request(client, lab.gateway_url, MODEL, self.counts, stream=stream, headers=headers)
+                    took = time.monotonic() - started
+                    with self._lock:
+                        self.timing.slowest = max(self.timing.slowest, took)
+                        if took > SLOW:
+                            self.timing.slow.append((started, took))
+
+        self._threads = [threading.Thread(target=work, daemon=True) for _ in range(workers)]
+
+    def __enter__(self) -> BackgroundLoad:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join()
+
+
 @dataclass
 class Result:
     """One scenario's figures."""
 
     name: str
-    requests: LoadCounts
-    streams: LoadCounts
+    requests: LoadCounts = field(default_factory=LoadCounts)
+    streams: LoadCounts = field(default_factory=LoadCounts)
+    timing: Timing = field(default_factory=Timing)  # of the non-streamed requests
     recovered: float | None = None  # seconds from the fault to all replicas Running again
     fenced: float | None = None  # seconds from the heal to the old engine stopped
     fault_at: float = 0.0  # time.monotonic() of the fault
@@ -147,13 +196,13 @@ def under_load(lab: Lab, result: Result, concurrency: int = 2) -> Iterator[None]
     """Non-streamed requests (``concurrency`` clients) and streamed ones (one client) at the
     gateway, and the engine watch, while the block runs (plus ``SETTLE`` seconds before and
     after); their counts go into ``result``."""
-    requests = BackgroundLoad(lab.gateway_url, lab.api_key, MODEL, concurrency=concurrency)
-    streams = BackgroundLoad(lab.gateway_url, lab.api_key, MODEL, concurrency=1, stream=True)
+    requests = BackgroundLoad(lab, workers=concurrency)
+    streams = BackgroundLoad(lab, workers=1, stream=True)
     with EngineWatch(lab) as watch, requests, streams:
         time.sleep(SETTLE)
         yield
         time.sleep(SETTLE)
-    result.requests, result.streams = requests.counts, streams.counts
+    result.requests, result.streams, result.timing = requests.counts, streams.counts, requests.timing
     result.max_engines_per_replica = watch.most
 
 
@@ -181,7 +230,7 @@ def gone(pid: int) -> bool:
 
 def kill_engine(lab: Lab) -> Result:
     """SIGKILL one replica's llama-server: its agent restarts it; the gateway retries elsewhere."""
-    result = Result("kill -9 an engine", LoadCounts(), LoadCounts())
+    result = Result("kill -9 an engine")
     replica = sorted(settled(lab))[0]
     pid = engine_pid(lab, replica)
     with under_load(lab, result):
@@ -200,7 +249,7 @@ def kill_engine(lab: Lab) -> Result:
 def kill_agent(lab: Lab) -> Result:
     """SIGKILL one host's agent, restart it a moment later (as systemd would): its engine died
     with it, and the new agent starts it again."""
-    result = Result("kill -9 an agent", LoadCounts(), LoadCounts())
+    result = Result("kill -9 an agent")
     running = settled(lab)
     replica = sorted(running)[0]
     host = running[replica]
@@ -219,7 +268,7 @@ def partition(lab: Lab) -> Result:
     """Cut one host's link under load: NotReady (out of the routes), then Lost (its replica
     re-placed elsewhere under a new name); heal it: it registers again and is fenced, its old
     engine stopped; nothing is ever served under the old replica's name again."""
-    result = Result("partition a host", LoadCounts(), LoadCounts())
+    result = Result("partition a host")
     running = settled(lab)
     replica = sorted(running)[0]
     host = running[replica]
@@ -259,7 +308,7 @@ def partition(lab: Lab) -> Result:
 
 def drain(lab: Lab) -> Result:
     """Drain one host under load: its replica moves elsewhere; uncordoned afterwards."""
-    result = Result("drain a host", LoadCounts(), LoadCounts())
+    result = Result("drain a host")
     running = settled(lab)
     host = running[sorted(running)[0]]
     with under_load(lab, result):
@@ -281,7 +330,7 @@ def rollout_available() -> bool:
 def roll(lab: Lab) -> Result:
     """Change the deployment's engine arguments under load: every replica is replaced (surge,
     each new one Ready before an old one drains)."""
-    result = Result("roll a deployment", LoadCounts(), LoadCounts())
+    result = Result("roll a deployment")
     old = set(settled(lab))
     with under_load(lab, result):
         t0 = result.fault_at = time.monotonic()

@@ -40,7 +40,8 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
 def report(result: Result, capsys: pytest.CaptureFixture[str]) -> None:
     with capsys.disabled():
         print(
-            f"\n  {result.name}: requests {result.requests}; streams {result.streams}; "
+            f"\n  {result.name}: requests {result.requests.summary()}; streams {result.streams.summary()}; "
+            f"slowest request {result.timing.slowest:.2f} s; "
             f"recovered {result.recovered and round(result.recovered, 1)} s; "
             f"fenced {result.fenced and round(result.fenced, 1)} s; "
             f"engines per replica at most {result.max_engines_per_replica}; {'; '.join(result.notes)}"
@@ -63,7 +64,7 @@ def test_an_engine_killed_with_sigkill_is_restarted_and_no_request_fails(lab, ca
     result = scenarios.kill_engine(lab)
     report(result, capsys)
     assert result.requests.sent > 0 and result.recovered is not None
-    assert (result.requests.failed, result.requests.truncated) == (0, 0), result.requests
+    assert (result.requests.failed, result.requests.truncated) == (0, 0), result.requests.errors
     assert result.max_engines_per_replica == 1
     no_orphans(lab)
 
@@ -72,7 +73,7 @@ def test_an_agent_killed_with_sigkill_takes_its_engines_along_and_no_request_fai
     result = scenarios.kill_agent(lab)
     report(result, capsys)
     assert result.requests.sent > 0 and result.recovered is not None
-    assert (result.requests.failed, result.requests.truncated) == (0, 0), result.requests
+    assert (result.requests.failed, result.requests.truncated) == (0, 0), result.requests.errors
     assert result.max_engines_per_replica == 1
     no_orphans(lab)
 
@@ -81,11 +82,11 @@ def test_a_partitioned_host_is_replaced_after_the_deadline_and_fenced_on_heal(la
     result = scenarios.partition(lab)
     report(result, capsys)
     assert result.recovered is not None and result.fenced is not None
-    assert result.requests.truncated == 0, result.requests
-    assert result.requests.failed <= IN_FLIGHT, result.requests
+    assert result.requests.truncated == 0, result.requests.errors
+    assert result.requests.failed <= IN_FLIGHT, result.requests.errors
     # Health-aware routing: the gateway pays one connect timeout for the silent host (then ejects
     # it) and drops it from its routes once it is NotReady, long before it is Lost.
-    paid = [s for s in result.requests.slow if s[0] >= result.fault_at and s[1] >= PAID_A_CONNECT_TIMEOUT]
+    paid = [s for s in result.timing.slow if s[0] >= result.fault_at and s[1] >= PAID_A_CONNECT_TIMEOUT]
     assert len(paid) <= 1, f"requests sent after the cut that waited on the silent host: {paid}"
     assert result.not_ready_at is not None
     late = [s for s in paid if s[0] >= result.not_ready_at + ROUTE_REFRESH]
@@ -99,7 +100,7 @@ def test_a_drained_host_hands_its_replicas_over_without_failing_a_request(lab, c
     result = scenarios.drain(lab)
     report(result, capsys)
     assert result.recovered is not None
-    assert (result.requests.failed, result.requests.truncated) == (0, 0), result.requests
+    assert (result.requests.failed, result.requests.truncated) == (0, 0), result.requests.errors
     assert result.max_engines_per_replica == 1
     no_orphans(lab)
 
@@ -111,6 +112,6 @@ def test_a_rolling_update_replaces_every_replica_without_failing_a_request(lab, 
     result = scenarios.roll(lab)
     report(result, capsys)
     assert result.recovered is not None
-    assert (result.requests.failed, result.requests.truncated) == (0, 0), result.requests
+    assert (result.requests.failed, result.requests.truncated) == (0, 0), result.requests.errors
     assert result.max_engines_per_replica == 1
     no_orphans(lab)
