@@ -97,6 +97,7 @@ class Result:
     fenced: float | None = None  # seconds from the heal to the old engine stopped
     fault_at: float = 0.0  # time.monotonic() of the fault
     not_ready_at: float | None = None  # time.monotonic() when the host was seen NotReady
+    healed_at: float | None = None  # time.monotonic() of the heal
     # Requests the old engine took up between the heal and its stop (a partition's fencing).
     served_after_heal: int | None = None
     notes: list[str] = field(default_factory=list)
@@ -295,7 +296,7 @@ def partition(lab: Lab) -> Result:
                 result.notes.append("the old engine stopped while partitioned")
         finally:
             before = launched(lab, host, replica)
-            t1 = time.monotonic()
+            t1 = result.healed_at = time.monotonic()
             lab.heal(host)
         wait_until(lambda: gone(pid), 60, f"the old engine of {replica} stopped after the heal")
         result.fenced = time.monotonic() - t1

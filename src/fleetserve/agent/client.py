@@ -21,9 +21,18 @@ class AgentApiError(FleetserveError):
 class AgentClient:
     """HTTP client of the agents' API, authenticated with the join token."""
 
-    def __init__(self, server: str, token: str, transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        server: str,
+        token: str,
+        transport: httpx.BaseTransport | None = None,
+        report_timeout: float = 10.0,
+    ) -> None:
         self.server = server.rstrip("/")
         self.token = token
+        # A status report is the heartbeat: one that hangs (a link that dropped packets) must give
+        # way to the next one soon, so the agent notices a healed link (and is fenced) quickly.
+        self.report_timeout = report_timeout
         self._http = httpx.Client(
             base_url=self.server,
             headers={"Authorization": f"Bearer {token}"},
@@ -77,7 +86,8 @@ class AgentClient:
     def status(self, report: StatusReport) -> list[str]:
         """Send a status report; the names of replicas the agent must stop."""
         body = report.model_dump(mode="json", by_alias=True, exclude_unset=True)
-        return StatusReply.model_validate(self._call("POST", "/status", json=body)).stop
+        reply = self._call("POST", "/status", json=body, timeout=self.report_timeout)
+        return StatusReply.model_validate(reply).stop
 
     def model_file_url(self, name: str) -> str:
         """Where the server serves a model file it holds."""

@@ -73,7 +73,8 @@ def run_agent(
         engine_host=engine_host, interval=interval, binaries=parse_overrides(engine_binaries)
     )
     describe = make_describe(name, labels, address, load_fabric_map(fabric_map), inventory_file, root)
-    client = AgentClient(server, token)
+    # Two intervals for a report (at least 2 s, at most the client's default 10 s).
+    client = AgentClient(server, token, report_timeout=min(10.0, max(2.0, 2 * interval)))
     cache = ModelCache(cache_dir, max_bytes=cache_max, control_plane=(server, token))
     # Stops what a previous run of this agent left (recorded in state_dir) before anything starts.
     supervisor = Supervisor(log_dir, state_dir=state_dir)
