@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -34,6 +35,8 @@ from typing import Any, TypeVar
 import httpx
 import psutil
 import yaml
+
+from fleetserve.process import die_with_parent
 
 FLEETSERVE = Path(sys.executable).with_name("fleetserve")
 T = TypeVar("T")
@@ -80,6 +83,24 @@ def free_subnet() -> str:
     raise RuntimeError("every 10.213.X.0/24 is in use")
 
 
+def sweep_stale() -> list[str]:
+    """Remove the namespaces, links and bridges of labs whose process is gone (one killed before
+    it could clean up); what was removed. Labs name everything after their pid."""
+    removed = []
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=False).stdout
+    names = [line.split()[0] for line in netns.splitlines() if line.strip()]
+    names += [line.split(":")[1].strip().split("@")[0] for line in links.splitlines() if ":" in line]
+    for name in names:
+        found = re.fullmatch(r"fsl(?:b|v)?(\d+)(?:h\d+)?", name)
+        if found is None or psutil.pid_exists(int(found.group(1))):
+            continue
+        kind = ["netns", "del", name] if not name.startswith(("fslb", "fslv")) else ["link", "del", name]
+        if subprocess.run(["ip", *kind], capture_output=True, check=False).returncode == 0:
+            removed.append(name)
+    return removed
+
+
 def wait_until(check: Callable[[], T | None], timeout: float, what: str, interval: float = 0.1) -> T:
     """Poll ``check`` until it returns something truthy; raise TimeoutError naming ``what``."""
     deadline = time.monotonic() + timeout
@@ -119,7 +140,7 @@ class Lab:
 
     workdir: Path
     hosts: dict[str, Host] = field(default_factory=dict)
-    tag: str = field(default_factory=lambda: str(os.getpid() % 100000))
+    tag: str = field(default_factory=lambda: str(os.getpid()))  # names: fslb<pid>, fslv<pid>h1, fsl<pid>h1
     prefix: str = ""
     server: subprocess.Popen[bytes] | None = None
     server_url: str = ""
@@ -140,6 +161,7 @@ class Lab:
 
     def build(self, hosts: int) -> None:
         """The bridge on 10.213.X.1 and ``hosts`` namespaces h1..hN on .11, .12, …"""
+        sweep_stale()
         self.prefix = free_subnet()
         ip("link", "add", self.bridge, "type", "bridge")
         ip("addr", "add", f"{self.prefix}.1/24", "dev", self.bridge)
@@ -189,7 +211,12 @@ class Lab:
             "--token-file", str(token_file), "--models-dir", str(self.workdir / "server-models"),
         ]  # fmt: skip
         self.server = subprocess.Popen(
-            args, stdout=self._log("server"), stderr=subprocess.STDOUT, env=_env(), stdin=subprocess.DEVNULL
+            args,
+            stdout=self._log("server"),
+            stderr=subprocess.STDOUT,
+            env=_env(),
+            stdin=subprocess.DEVNULL,
+            preexec_fn=die_with_parent,  # a lab whose test run is killed leaves no server behind
         )
         self.server_url = f"http://{self.prefix}.1:{port}"
 
@@ -225,6 +252,7 @@ class Lab:
             stderr=subprocess.STDOUT,
             env=_env(),
             stdin=subprocess.DEVNULL,
+            preexec_fn=die_with_parent,  # kept across nsenter's exec
         )
 
     def kill_agent(self, name: str) -> None:
