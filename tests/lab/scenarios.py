@@ -335,7 +335,7 @@ def roll(lab: Lab) -> Result:
     old = set(settled(lab))
     with under_load(lab, result):
         t0 = result.fault_at = time.monotonic()
-        lab.apply([deployment(engine_args=("--threads", "1"))])
+        lab.apply([deployment(engine_args=("--seed", "7"))])
         wait_until(
             lambda: (r := ready(lab)) and not (set(r) & old), RECOVER_TIMEOUT, "every replica replaced"
         )
