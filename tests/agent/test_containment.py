@@ -55,19 +55,25 @@ sup.start("leaky-0", LaunchSpec(argv=(sys.executable, "-c", sys.argv[3], sys.arg
 while not sup.own_pids():
     time.sleep(0.05)
 print(next(iter(sup.own_pids())), flush=True)
+deadline = time.monotonic() + 10
+while len(sup.own_pids()) < int(sys.argv[5]) and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(" ".join(map(str, sorted(sup.own_pids()))), flush=True)
 time.sleep(300)
 """
 
 CGROUPS = cgroup2_root() is not None
 
 
-def run_agent_then_kill_it(tmp_path: Path, cgroups: bool) -> tuple[int, int, int]:
+def run_agent_then_kill_it(tmp_path: Path, cgroups: bool) -> tuple[int, int, int, set[int]]:
     """Start the agent, wait for its engine's child and escaped grandchild, SIGKILL the agent;
-    (engine, child, escaped) pids."""
+    (engine, child, escaped) pids and what the agent's supervisor called its own pids."""
     pids = tmp_path / "pids"
     pids.mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    args = [sys.executable, "-c", AGENT, str(tmp_path), str(int(cgroups)), ENGINE, str(pids)]
+    # With cgroups the supervisor knows the engine's descendants too: 3 processes, else 1.
+    own = "3" if cgroups else "1"
+    args = [sys.executable, "-c", AGENT, str(tmp_path), str(int(cgroups)), ENGINE, str(pids), own]
     with subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env) as agent:
         try:
             assert agent.stdout is not None
@@ -76,16 +82,18 @@ def run_agent_then_kill_it(tmp_path: Path, cgroups: bool) -> tuple[int, int, int
             escaped = int(
                 wait_for(lambda: (pids / "escaped").exists() and (pids / "escaped").read_text(), 10, str)
             )
+            own_pids = {int(pid) for pid in agent.stdout.readline().split()}
         finally:
             agent.kill()
             agent.wait()
-    return engine, child, escaped
+    return engine, child, escaped, own_pids
 
 
 @pytest.mark.skipif(not CGROUPS, reason="no writable cgroup2 hierarchy here (not root, or no cgroup v2)")
 def test_a_restarted_agent_stops_what_its_killed_predecessor_left_before_starting_anything(tmp_path):
-    engine, child, escaped = run_agent_then_kill_it(tmp_path, cgroups=True)
+    engine, child, escaped, own_pids = run_agent_then_kill_it(tmp_path, cgroups=True)
     try:
+        assert own_pids == {engine, child, escaped}  # GPU processes of its engines are not foreign
         wait_for(lambda: gone(engine), 5, lambda: f"engine {engine} outlived its agent")
         # Without a parent-death signal of their own, the engine's descendants outlive the agent.
         assert not gone(child) and not gone(escaped)
@@ -101,6 +109,7 @@ def test_a_restarted_agent_stops_what_its_killed_predecessor_left_before_startin
 
         restarted = Supervisor(tmp_path / "logs", state_dir=tmp_path / "state")
         try:
+            assert restarted.own_pids() == frozenset()
             # Stopped during construction: before this supervisor could start a single engine.
             assert gone(child) and gone(escaped)
             assert restarted.leftovers == ["leaky-0: 2 process(es)"]
@@ -113,8 +122,9 @@ def test_a_restarted_agent_stops_what_its_killed_predecessor_left_before_startin
 
 
 def test_without_cgroups_the_process_group_of_a_killed_agents_engine_is_stopped(tmp_path):
-    engine, child, escaped = run_agent_then_kill_it(tmp_path, cgroups=False)
+    engine, child, escaped, own_pids = run_agent_then_kill_it(tmp_path, cgroups=False)
     try:
+        assert own_pids == {engine}
         wait_for(lambda: gone(engine), 5, lambda: f"engine {engine} outlived its agent")
         assert not gone(child)
         restarted = Supervisor(tmp_path / "logs", state_dir=tmp_path / "state", use_cgroups=False)

@@ -30,7 +30,7 @@ from typing import IO
 
 import httpx
 
-from fleetserve.agent.containment import Containment, join_cgroup, kill_cgroup
+from fleetserve.agent.containment import Containment, cgroup_pids, join_cgroup, kill_cgroup
 from fleetserve.engines.launch import LaunchSpec
 from fleetserve.process import die_with_parent, group_alive
 from fleetserve.spec.resources import ReplicaState
@@ -144,9 +144,12 @@ class Supervisor:
             }  # fmt: skip
 
     def own_pids(self) -> frozenset[int]:
-        """Pids of every process the supervisor started: GPU processes that are not foreign."""
+        """Pids of every process the supervisor started, and (with cgroups) every process those
+        started: GPU processes that are not foreign (an engine's workers too)."""
         with self._lock:
-            return frozenset(p.pid for e in self._engines.values() for p in e.procs if p.poll() is None)
+            engines = list(self._engines.values())
+            started = {p.pid for e in engines for p in e.procs if p.poll() is None}
+        return frozenset(started.union(*(cgroup_pids(e.cgroup) for e in engines if e.cgroup)))
 
     def log_path(self, name: str) -> Path:
         """Where a replica's engine output goes."""
