@@ -8,8 +8,9 @@ Run from the repository root, as root (network namespaces)::
 Three hosts in network namespaces on a bridge, each with a real ``fleetserve agent`` on its own
 address; the server on the bridge; the tiny model with 2 replicas (a whole host each: the third
 host is spare). Heartbeat deadlines are short (NotReady after 2 s, Lost after 6 s, reports every
-0.5 s), as in the tests. In every scenario two clients (four in the partition) send non-streamed chat completions and one
-sends streamed ones, back to back, from a second before the fault until a second after recovery.
+0.5 s), as in the tests. In every scenario two clients (four in the partition) send non-streamed
+chat completions and one sends streamed ones, back to back, from a second before the fault until
+a second after recovery.
 
 Figures per scenario: requests and streams sent / completed / failed / truncated; the slowest
 non-streamed request (a connect timeout paid shows there); recovered, the seconds from the fault
