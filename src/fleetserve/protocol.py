@@ -140,6 +140,8 @@ class Assignment(BaseModel):
     context: int | None = None
     # Addresses of the replica's nodes, shard order ("" for a node not known any more).
     peers: list[str] = Field(default_factory=list)
+    # The engine's API key: the engine refuses requests without it (None: placed before keys).
+    engine_key: str | None = Field(default=None, max_length=64, repr=False)
 
 
 class AssignmentSet(BaseModel):

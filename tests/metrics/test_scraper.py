@@ -332,7 +332,7 @@ def test_duplicate_target_keys_are_refused() -> None:
         scraper.set_targets([Target("a", "http://x/1"), Target("a", "http://x/2")])
 
 
-async def _never(url: str, timeout: float) -> bytes:
+async def _never(url: str, timeout: float, bearer: str | None = None) -> bytes:
     raise AssertionError("not called")
 
 
@@ -518,7 +518,7 @@ def test_oversized_bodies_are_that_targets_error() -> None:
 
 
 def test_a_fetcher_handed_in_is_held_to_the_size_limit_and_any_exception_is_recorded() -> None:
-    async def fetch(url: str, timeout: float) -> bytes:
+    async def fetch(url: str, timeout: float, bearer: str | None = None) -> bytes:
         if url.endswith("/big"):
             return b"x" * 101
         raise RuntimeError("boom")
