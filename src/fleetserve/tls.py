@@ -316,6 +316,7 @@ def ensure_generated(tls_dir: Path, role: str, sans: list[str], now: dt.datetime
     reused after. A certificate missing one of ``sans``, or near its end, is issued again by the
     same CA, so the pin agents were given stays valid."""
     now = now or dt.datetime.now(dt.UTC)
+    tls_dir = tls_dir.absolute()
     tls_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     ca_file, ca_key_file = tls_dir / "ca.crt", tls_dir / "ca.key"
     if ca_file.exists() and ca_key_file.exists():

@@ -66,7 +66,7 @@ def test_the_engine_refuses_a_request_without_its_key_and_the_gateway_still_answ
         # The attacker: no key, another replica's kind of key, the gateway's own API key, the
         # join and admin tokens. Every one is refused, on every route that serves or tells.
         wrong = ["", "Bearer not-the-key", f"Bearer {key[:-1]}", f"Bearer {server.join_token}",
-                 f"Bearer {server.admin_token}", key]  # fmt: skip
+                 f"Bearer {server.admin_token}", f"Basic {key}"]  # fmt: skip
         for authorization in wrong:
             headers = {"Authorization": authorization} if authorization else {}
             for method, path in (

@@ -1,5 +1,6 @@
-"""Each replica's engine API key: the gateway and the observer send it; the engine refuses
-requests without it.
+"""Each replica's engine API key (its engine refuses requests without it).
+
+The gateway and the observer send it; only the replica's agent is given it.
 
 Revision ID: 0003
 Revises: 0001
