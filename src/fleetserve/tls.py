@@ -100,10 +100,10 @@ def is_wildcard(host: str) -> bool:
 
 
 def machine_addresses() -> list[str]:
-    """This machine's host name and the addresses of its interfaces (no link-local ones)."""
+    """This machine's interface addresses (IPv4 first, no link-local ones), then its host name."""
     import psutil  # type: ignore[import-untyped]
 
-    out = [socket.gethostname()]
+    found: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = []
     for addrs in psutil.net_if_addrs().values():
         for addr in addrs:
             if addr.family not in (socket.AF_INET, socket.AF_INET6):
@@ -113,8 +113,9 @@ def machine_addresses() -> list[str]:
             except ValueError:
                 continue
             if not ip.is_link_local:
-                out.append(str(ip))
-    return out
+                found.append(ip)
+    found.sort(key=lambda ip: ip.version)  # stable: interface order within each family
+    return [*(str(ip) for ip in found), socket.gethostname()]
 
 
 def default_sans(listen_host: str, extra: Iterable[str] = ()) -> list[str]:
@@ -309,6 +310,8 @@ class ServerTls:
     ca_file: Path | None = None
     ca_pem: bytes | None = None
     pin: CaPin | None = None
+    # The names the generated certificate carries (the operator's first), for the join command.
+    names: tuple[str, ...] = ()
 
 
 def ensure_generated(tls_dir: Path, role: str, sans: list[str], now: dt.datetime | None = None) -> ServerTls:
@@ -344,7 +347,8 @@ def ensure_generated(tls_dir: Path, role: str, sans: list[str], now: dt.datetime
         write_secret(key_file, _key_pem(key))
         chain = cert.public_bytes(serialization.Encoding.PEM) + ca.public_bytes(serialization.Encoding.PEM)
         write_secret(cert_file, chain, mode=0o644)
-    return ServerTls(cert_file, key_file, ca_file, ca.public_bytes(serialization.Encoding.PEM), CaPin.of(ca))
+    ca_pem = ca.public_bytes(serialization.Encoding.PEM)
+    return ServerTls(cert_file, key_file, ca_file, ca_pem, CaPin.of(ca), tuple(sans))
 
 
 def listen_tls(

@@ -56,7 +56,8 @@ class Listen:
     def url(self) -> str:
         """The URL clients use: the listen address, or for a wildcard a name of the certificate."""
         scheme = "https" if self.tls is not None else "http"
-        return url_of(scheme, public_host(self.host, self.sans), self.port)
+        names = self.tls.names if self.tls is not None and self.tls.names else self.sans
+        return url_of(scheme, public_host(self.host, names), self.port)
 
 
 @dataclass(frozen=True)
