@@ -400,8 +400,8 @@ def check_plain(url: str, insecure: bool) -> None:
     if parts.scheme == "http" and not insecure and not is_loopback(parts.hostname or ""):
         raise PlainHttpRefused(
             f"{url}: plain HTTP to a non-loopback address would send tokens in the clear; use "
-            "https:// with the CA pin the server printed (--ca-hash sha256:...), or --insecure to "
-            "allow it anyway"
+            "https:// with the CA pin the server printed (--ca-hash sha256:..., FLEETSERVE_CA_HASH), "
+            "or allow it anyway with --insecure (FLEETSERVE_INSECURE=1 for the admin commands)"
         )
 
 
