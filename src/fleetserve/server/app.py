@@ -315,13 +315,11 @@ def _assemble(
         body, content_type = serving.metrics.render(request.headers.get("accept", ""))
         return Response(body, media_type=content_type)
 
-    @app.get(
-        CA_PATH, tags=["health"], summary="The generated CA (PEM); no credentials: clients check its pin"
-    )
-    def ca_certificate() -> Response:
-        if ca_pem is None:
-            raise NotFound("this server publishes no CA: it serves plain HTTP or an operator's certificate")
-        return Response(ca_pem, media_type="application/x-pem-file")
+    if ca_pem is not None:  # only a server that generated its CA has one to publish
+
+        @app.get(CA_PATH, tags=["health"], summary="The generated CA (PEM); no credentials: clients pin it")
+        def ca_certificate() -> Response:
+            return Response(ca_pem, media_type="application/x-pem-file")
 
     for router in routers:
         app.include_router(router)
