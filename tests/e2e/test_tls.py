@@ -28,7 +28,7 @@ import yaml
 from cryptography import x509
 from e2e_support import FLEETSERVE, AgentFactory, clean_env, free_port, run_cli, wait_for
 
-from fleetserve.tls import CaPin
+from fleetserve.tls import CaPin, ensure_generated
 
 START_TIMEOUT = 60.0
 WRONG_PIN = "sha256:" + "0" * 64
@@ -264,3 +264,34 @@ def test_a_gateway_with_the_same_tls_dir_serves_tls_from_the_servers_ca(
             plain.get(f"http://127.0.0.1:{port}/healthz")
     finally:
         gateway.stop()
+
+
+def test_the_operators_certificate_is_served_and_verified_with_its_ca_file(tmp_path: Path) -> None:
+    """--tls-cert/--tls-key (here from a CA the test makes): nothing is generated, no CA is
+    published, and clients verify the server with --ca-file / FLEETSERVE_CA_FILE."""
+    operator = ensure_generated(tmp_path / "operator-pki", "server", ["127.0.0.1"])
+    assert operator.ca_file is not None
+    port = free_port()
+    proc, log_path = _spawn(
+        tmp_path,
+        "server",
+        ["server", "--database-url", f"sqlite:///{tmp_path / 'state.db'}", "--host", "127.0.0.1",
+         "--port", str(port), "--tls-cert", str(operator.cert_file), "--tls-key", str(operator.key_file),
+         "--tls-dir", str(tmp_path / "generated"), "--token-file", str(tmp_path / "tokens.yaml")],
+    )  # fmt: skip
+    server = Listener(proc, port, log_path, tmp_path / "generated")
+    try:
+        _wait_answers(server, f"{server.url}/healthz", trusting(operator.ca_file))
+        assert f"fleetserve server: https://127.0.0.1:{port}" in server.log()
+        assert "clients verify it with --ca-file" in server.log()
+        assert not (tmp_path / "generated").exists()
+        with httpx.Client(verify=trusting(operator.ca_file), timeout=10) as http:
+            assert http.get(f"{server.url}/tls/ca.crt").status_code == 404
+        home = {"HOME": str(tmp_path / "home"), "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
+        env = clean_env(FLEETSERVE_SERVER=server.url, FLEETSERVE_TOKEN=tokens(tmp_path)["admin"], **home)
+        with_file = run_cli("get", "nodes", env={**env, "FLEETSERVE_CA_FILE": str(operator.ca_file)})
+        assert with_file.returncode == 0, with_file.stderr
+        pinned = run_cli("get", "nodes", env={**env, "FLEETSERVE_CA_HASH": str(operator.pin)})
+        assert pinned.returncode != 0 and "publishes no CA" in pinned.stderr, pinned.stderr
+    finally:
+        server.stop()
