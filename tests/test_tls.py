@@ -153,6 +153,14 @@ def test_listen_tls_takes_the_operators_pair_and_refuses_half_of_one(tmp_path: P
 
 def test_the_certificate_names_the_listen_address_and_loopback_and_a_wildcard_names_the_machine() -> None:
     assert default_sans("10.0.0.5", ["cp.lan"]) == ["cp.lan", "10.0.0.5", "127.0.0.1", "::1", "localhost"]
+    assert default_sans("[fd00::5]", ["CP.lan", "[fd00::6]"]) == [
+        "cp.lan",
+        "fd00::6",
+        "fd00::5",
+        "127.0.0.1",
+        "::1",
+        "localhost",
+    ]
     wild = default_sans("0.0.0.0")
     assert socket.gethostname().lower() in wild and "127.0.0.1" in wild
     assert public_host("0.0.0.0", ["cp.lan", "127.0.0.1"]) == "cp.lan"

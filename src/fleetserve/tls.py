@@ -126,8 +126,9 @@ def default_sans(listen_host: str, extra: Iterable[str] = ()) -> list[str]:
     names += ["127.0.0.1", "::1", "localhost"]
     seen: dict[str, None] = {}
     for name in names:
+        name = name.strip().strip("[]").lower()
         if name:
-            seen.setdefault(name.lower(), None)
+            seen.setdefault(name, None)
     return list(seen)
 
 
