@@ -130,7 +130,8 @@ class StatusReply(BaseModel):
 
 class Assignment(BaseModel):
     """What an agent needs to run one replica: the replica, its profile with the runtime variant
-    and driver worked out, the model document, and the addresses of the replica's nodes."""
+    and driver worked out, the model document, the addresses of the replica's nodes, and the API
+    key its engine must demand."""
 
     replica: Replica
     profile: Profile
