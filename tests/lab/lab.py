@@ -4,7 +4,7 @@ plane and gateway) in the root namespace on the bridge's address. Used by tests/
 bench/chaos.py.
 
     root namespace                         host namespaces (ip netns)
-    fleetserve server  10.213.N.1 ── bridge fslbPID ── veth ── h1: agent, engines  10.213.N.11
+    fleetserve server  10.213.N.1 (TLS) ── bridge fslbPID ── veth ── h1: agent, engines  10.213.N.11
                                                    ├── veth ── h2: agent, engines  10.213.N.12
                                                    └── veth ── h3: agent, engines  10.213.N.13
 
@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -147,7 +148,12 @@ class Lab:
     admin_token: str = ""
     join_token: str = ""
     api_key: str = ""
+    verify: ssl.SSLContext | None = None  # the server's generated CA, once it started
     _logs: list[Any] = field(default_factory=list)
+
+    @property
+    def ca_file(self) -> Path:
+        return self.workdir / "tls" / "ca.crt"
 
     @property
     def bridge(self) -> str:
@@ -200,7 +206,8 @@ class Lab:
         return handle
 
     def start_server(self) -> None:
-        """``fleetserve server`` on the bridge address, short heartbeat deadlines, SQLite."""
+        """``fleetserve server`` on the bridge address, short heartbeat deadlines, SQLite; off
+        loopback it serves TLS with a CA it generates (agents and clients verify against it)."""
         port = 18000 + os.getpid() % 1000
         token_file = self.workdir / "tokens.yaml"
         args = [
@@ -209,6 +216,7 @@ class Lab:
             "--reconcile-interval", str(RECONCILE_INTERVAL),
             "--not-ready-after", str(NOT_READY_AFTER), "--lost-after", str(LOST_AFTER),
             "--token-file", str(token_file), "--models-dir", str(self.workdir / "server-models"),
+            "--tls-dir", str(self.ca_file.parent),
         ]  # fmt: skip
         self.server = subprocess.Popen(
             args,
@@ -218,13 +226,19 @@ class Lab:
             stdin=subprocess.DEVNULL,
             preexec_fn=die_with_parent,  # a lab whose test run is killed leaves no server behind
         )
-        self.server_url = f"http://{self.prefix}.1:{port}"
+        self.server_url = f"https://{self.prefix}.1:{port}"
 
         def healthy() -> bool:
             if self.server is not None and self.server.poll() is not None:
                 raise RuntimeError(f"the server exited: {self.log('server')[-3000:]}")
+            if self.verify is None:
+                try:
+                    self.verify = ssl.create_default_context(cafile=str(self.ca_file))
+                except (OSError, ssl.SSLError):
+                    return False  # not written yet, or half-written
             with contextlib.suppress(httpx.HTTPError):
-                return httpx.get(self.server_url + "/healthz", timeout=2).status_code == 200
+                response = httpx.get(self.server_url + "/healthz", timeout=2, verify=self.verify)
+                return response.status_code == 200
             return False
 
         wait_until(healthy, 60, "the server to answer /healthz")
@@ -242,7 +256,7 @@ class Lab:
             str(FLEETSERVE), "agent", "--server", self.server_url, "--token", self.join_token,
             "--name", name, "--address", host.address, "--interval", str(AGENT_INTERVAL),
             "--cache-dir", str(host.cache_dir), "--log-dir", str(host.root / "logs"),
-            "--state-dir", str(host.state_dir),
+            "--state-dir", str(host.state_dir), "--ca-file", str(self.ca_file),
         ]  # fmt: skip
         # nsenter enters the network namespace only (`ip netns exec` would also remount /sys,
         # hiding the cgroup hierarchy from the agent), then execs: the pid is the agent's.
@@ -285,6 +299,7 @@ class Lab:
             f"{self.server_url}/api/v1{path}",
             headers={"Authorization": f"Bearer {self.admin_token}"},
             timeout=30,
+            verify=self.verify or True,
             **kwargs,
         )
         if response.status_code != 200:

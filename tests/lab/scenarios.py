@@ -62,7 +62,7 @@ class BackgroundLoad:
         headers = {"Authorization": f"Bearer {lab.api_key}"}
 
         def work() -> None:
-            with httpx.Client(timeout=timeout) as client:
+            with httpx.Client(timeout=timeout, verify=lab.verify or True) as client:
                 while not self._stop.is_set():
                     started = time.monotonic()
                     one_request(client, lab.gateway_url, MODEL, self.counts, stream=stream, headers=headers)
@@ -148,6 +148,7 @@ def serves(lab: Lab) -> bool:
             json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
             headers={"Authorization": f"Bearer {lab.api_key}"},
             timeout=10,
+            verify=lab.verify or True,
         )
     except httpx.HTTPError:
         return False
