@@ -170,3 +170,27 @@ def test_an_unreadable_record_is_dropped_and_a_stopped_engine_leaves_no_record(t
         assert not (containment.records / "short-0.json").exists()
     finally:
         sup.shutdown()
+
+
+@pytest.mark.skipif(not CGROUPS, reason="no writable cgroup2 hierarchy here (not root, or no cgroup v2)")
+def test_a_record_naming_a_cgroup_not_the_agents_own_kills_nothing_there(tmp_path):
+    # Someone who can write the record aims it at another cgroup (another agent's, a system one).
+    root = cgroup2_root()
+    assert root is not None
+    victim_cgroup = root / f"fs-victim-{os.getpid()}"
+    victim_cgroup.mkdir()
+    victim = subprocess.Popen(["sleep", "30"])
+    try:
+        (victim_cgroup / "cgroup.procs").write_text(str(victim.pid))
+        containment = Containment(tmp_path / "state")
+        containment.records.mkdir(parents=True)
+        for aimed in (victim_cgroup, containment.parent / ".." / victim_cgroup.name):
+            record = EngineRecord(replica="evil-0", processes=[], cgroup=str(aimed))
+            (containment.records / "evil-0.json").write_text(record.model_dump_json())
+            assert containment.reap_leftovers() == []
+            assert victim.poll() is None and victim_cgroup.is_dir()
+    finally:
+        victim.kill()
+        victim.wait()
+        wait_for(lambda: not (victim_cgroup / "cgroup.procs").read_text().strip(), 5, str)
+        victim_cgroup.rmdir()

@@ -12,7 +12,9 @@ agent, and by the next one after this agent was killed.
   pid, start time and process group of each process, and the cgroup. A restarted agent reads
   them (``reap_leftovers``) and stops what its previous run left before it starts anything. A pid
   counts as the recorded process only if its start time (``/proc/PID/stat``, in clock ticks
-  since boot) matches, so a reused pid is never killed.
+  since boot) matches, so a reused pid is never killed; a recorded cgroup counts only if it is one
+  of this agent's own (under ``<cgroup2>/fleetserve/<agent>``), so a record cannot aim the agent
+  at anyone else's processes. The records' directory is the agent's alone (0700).
 """
 
 from __future__ import annotations
@@ -97,6 +99,10 @@ class Containment:
 
     # --- cgroups --------------------------------------------------------------------------------
 
+    def owns(self, cgroup: Path) -> bool:
+        """Whether ``cgroup`` is one this agent makes (directly under its own parent cgroup)."""
+        return self.parent is not None and cgroup.parent == self.parent and cgroup.name not in ("", ".", "..")
+
     def make_cgroup(self, replica: str) -> Path | None:
         """A fresh, empty cgroup for ``replica``'s processes, or None where none can be made."""
         if self.parent is None:
@@ -122,6 +128,7 @@ class Containment:
                 processes.append(ProcessRecord(pid=pid, start_time=started, pgid=pgid))
         entry = EngineRecord(replica=replica, processes=processes, cgroup=str(cgroup) if cgroup else None)
         self.records.mkdir(parents=True, exist_ok=True)
+        self.records.chmod(0o700)
         path = self.records / f"{replica}.json"
         tmp = path.with_suffix(".tmp")
         tmp.write_text(entry.model_dump_json(), encoding="utf-8")
@@ -129,7 +136,7 @@ class Containment:
 
     def forget(self, replica: str, cgroup: Path | None) -> None:
         """``replica``'s processes are all gone: remove its cgroup and its record."""
-        if cgroup is not None:
+        if cgroup is not None and self.owns(cgroup):
             remove_cgroup(cgroup)
         with contextlib.suppress(FileNotFoundError):
             (self.records / f"{replica}.json").unlink()
@@ -147,6 +154,11 @@ class Containment:
                 log.warning("ignoring unreadable engine record %s: %s", path, exc)
                 path.unlink(missing_ok=True)
                 continue
+            if entry.cgroup is not None and not self.owns(Path(entry.cgroup)):
+                log.warning(
+                    "engine record %s names a cgroup not this agent's: %s; ignored", path, entry.cgroup
+                )
+                entry = entry.model_copy(update={"cgroup": None})
             killed = stop_recorded(entry)
             if killed:
                 stopped.append(f"{entry.replica}: {killed} process(es)")
