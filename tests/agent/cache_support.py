@@ -56,6 +56,8 @@ class FileServer:
     files: dict[str, bytes] = field(default_factory=dict)
     cut_after: list[int] = field(default_factory=list)
     advertise: dict[str, int] = field(default_factory=dict)
+    # path → the X-Sha256 to announce instead of the body's (the control plane announces its digest).
+    announce: dict[str, str] = field(default_factory=dict)
     requests: list[Seen] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -164,6 +166,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Last-Modified", _LAST_MODIFIED)
         if fs.ranges:
             self.send_header("Accept-Ranges", "bytes")
+        self.send_header("X-Sha256", fs.announce.get(self.path, sha256(body)))
         if status == 206:
             self.send_header("Content-Range", f"bytes {start}-{len(body) - 1}/{len(body)}")
         self.end_headers()
