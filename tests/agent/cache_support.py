@@ -58,6 +58,8 @@ class FileServer:
     advertise: dict[str, int] = field(default_factory=dict)
     # path → the X-Sha256 to announce instead of the body's (the control plane announces its digest).
     announce: dict[str, str] = field(default_factory=dict)
+    # path → a URL to redirect to (302).
+    redirects: dict[str, str] = field(default_factory=dict)
     requests: list[Seen] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -140,6 +142,9 @@ class _Handler(BaseHTTPRequestHandler):
         fs = self.server.owner
         if fs.token is not None and self.headers.get("Authorization") != f"Bearer {fs.token}":
             self._reply(401, b'{"error": "invalid join token"}', {"Content-Type": "application/json"})
+            return
+        if self.path in fs.redirects:
+            self._reply(302, b"", {"Location": fs.redirects[self.path]})
             return
         body = fs.files.get(self.path)
         if body is None:

@@ -68,6 +68,7 @@ from fleetserve.errors import (
     InsufficientSpace,
     ModelPinned,
     SourceError,
+    SourceRefused,
     TransferInterrupted,
 )
 from fleetserve.sources import (
@@ -515,12 +516,12 @@ class ModelCache:
             except TransferInterrupted:
                 raise
             except SourceError as exc:
-                raise SourceError(f"model {model.name!r} from {shown}: {exc}") from exc
+                raise _prefixed(exc, f"model {model.name!r} from {shown}") from exc
         if isinstance(source, HfRepoSource):
             try:
                 return self._mirror_repo(model, source, meter)
             except SourceError as exc:
-                raise SourceError(f"model {model.name!r} from {shown}: {exc}") from exc
+                raise _prefixed(exc, f"model {model.name!r} from {shown}") from exc
         for attempt in range(1, self.attempts + 1):
             try:
                 fetched = self._transfer(model, source, part, meter)
@@ -534,7 +535,7 @@ class ModelCache:
                     "model %s: %s; attempt %d of %d resumes", model.name, exc, attempt + 1, self.attempts
                 )
             except SourceError as exc:
-                raise SourceError(f"model {model.name!r} from {shown}: {exc}") from exc
+                raise _prefixed(exc, f"model {model.name!r} from {shown}") from exc
         if model.sha256 is not None and fetched.digest != model.sha256:
             discard_partial(part)
             raise ChecksumMismatch(model.name, shown, model.sha256, fetched.digest)
@@ -983,6 +984,12 @@ class ModelCache:
             if not blob.is_file() or blob.stat().st_size != size:
                 return False
         return True
+
+
+def _prefixed(exc: SourceError, prefix: str) -> SourceError:
+    """The same kind of error (a refusal stays a refusal), its message prefixed."""
+    kind = SourceRefused if isinstance(exc, SourceRefused) else SourceError
+    return kind(f"{prefix}: {exc}")
 
 
 def _file_name(model: Model, source: Source) -> str:
