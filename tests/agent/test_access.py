@@ -84,7 +84,7 @@ def test_an_http_source_on_loopback_is_refused_without_the_allow_flag(
 ) -> None:
     server.files["/m.gguf"] = BODY
     strict = ModelCache(tmp_path / "cache", policy=SourcePolicy.strict())
-    with pytest.raises(SourceRefused, match="127.0.0.1 is a loopback address"):
+    with pytest.raises(SourceRefused, match=r"127\.0\.0\.1 is a loopback address"):
         strict.ensure(model(server.url("/m.gguf")))
     assert server.requests == []
 
@@ -115,7 +115,7 @@ def test_a_host_name_is_checked_by_what_it_resolves_to() -> None:
     table = {"models.internal": ["192.0.2.8"], "sneaky.example": ["169.254.169.254"]}
     policy = SourcePolicy(allow_private=False, resolver=lambda host, port: table.get(host, []))
     policy.check_url("https://models.internal/m.gguf")
-    with pytest.raises(SourceRefused, match="169.254.169.254 is a cloud metadata address"):
+    with pytest.raises(SourceRefused, match=r"169\.254\.169\.254 is a cloud metadata address"):
         policy.check_url("https://sneaky.example/m.gguf")
     with pytest.raises(SourceRefused, match="metadata host"):
         policy.check_url("http://metadata.google.internal/computeMetadata/v1/")
@@ -133,7 +133,7 @@ def test_a_redirect_to_a_metadata_address_is_refused_before_it_is_followed(
         if not url.startswith(server.base_url):  # the first hop stands in for a public server
             policy.check_url(url)
 
-    with pytest.raises(SourceRefused, match="169.254.169.254 is a cloud metadata address"):
+    with pytest.raises(SourceRefused, match=r"169\.254\.169\.254 is a cloud metadata address"):
         fetch(server.url("/m.gguf"), tmp_path / "m.part", guard=guard, timeout=5)
     assert seen == [
         server.url("/m.gguf"),

@@ -258,7 +258,7 @@ def test_a_hub_on_a_loopback_address_is_refused_unless_the_agent_allows_private_
     hub.add("org/tiny", {"tiny.gguf": GGUF})
     strict = cache_for(tmp_path, hub, policy=SourcePolicy.strict())
 
-    with pytest.raises(SourceRefused, match="loopback address.*--allow-private-sources"):
+    with pytest.raises(SourceRefused, match=r"loopback address.*--allow-private-sources"):
         strict.ensure(gguf_model("hf://org/tiny/tiny.gguf"))
     assert hub.requests == []
 
