@@ -35,10 +35,6 @@ class UpError(FleetserveError):
     """``fleetserve up`` could not bring the stack up."""
 
 
-class _Stopped(BaseException):
-    """SIGTERM or SIGINT reached ``up``: stop everything, print no error."""
-
-
 @dataclass(frozen=True)
 class UpOptions:
     """How ``up`` reaches models and engines (passed on to its agent)."""
@@ -167,7 +163,8 @@ def up(
 
 
 def _raise_stopped(signum: int, frame: object) -> None:
-    raise _Stopped(signum)
+    # SIGTERM takes Ctrl-C's path: one graceful stop for both, never shown as an error.
+    raise KeyboardInterrupt
 
 
 def _up(
@@ -231,7 +228,7 @@ def _up(
         while all(p.poll() is None for p in procs):
             time.sleep(0.5)
         raise UpError("a process of the stack exited; see " + ", ".join(str(x) for x in logs))
-    except (KeyboardInterrupt, _Stopped):
+    except KeyboardInterrupt:
         console.print("\nstopping…", markup=False)
     finally:
         # The rest of the shutdown must not be cut short by a second Ctrl-C.
