@@ -18,7 +18,13 @@ from fleetserve.drivers import Driver, RuntimeVariant
 from fleetserve.engines.launch import LaunchContext
 from fleetserve.engines.registry import ENGINES
 from fleetserve.engines.spec import EngineKind
-from fleetserve.errors import ChecksumMismatch, SourceError, SourceRefused, TransferInterrupted
+from fleetserve.errors import (
+    ChecksumMismatch,
+    InsufficientSpace,
+    SourceError,
+    SourceRefused,
+    TransferInterrupted,
+)
 from fleetserve.spec.resources import Model, ModelFormat, Profile, Replica, Shard
 from hub.fake_hub import FakeHub, git_blob_id, sha256
 
@@ -268,3 +274,41 @@ def test_a_hub_on_a_loopback_address_is_refused_unless_the_agent_allows_private_
 
 def test_the_model_format_of_a_repository_is_safetensors() -> None:
     assert ModelFormat.SAFETENSORS.value == "safetensors"
+
+
+def test_a_download_that_cannot_fit_is_refused_before_the_first_byte(tmp_path: Path, hub: FakeHub) -> None:
+    hub.add("org/tiny", {"tiny.gguf": GGUF})
+    cache = cache_for(tmp_path, hub, space_margin=2**62)
+
+    with pytest.raises(InsufficientSpace, match="nothing was written"):
+        cache.ensure(gguf_model("hf://org/tiny/tiny.gguf"))
+
+    assert hub.seen("cdn") == []
+    assert not [p for p in (tmp_path / "cache" / "partial").rglob("*") if p.is_file()]
+
+
+def build_mirror(mirror: Path, repo_id: str, files: dict[str, bytes], commit: str = "ab" * 20) -> str:
+    """A hub-cache layout: blobs, a snapshot of relative symlinks, refs/main naming the commit."""
+    repo = mirror / f"models--{repo_id.replace('/', '--')}"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    for name, data in files.items():
+        blob = repo / "blobs" / sha256(data)
+        blob.write_bytes(data)
+        link = repo / "snapshots" / commit / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (repo / "refs" / "main").write_text(commit)
+    return commit
+
+
+def test_a_whole_repository_is_read_offline_from_a_mirror(tmp_path: Path) -> None:
+    commit = build_mirror(tmp_path / "mirror", "org/llama", REPO)
+    cache = ModelCache(tmp_path / "cache", hf_mirror=tmp_path / "mirror")
+    model = Model.model_validate({"name": "llama", "source": "hf://org/llama", "format": "safetensors"})
+
+    folder = cache.ensure(model)
+
+    assert sorted(p.name for p in folder.iterdir()) == ENGINE_FILES
+    assert (folder / "config.json").read_bytes() == REPO["config.json"]
+    assert cache.contents()[0].resolved == f"hf://org/llama@{commit}"

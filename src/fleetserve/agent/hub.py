@@ -136,7 +136,7 @@ def resolve(access: HubAccess, repo_id: str, revision: str | None, filename: str
         info = HfApi(endpoint=access.base(), token=access.token).model_info(
             repo_id, revision=revision, files_metadata=True
         )
-    except Exception as exc:
+    except _client_errors() as exc:
         raise hub_error(exc, what, repo_id, revision) from exc
     if not info.sha:
         raise SourceError(f"{what}: the Hub at {access.base()} did not name the commit of the revision")
@@ -180,7 +180,7 @@ def locate(access: HubAccess, snapshot: HubSnapshot, file: HubFile) -> tuple[str
     what = snapshot.source(file.name)
     try:
         meta = get_hf_file_metadata(url, token=access.token, endpoint=access.base(), retry_on_errors=True)
-    except Exception as exc:
+    except _client_errors() as exc:
         raise hub_error(exc, what, snapshot.repo_id, snapshot.revision) from exc
     if meta.commit_hash is not None and meta.commit_hash != snapshot.commit:
         raise SourceError(f"{what}: the Hub answered for commit {meta.commit_hash}, not {snapshot.commit}")
@@ -189,6 +189,14 @@ def locate(access: HubAccess, snapshot: HubSnapshot, file: HubFile) -> tuple[str
     if _origin(location) != _origin(url):
         headers.pop("authorization", None)  # a signed CDN URL: the token stays on the Hub
     return location, headers
+
+
+def _client_errors() -> tuple[type[BaseException], ...]:
+    """What ``huggingface_hub`` raises for an answer or a connection it could not use."""
+    import httpx2
+    from huggingface_hub.errors import HfHubHTTPError
+
+    return (HfHubHTTPError, httpx2.HTTPError, OSError, ValueError)
 
 
 def _origin(url: str) -> tuple[str, str]:
