@@ -435,7 +435,8 @@ def test_up_serves_the_tiny_model_and_a_ctrl_c_stops_everything(tmp_path: Path) 
         assert programs == ["agent", "llama-server", "server"], [p.cmdline() for p in children]
 
         stopping = time.monotonic()
-        proc.send_signal(signal.SIGINT)
+        # As a terminal's Ctrl-C does: SIGINT to the whole foreground group (up, server, agent).
+        os.killpg(proc.pid, signal.SIGINT)
         code = proc.wait(timeout=60)
         took = time.monotonic() - stopping
         left = [" ".join(p.cmdline()) for p in processes_mentioning(data_dir)]
