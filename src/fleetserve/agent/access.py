@@ -120,8 +120,7 @@ class SourcePolicy:
         for address in addresses:
             reason = forbidden_reason(address)
             if reason is not None:
-                return_to = address if address != host else host
-                raise SourceRefused(_refusal(url, return_to, reason))
+                raise SourceRefused(_refusal(url, address, reason))
 
 
 def _is_ip(host: str) -> bool:
