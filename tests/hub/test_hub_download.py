@@ -14,6 +14,7 @@ import pytest
 from fleetserve.agent.access import SourcePolicy
 from fleetserve.agent.cache import ModelCache
 from fleetserve.agent.hub import HubAccess
+from fleetserve.agent.runtime import check_model_path
 from fleetserve.drivers import Driver, RuntimeVariant
 from fleetserve.engines.launch import LaunchContext
 from fleetserve.engines.registry import ENGINES
@@ -312,3 +313,12 @@ def test_a_whole_repository_is_read_offline_from_a_mirror(tmp_path: Path) -> Non
     assert sorted(p.name for p in folder.iterdir()) == ENGINE_FILES
     assert (folder / "config.json").read_bytes() == REPO["config.json"]
     assert cache.contents()[0].resolved == f"hf://org/llama@{commit}"
+
+
+def test_a_whole_repository_is_refused_for_an_engine_that_loads_one_file(tmp_path: Path) -> None:
+    folder = tmp_path / "models" / "llama"
+    folder.mkdir(parents=True)
+    with pytest.raises(SourceError, match=r"llama\.cpp loads one model file"):
+        check_model_path(EngineKind.LLAMACPP, "hf://org/llama", folder)
+    check_model_path(EngineKind.VLLM, "hf://org/llama", folder)
+    check_model_path(EngineKind.LLAMACPP, "hf://org/tiny/tiny.gguf", tmp_path / "models" / "tiny.gguf")

@@ -28,7 +28,7 @@ from fleetserve.engines.binaries import resolve
 from fleetserve.engines.launch import LaunchContext
 from fleetserve.engines.registry import ENGINES
 from fleetserve.engines.spec import EngineKind
-from fleetserve.errors import FleetserveError, InternalError, StaleEpoch
+from fleetserve.errors import FleetserveError, InternalError, SourceError, StaleEpoch
 from fleetserve.protocol import Assignment, AssignmentSet, Download, GpuSample, ReplicaReport, StatusReport
 from fleetserve.spec.resources import DeviceClass, Node, Replica, ReplicaState
 from fleetserve.units import format_bytes
@@ -141,6 +141,7 @@ class Agent:
         model, profile, variant, driver = entry.model, entry.profile, entry.runtime, entry.driver
         binary = resolve(profile.engine, variant, self.settings.binaries)
         path = self.cache.ensure(model)
+        check_model_path(profile.engine, model.source, path)
         self.cache.pin(model.name)
         with self._lock:
             self._model_of[replica.name] = model.name
@@ -287,6 +288,15 @@ class Agent:
             thread.start()
         stop.wait()
         self.supervisor.shutdown()
+
+
+def check_model_path(engine: EngineKind, source: str, path: Path) -> None:
+    """Refuse a whole repository (a directory) for an engine that loads one file."""
+    if path.is_dir() and not ENGINES[engine].serves_directory:
+        raise SourceError(
+            f"{source} is a whole repository, and {engine.value} loads one model file: name the file, "
+            "e.g. hf://ORG/REPO/FILE.gguf"
+        )
 
 
 # Seconds without a byte after which a download is reported stalled.
