@@ -274,7 +274,7 @@ def up_command(
         str | None,
         typer.Option(
             help="A GGUF to serve with llama.cpp on the CPU: 'tiny' (a tiny test model written at start), "
-            "a local path, an https URL or hf://ORG/REPO/FILE.gguf[@REVISION]."
+            "a local path, an https URL or hf://ORG/REPO/FILE.gguf (optionally @REVISION)."
         ),
     ] = None,
     data_dir: Annotated[Path, typer.Option(help="State, tokens, model cache and logs.")] = Path(
