@@ -154,7 +154,9 @@ def up(
     # Every process and document gets absolute paths: none depends on another's working directory.
     data_dir = data_dir.absolute()
     data_dir.mkdir(parents=True, exist_ok=True)
-    previous = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGTERM, signal.SIGINT)}
+    # Ctrl-C, SIGTERM and a closed terminal (SIGHUP) all stop everything the same graceful way.
+    stops = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, _raise_stopped) for sig in stops}
     try:
         _up(data_dir, port, model, console, ready_timeout, options)
     finally:
@@ -232,8 +234,8 @@ def _up(
         console.print("\nstopping…", markup=False)
     finally:
         # The rest of the shutdown must not be cut short by a second Ctrl-C.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
         for proc in reversed(procs):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
