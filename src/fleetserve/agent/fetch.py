@@ -23,6 +23,7 @@ import json
 import os
 import re
 import secrets
+import ssl
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -276,6 +277,7 @@ def fetch(
     client: httpx.Client | None = None,
     identity: str | None = None,
     guard: UrlGuard | None = None,
+    verify: ssl.SSLContext | bool = True,
 ) -> Fetched:
     """Download ``url`` into ``part``, resuming a partial one left by an earlier attempt.
 
@@ -289,7 +291,9 @@ def fetch(
     """
     if client is None:
         hooks = {"request": [_guard_hook(guard)]} if guard is not None else {}
-        with httpx.Client(timeout=httpx.Timeout(timeout), follow_redirects=True, event_hooks=hooks) as own:
+        with httpx.Client(
+            timeout=httpx.Timeout(timeout), follow_redirects=True, event_hooks=hooks, verify=verify
+        ) as own:
             return fetch(
                 url,
                 part,
