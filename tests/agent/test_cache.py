@@ -16,8 +16,9 @@ import pytest
 from cache_support import FileServer, build_hf_mirror, payload, sha256
 from rich.console import Console
 
-from fleetserve.agent.cache import CacheState, ModelCache, rich_progress
+from fleetserve.agent.cache import CacheState, ModelCache
 from fleetserve.agent.hub import HubAccess
+from fleetserve.agent.progress import rich_progress
 from fleetserve.errors import (
     CacheError,
     ChecksumMismatch,

@@ -28,13 +28,9 @@ cache stays over it and says so (``over_cap``, and a log line) rather than fail 
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import hashlib
-import json
 import logging
 import os
-import re
 import secrets
 import shutil
 import ssl
@@ -42,15 +38,16 @@ import stat
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fleetserve.agent import hub
 from fleetserve.agent.access import SourcePolicy
+from fleetserve.agent.cacheref import FILE_NAME, Entry, Ref, manifest_digest
 from fleetserve.agent.fetch import (
     Fetched,
     atomic_write,
@@ -86,7 +83,7 @@ from fleetserve.spec.resources import Model, ModelFormat
 from fleetserve.units import format_bytes
 
 if TYPE_CHECKING:
-    from rich.console import Console
+    pass
 
 log = logging.getLogger("fleetserve.agent.cache")
 
@@ -100,8 +97,6 @@ PROGRESS_INTERVAL = 0.1
 # Blobs: readable by the agent's user and group, never by others; folders: the agent's user only.
 BLOB_MODE = stat.S_IRUSR | stat.S_IRGRP
 DIR_MODE = stat.S_IRWXU
-_HEX64 = re.compile(r"[0-9a-f]{64}")
-_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+-]{0,199}")
 _EXTENSIONS = {ModelFormat.GGUF: "gguf", ModelFormat.SAFETENSORS: "safetensors"}
 
 
@@ -144,91 +139,6 @@ class ModelStatus:
     error: str | None = None
     # What is being fetched (the source), for a status that names it.
     source: str = ""
-
-
-@dataclass(frozen=True)
-class _Entry:
-    """One file of a whole-repository model: its name in the directory, blob digest and size."""
-
-    name: str
-    digest: str
-    size: int
-
-
-@dataclass(frozen=True)
-class _Ref:
-    name: str
-    digest: str  # a single file: its blob; a repository: the sha256 of its manifest (names, digests)
-    size: int
-    file_name: str  # "" for a repository
-    format: str
-    source: str
-    last_used: float
-    files: tuple[_Entry, ...] = ()  # a repository's files; empty for a single file
-    resolved: str = ""
-
-    @property
-    def is_dir(self) -> bool:
-        return bool(self.files)
-
-    def blobs(self) -> dict[str, int]:
-        """The blobs this model uses: digest → size."""
-        if self.files:
-            return {e.digest: e.size for e in self.files}
-        return {self.digest: self.size}
-
-    def dump(self) -> bytes:
-        doc: dict[str, Any] = {
-            "name": self.name,
-            "digest": f"sha256:{self.digest}",
-            "size": self.size,
-            "file": self.file_name,
-            "format": self.format,
-            "source": self.source,
-            "lastUsed": self.last_used,
-        }
-        if self.files:
-            doc["files"] = [
-                {"name": e.name, "digest": f"sha256:{e.digest}", "size": e.size} for e in self.files
-            ]
-        if self.resolved:
-            doc["resolved"] = self.resolved
-        return json.dumps(doc, sort_keys=True, indent=1).encode()
-
-    @classmethod
-    def load(cls, path: Path) -> _Ref | None:
-        try:
-            doc: Any = json.loads(path.read_bytes())
-            algorithm, _, digest = str(doc["digest"]).partition(":")
-            ref = cls(
-                name=str(doc["name"]),
-                digest=digest,
-                size=int(doc["size"]),
-                file_name=str(doc["file"]),
-                format=str(doc["format"]),
-                source=str(doc["source"]),
-                last_used=float(doc["lastUsed"]),
-                files=tuple(
-                    _Entry(str(e["name"]), str(e["digest"]).removeprefix("sha256:"), int(e["size"]))
-                    for e in doc.get("files") or ()
-                ),
-                resolved=str(doc.get("resolved") or ""),
-            )
-        except (OSError, ValueError, TypeError, KeyError, AttributeError):
-            return None
-        if algorithm != "sha256" or not _HEX64.fullmatch(digest):
-            return None
-        if not (_FILE_NAME.fullmatch(ref.file_name) or (ref.files and not ref.file_name)):
-            return None
-        if any(not _HEX64.fullmatch(e.digest) or not _FILE_NAME.fullmatch(e.name) for e in ref.files):
-            return None
-        return ref if path.stem == ref.name else None
-
-
-def _manifest_digest(entries: list[_Entry]) -> str:
-    """The digest naming a repository's files: sha256 over its sorted ``name digest size`` lines."""
-    lines = "".join(f"{e.name} {e.digest} {e.size}\n" for e in sorted(entries, key=lambda e: e.name))
-    return hashlib.sha256(lines.encode()).hexdigest()
 
 
 @dataclass
@@ -333,7 +243,7 @@ class ModelCache:
         self._models = self.root / "models"
         self._partial = self.root / "partial"
         self._lock = threading.RLock()
-        self._refs: dict[str, _Ref] = {}
+        self._refs: dict[str, Ref] = {}
         self._pins: Counter[str] = Counter()
         self._flights: dict[str, _Flight] = {}
         self._live: dict[str, ModelStatus] = {}
@@ -471,7 +381,7 @@ class ModelCache:
                 del self._flights[model.name]
             flight.done.set()
 
-    def _ready_locked(self, model: Model) -> _Ref | None:
+    def _ready_locked(self, model: Model) -> Ref | None:
         ref = self._refs.get(model.name)
         if ref is None:
             return None
@@ -758,7 +668,7 @@ class ModelCache:
         """Move a verified part into the store and name it; under the lock, so eviction cannot interleave."""
         with self._lock:
             self._store_blob_locked(fetched)
-            ref = _Ref(
+            ref = Ref(
                 name=model.name,
                 digest=fetched.digest,
                 size=fetched.size,
@@ -775,10 +685,10 @@ class ModelCache:
         with self._lock:
             for _, fetched in named:
                 self._store_blob_locked(fetched)
-            entries = [_Entry(name, f.digest, f.size) for name, f in named]
-            ref = _Ref(
+            entries = [Entry(name, f.digest, f.size) for name, f in named]
+            ref = Ref(
                 name=model.name,
-                digest=_manifest_digest(entries),
+                digest=manifest_digest(entries),
                 size=sum(e.size for e in entries),
                 file_name="",
                 format=model.format.value,
@@ -791,7 +701,7 @@ class ModelCache:
         shutil.rmtree(self._partial / f"{model.name}.d", ignore_errors=True)
         return path
 
-    def _name_locked(self, ref: _Ref) -> Path:
+    def _name_locked(self, ref: Ref) -> Path:
         """Link a stored model, write its ref last, drop what its previous definition alone used."""
         self._place_link(ref)
         atomic_write(self._refs_dir / f"{ref.name}.json", ref.dump())
@@ -844,7 +754,7 @@ class ModelCache:
         )
         log.warning("%s", self.over_cap)
 
-    def _remove_locked(self, ref: _Ref) -> None:
+    def _remove_locked(self, ref: Ref) -> None:
         (self._refs_dir / f"{ref.name}.json").unlink(missing_ok=True)
         fsync_dir(self._refs_dir)
         self._refs.pop(ref.name, None)
@@ -873,7 +783,7 @@ class ModelCache:
         self._clock = max(time.time(), self._clock + 1e-6)
         return self._clock
 
-    def _touch_locked(self, ref: _Ref) -> None:
+    def _touch_locked(self, ref: Ref) -> None:
         touched = replace(ref, last_used=self._now())
         self._refs[ref.name] = touched
         try:
@@ -881,22 +791,22 @@ class ModelCache:
         except OSError as exc:  # a use that cannot be recorded still serves the model
             log.warning("model %s: cannot record its use: %s", ref.name, exc)
 
-    def _link(self, ref: _Ref) -> Path:
+    def _link(self, ref: Ref) -> Path:
         """What engines are given: the file's symlink, or a repository's directory."""
         if ref.is_dir:
             return self._models / ref.name
         return self._models / ref.name / ref.file_name
 
-    def _intact(self, ref: _Ref) -> bool:
+    def _intact(self, ref: Ref) -> bool:
         """Whether every file engines would read is in place at its size."""
         folder = self._models / ref.name
-        wanted = ref.files or (_Entry(ref.file_name, ref.digest, ref.size),)
+        wanted = ref.files or (Entry(ref.file_name, ref.digest, ref.size),)
         try:
             return all((folder / e.name).stat().st_size == e.size for e in wanted)
         except OSError:
             return False
 
-    def _place_link(self, ref: _Ref) -> None:
+    def _place_link(self, ref: Ref) -> None:
         if ref.is_dir:
             self._place_dir(ref)
             return
@@ -912,7 +822,7 @@ class ModelCache:
                 other.unlink(missing_ok=True)
         fsync_dir(folder)
 
-    def _place_dir(self, ref: _Ref) -> None:
+    def _place_dir(self, ref: Ref) -> None:
         """A repository's directory of symlinks, built aside and renamed into place whole."""
         tag = secrets.token_hex(4)
         tmp = self._models / f".{ref.name}.{tag}.tmp"
@@ -930,7 +840,7 @@ class ModelCache:
         fsync_dir(self._models)
         shutil.rmtree(old, ignore_errors=True)
 
-    def _describe(self, ref: _Ref) -> CachedModel:
+    def _describe(self, ref: Ref) -> CachedModel:
         return CachedModel(
             name=ref.name,
             digest=ref.digest,
@@ -963,7 +873,7 @@ class ModelCache:
             for tmp in folder.glob(".*.tmp"):
                 tmp.unlink(missing_ok=True)
         for path in sorted(self._refs_dir.glob("*.json")):
-            ref = _Ref.load(path)
+            ref = Ref.load(path)
             if ref is None or not self._blobs_present(ref):
                 log.warning("model cache: dropping the broken or orphaned ref %s", path)
                 path.unlink(missing_ok=True)
@@ -990,7 +900,7 @@ class ModelCache:
             if not side.with_suffix(".part").is_file():
                 side.unlink(missing_ok=True)
 
-    def _blobs_present(self, ref: _Ref) -> bool:
+    def _blobs_present(self, ref: Ref) -> bool:
         for digest, size in ref.blobs().items():
             blob = self._blobs / digest
             if not blob.is_file() or blob.stat().st_size != size:
@@ -1007,44 +917,6 @@ def _prefixed(exc: SourceError, prefix: str) -> SourceError:
 def _file_name(model: Model, source: Source) -> str:
     """The name engines see: the source's file name when it is a plain one, else ``<model>.<ext>``."""
     suggested = source_file_name(source)
-    if suggested and _FILE_NAME.fullmatch(suggested):
+    if suggested and FILE_NAME.fullmatch(suggested):
         return suggested
     return f"{model.name}.{_EXTENSIONS.get(model.format, 'bin')}"
-
-
-@contextlib.contextmanager
-def rich_progress(console: Console | None = None) -> Iterator[ProgressCallback]:
-    """A progress callback drawing one ``rich`` bar per model, for the CLI::
-
-    with rich_progress() as on_progress:
-        cache.ensure(model, on_progress)
-    """
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TaskID,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
-    lock = threading.Lock()
-    tasks: dict[str, TaskID] = {}
-    with Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=console,
-    ) as progress:
-
-        def on_progress(model: Model, done: int, total: int | None, rate: float) -> None:
-            with lock:
-                task = tasks.get(model.name)
-                if task is None:
-                    task = tasks[model.name] = progress.add_task(model.name, total=total)
-                progress.update(task, completed=done, total=total)
-
-        yield on_progress
