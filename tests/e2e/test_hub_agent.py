@@ -74,8 +74,17 @@ def test_an_agent_serves_an_hf_gguf_from_the_hub_and_answers_through_the_gateway
 ) -> None:
     body = write_tiny_model(tmp_path / "upload" / "tiny.gguf").read_bytes()
     commit = hub.add("org/tiny-gguf", {"tiny.gguf": body, "README.md": b"# tiny\n"})
+    hub.delay = 0.1  # a slow link: about 3 s for the tiny model, so the download can be watched
     server = start(servers, agents, tmp_path, hub)
     server.apply(documents("hf://org/tiny-gguf/tiny.gguf", len(body)))
+
+    # While it downloads, the replica says from where and how far.
+    def downloading() -> dict[str, Any] | None:
+        view = replica(server)
+        message = view["status"].get("message", "") if view else ""
+        return view if "downloading model hubtiny from hf://org/tiny-gguf/tiny.gguf: " in message else None
+
+    assert wait_for(downloading, timeout=60, what="the replica to report the download")["state"] == "Starting"
 
     def running() -> dict[str, Any] | None:
         view = replica(server)
