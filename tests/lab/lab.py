@@ -257,6 +257,7 @@ class Lab:
             "--name", name, "--address", host.address, "--interval", str(AGENT_INTERVAL),
             "--cache-dir", str(host.cache_dir), "--log-dir", str(host.root / "logs"),
             "--state-dir", str(host.state_dir), "--ca-file", str(self.ca_file),
+            "--model-dir", str(self.workdir / "models"),
         ]  # fmt: skip
         # nsenter enters the network namespace only (`ip netns exec` would also remount /sys,
         # hiding the cgroup hierarchy from the agent), then execs: the pid is the agent's.
