@@ -51,6 +51,8 @@ class ReplicaStatus(BaseModel):
         default_factory=list, max_length=100, alias="stderrTail"
     )
     port: int | None = Field(default=None, ge=1, le=65535)
+    # Requests the engine is processing or holding (its own metrics), when the agent could read them.
+    in_flight: int | None = Field(default=None, ge=0, le=2**31 - 1, alias="inFlight")
 
     def stored(self) -> dict[str, object]:
         """The JSON the store keeps: the fields the agent sent (an unreported status is ``{}``)."""
@@ -65,7 +67,11 @@ class ReplicaReport(ReplicaStatus):
     def status(self) -> ReplicaStatus:
         """The report without its state, every field set: what the store keeps of it."""
         return ReplicaStatus(
-            message=self.message, restarts=self.restarts, stderrTail=self.stderr_tail, port=self.port
+            message=self.message,
+            restarts=self.restarts,
+            stderrTail=self.stderr_tail,
+            port=self.port,
+            inFlight=self.in_flight,
         )
 
 

@@ -19,6 +19,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
+
 from fleetserve.agent.cache import ModelCache
 from fleetserve.agent.client import AgentApiError, AgentClient
 from fleetserve.agent.supervisor import Supervisor
@@ -28,6 +30,9 @@ from fleetserve.engines.launch import LaunchContext
 from fleetserve.engines.registry import ENGINES
 from fleetserve.engines.spec import EngineKind
 from fleetserve.errors import FleetserveError, InternalError, StaleEpoch
+from fleetserve.metrics.engine import in_flight
+from fleetserve.metrics.mapping import MetricMapping
+from fleetserve.metrics.promtext import ExpositionError
 from fleetserve.protocol import Assignment, AssignmentSet, Download, GpuSample, ReplicaReport, StatusReport
 from fleetserve.spec.resources import DeviceClass, Node, Replica, ReplicaState
 
@@ -79,6 +84,9 @@ class Agent:
         self._wanted: dict[str, Assignment] = {}  # replica → its assignment
         self._preparing: set[str] = set()
         self._model_of: dict[str, str] = {}  # replica → the model it serves (one pin each)
+        # replica → its engine's metrics URL and metric names: the in-flight count a drain waits on
+        self._metrics_of: dict[str, tuple[str, MetricMapping]] = {}
+        self._http = httpx.Client(timeout=1.0)
 
     # --- registration and fencing ----------------------------------------------------------------
 
@@ -158,7 +166,26 @@ class Agent:
         with self._lock:
             if replica.name not in self._wanted:
                 return  # unassigned while the model was fetched
-        self.supervisor.start(replica.name, ENGINES[profile.engine].adapter.launch(ctx))
+        spec = ENGINES[profile.engine].adapter.launch(ctx)
+        if spec.metrics_url is not None:
+            with self._lock:
+                self._metrics_of[replica.name] = (spec.metrics_url, ENGINES[profile.engine].metrics)
+        self.supervisor.start(replica.name, spec)
+
+    def _in_flight(self, name: str) -> int | None:
+        """The requests a replica's engine is running or holding now, from its own metrics; None
+        when they cannot be read."""
+        with self._lock:
+            target = self._metrics_of.get(name)
+        if target is None:
+            return None
+        url, mapping = target
+        try:
+            response = self._http.get(url)
+            response.raise_for_status()
+            return in_flight(response.text, mapping)
+        except (httpx.HTTPError, ExpositionError):
+            return None
 
     # --- reporting --------------------------------------------------------------------------------
 
@@ -173,6 +200,7 @@ class Agent:
                 restarts=s.restarts,
                 stderrTail=[line[:2000] for line in s.stderr_tail],
                 port=s.port or None,
+                inFlight=self._in_flight(name) if s.state is ReplicaState.RUNNING else None,
             )
             for name, s in statuses.items()
         }
@@ -210,6 +238,7 @@ class Agent:
         self.supervisor.stop(name)
         with self._lock:
             model = self._model_of.pop(name, None)
+            self._metrics_of.pop(name, None)
         if model is not None:
             self.cache.unpin(model)
 

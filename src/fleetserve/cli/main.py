@@ -134,6 +134,14 @@ def server_command(
     models_dir: Annotated[
         Path, typer.Option(help="Where the server keeps model files it serves to agents (fleetserve://NAME).")
     ] = Path("fleetserve-models"),
+    grace_seconds: Annotated[
+        float,
+        typer.Option(
+            help="On SIGTERM or SIGINT: stop accepting, then let in-flight requests (streams too) "
+            "finish for at most this many seconds before exiting.",
+            min=0,
+        ),
+    ] = 30.0,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:
     """Run the control plane: admin REST API (OpenAPI at /docs), state store, reconciler.
@@ -150,7 +158,7 @@ def server_command(
         models_dir, reconcile_interval, heartbeat_policy(not_ready_after, lost_after), token_file
     )
     try:
-        run_server(database_url, Listen(host, port, log_level), control)
+        run_server(database_url, Listen(host, port, log_level, grace_seconds), control)
     except FleetserveError as err:
         raise fail(err) from None
 
@@ -278,6 +286,14 @@ def gateway_command(
     ] = "fleetserve.db",
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.", min=1, max=65535)] = 8081,
+    grace_seconds: Annotated[
+        float,
+        typer.Option(
+            help="On SIGTERM or SIGINT: stop accepting, then let in-flight requests (streams too) "
+            "finish for at most this many seconds before exiting.",
+            min=0,
+        ),
+    ] = 30.0,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:
     """Run an extra OpenAI-compatible gateway process over the control plane's database.
@@ -288,6 +304,6 @@ def gateway_command(
     from fleetserve.server.process import Listen, run_gateway
 
     try:
-        run_gateway(database_url, Listen(host, port, log_level))
+        run_gateway(database_url, Listen(host, port, log_level, grace_seconds))
     except FleetserveError as err:
         raise fail(err) from None

@@ -140,7 +140,14 @@ def build_agent_router(store: SqlStore, files: ModelFiles) -> APIRouter:
             assigned = await run_in_threadpool(store.assignments, node)
             entries = await run_in_threadpool(assignment_entries, store, assigned)
             revision = revision_of(entries)
-            if revision != since or time.monotonic() >= deadline or await request.is_disconnected():
+            # A server shutting down answers at once: a held poll would hold its shutdown.
+            stopping = bool(getattr(request.app.state, "stopping", False))
+            if (
+                revision != since
+                or time.monotonic() >= deadline
+                or stopping
+                or await request.is_disconnected()
+            ):
                 return AssignmentSet(revision=revision, epoch=current, assignments=entries)
             await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
