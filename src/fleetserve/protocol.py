@@ -53,6 +53,8 @@ class ReplicaStatus(BaseModel):
     port: int | None = Field(default=None, ge=1, le=65535)
     # Requests the engine is processing or holding (its own metrics), when the agent could read them.
     in_flight: int | None = Field(default=None, ge=0, le=2**31 - 1, alias="inFlight")
+    # How old that count was when the report was sent, in seconds.
+    in_flight_age: float | None = Field(default=None, ge=0, le=1e6, alias="inFlightAge")
 
     def stored(self) -> dict[str, object]:
         """The JSON the store keeps: the fields the agent sent (an unreported status is ``{}``)."""
@@ -72,6 +74,7 @@ class ReplicaReport(ReplicaStatus):
             stderrTail=self.stderr_tail,
             port=self.port,
             inFlight=self.in_flight,
+            inFlightAge=self.in_flight_age,
         )
 
 

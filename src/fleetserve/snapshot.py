@@ -26,7 +26,7 @@ def replica_ordinal(deployment: str, replica: str) -> int | None:
 @dataclass(frozen=True)
 class ReplicaFacts:
     """What the store knows of a replica beyond its document: its agent's last message and count
-    of in-flight requests, when that was reported, and since when the replica drains."""
+    of in-flight requests, when that count was read, and since when the replica drains."""
 
     message: str = ""
     in_flight: int | None = None

@@ -41,8 +41,8 @@ from load import LoadCounts, one_request, run_load
 
 # One slow-ish token at a time: 20 tokens take seconds, so a drain lands mid-stream.
 SLOW_GRAMMAR = {
-    "grammar": "root ::= " + " | ".join(f"r{i}" for i in range(30000)) + "\n"
-    + "\n".join(f"r{i} ::= [a-z]*" for i in range(30000)),
+    "grammar": "root ::= " + " | ".join(f"r{i}" for i in range(12000)) + "\n"
+    + "\n".join(f"r{i} ::= [a-z]*" for i in range(12000)),
     "ignore_eos": True,
 }  # fmt: skip
 

@@ -15,9 +15,11 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -86,7 +88,10 @@ class Agent:
         self._model_of: dict[str, str] = {}  # replica → the model it serves (one pin each)
         # replica → its engine's metrics URL and metric names: the in-flight count a drain waits on
         self._metrics_of: dict[str, tuple[str, MetricMapping]] = {}
-        self._http = httpx.Client(timeout=1.0)
+        # replica → its last in-flight reading and when (monotonic) it was taken
+        self._in_flight_seen: dict[str, tuple[int, float]] = {}
+        # A busy engine answers /metrics late: readings are taken off the report (heartbeat) path.
+        self._http = httpx.Client(timeout=10.0)
 
     # --- registration and fencing ----------------------------------------------------------------
 
@@ -187,6 +192,30 @@ class Agent:
         except (httpx.HTTPError, ExpositionError):
             return None
 
+    def sample_in_flight(self) -> None:
+        """Read every Running replica's in-flight count once (what a drain waits on)."""
+        running = {n for n, s in self.supervisor.status().items() if s.state is ReplicaState.RUNNING}
+        for name in running:
+            read_at = time.monotonic()
+            value = self._in_flight(name)
+            with self._lock:
+                if value is None:
+                    self._in_flight_seen.pop(name, None)
+                else:
+                    self._in_flight_seen[name] = (value, read_at)
+        with self._lock:
+            for name in set(self._in_flight_seen) - running:
+                del self._in_flight_seen[name]
+
+    def _in_flight_report(self, name: str) -> dict[str, Any]:
+        """The last in-flight reading of a replica and its age, as report fields (none if unread)."""
+        with self._lock:
+            seen = self._in_flight_seen.get(name)
+        if seen is None:
+            return {}
+        value, read_at = seen
+        return {"inFlight": value, "inFlightAge": round(max(0.0, time.monotonic() - read_at), 3)}
+
     # --- reporting --------------------------------------------------------------------------------
 
     def report(self) -> None:
@@ -200,7 +229,7 @@ class Agent:
                 restarts=s.restarts,
                 stderrTail=[line[:2000] for line in s.stderr_tail],
                 port=s.port or None,
-                inFlight=self._in_flight(name) if s.state is ReplicaState.RUNNING else None,
+                **self._in_flight_report(name),
             )
             for name, s in statuses.items()
         }
@@ -251,6 +280,10 @@ class Agent:
             except FleetserveError as exc:
                 log.warning("status report failed: %s", exc)
 
+    def _sample_loop(self, stop: threading.Event) -> None:
+        while not stop.wait(max(0.25, self.settings.interval / 2)):
+            self.sample_in_flight()
+
     def _watch_loop(self, stop: threading.Event) -> None:
         while not stop.is_set():
             try:
@@ -281,6 +314,7 @@ class Agent:
         threads = [
             threading.Thread(target=self._report_loop, args=(stop,), name="report", daemon=True),
             threading.Thread(target=self._watch_loop, args=(stop,), name="watch", daemon=True),
+            threading.Thread(target=self._sample_loop, args=(stop,), name="in-flight", daemon=True),
         ]
         for thread in threads:
             thread.start()

@@ -10,7 +10,7 @@ were wrong. ``drain`` cordons a node and releases its replicas in one transactio
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from types import MappingProxyType
 
 from pydantic import ValidationError as PydanticValidationError
@@ -56,10 +56,13 @@ from fleetserve.store.tables import (
 
 def _facts(row: ReplicaRow) -> ReplicaFacts:
     status = ReplicaStatus.model_validate(row.status or {})
+    read_at = row.reported_at
+    if read_at is not None and status.in_flight_age is not None:
+        read_at -= timedelta(seconds=status.in_flight_age)  # when the agent read the count
     return ReplicaFacts(
         message=status.message,
         in_flight=status.in_flight,
-        reported_at=row.reported_at,
+        reported_at=read_at,
         draining_since=row.draining_since,
     )
 
