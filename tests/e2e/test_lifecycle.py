@@ -16,6 +16,8 @@ Each scenario prints its counts (sent / completed / failed / truncated, leaked a
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -26,10 +28,14 @@ from typing import Any
 import httpx
 import pytest
 from e2e_support import (
+    FLEETSERVE,
     AgentFactory,
     ServerFactory,
     ServerProcess,
+    clean_env,
     cli_env,
+    free_port,
+    port_answers,
     read_state,
     run_cli,
     short_deadline_args,
@@ -307,3 +313,78 @@ def test_a_rolling_update_under_load_loses_no_request_and_can_be_undone(
     assert view["model"] == "tiny" and view["revision"] == first
     assert counts.completed > 0 and counts.failed == 0 and counts.truncated == 0, counts.errors
     assert leaked(server, "tiny", 2) == 0
+
+
+def stream_events(http: httpx.Client, url: str, headers: dict[str, str]) -> Iterator[str]:
+    """The data of every server-sent event of one slow streamed chat answer of 20 tokens."""
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Tell me a story."}],
+        "max_tokens": 20,
+        "stream": True,
+        **SLOW_GRAMMAR,
+    }
+    with http.stream("POST", f"{url}/chat/completions", json=body, headers=headers) as response:
+        assert response.status_code == 200, response.read()
+        yield from (line[6:] for line in response.iter_lines() if line.startswith("data: "))
+
+
+def test_a_gateway_stopped_with_sigterm_finishes_its_streams_and_a_broken_upstream_is_signalled(
+    servers: ServerFactory, agents: AgentFactory, tmp_path: Path, tiny_model: Path
+) -> None:
+    server = start(servers, agents, tmp_path, ["node-a"])
+    server.apply(tiny_documents(tiny_model))
+    wait_for(lambda: running(server, "tiny", 1), timeout=90, what="the tiny replica to run")
+    headers = api_key(server)
+    port = free_port()
+    log = (tmp_path / "gateway.log").open("wb")
+    gateway = subprocess.Popen(
+        [str(FLEETSERVE), "gateway", "--database-url", server.database_url, "--port", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=clean_env(),
+    )
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        wait_for(lambda: port_answers(port, "/healthz"), timeout=60, what="the gateway to answer")
+        events: list[str] = []
+        with httpx.Client(timeout=120) as http:
+            stream = stream_events(http, url, headers)
+            for event in stream:
+                events.append(event)
+                if len([p for e in events for p in content_of(e)]) == 2:
+                    break
+            gateway.send_signal(signal.SIGTERM)
+            stopped = time.monotonic()
+            time.sleep(0.5)
+            with pytest.raises(httpx.TransportError):
+                httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)  # no longer accepting
+            events += list(stream)
+        pieces = [p for e in events for p in content_of(e)]
+        code = gateway.wait(timeout=40)
+        print(
+            f"SIGTERM mid-stream: {len(pieces)} chunks, then exit {code} {time.monotonic() - stopped:.1f} s later"
+        )
+        assert len(pieces) == 20 and events[-1] == "[DONE]", events[-3:]
+    finally:
+        if gateway.poll() is None:
+            gateway.kill()
+            gateway.wait()
+        log.close()
+
+    # An engine killed mid-stream: the client sees an error event, never a normal end.
+    [replica] = running(server, "tiny", 1)
+    [engine] = agents.started[0].engines()
+    events = []
+    with httpx.Client(timeout=120) as http:
+        stream = stream_events(http, server.url + "/v1", headers)
+        for event in stream:
+            events.append(event)
+            if len([p for e in events for p in content_of(e)]) == 2:
+                engine.kill()
+                break
+        events += list(stream)
+    errors = [json.loads(e)["error"] for e in events if e != "[DONE]" and "error" in json.loads(e)]
+    print(f"engine of {replica['name']} killed mid-stream: last event {events[-1][:120]!r}")
+    assert "[DONE]" not in events
+    assert [e["code"] for e in errors] == ["stream_broken"], events[-2:]
