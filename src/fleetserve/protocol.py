@@ -157,6 +157,9 @@ class AssignmentSet(BaseModel):
     epoch: int
     revision: str
     assignments: list[Assignment] = Field(default_factory=list)
+    # Replicas still the node's that it must keep running if it runs them, but never start: those
+    # of a deleted deployment, draining until the reconciler releases them.
+    keep: list[str] = Field(default_factory=list)
 
 
 class Registered(AssignmentSet):

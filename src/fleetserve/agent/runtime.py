@@ -114,7 +114,8 @@ class Agent:
         with self._lock:
             self.revision = assignments.revision
             self._wanted = wanted
-        for name in self.supervisor.names() - set(wanted):
+        # A replica kept (its deployment is gone; it drains) runs on until it is released.
+        for name in self.supervisor.names() - set(wanted) - set(assignments.keep):
             log.info("stopping %s: no longer assigned to this node", name)
             self._stop(name)
         running = self.supervisor.names()
