@@ -388,3 +388,33 @@ def test_a_gateway_stopped_with_sigterm_finishes_its_streams_and_a_broken_upstre
     print(f"engine of {replica['name']} killed mid-stream: last event {events[-1][:120]!r}")
     assert "[DONE]" not in events
     assert [e["code"] for e in errors] == ["stream_broken"], events[-2:]
+
+
+def test_deleting_a_deployment_during_a_stream_lets_the_stream_finish_then_stops_the_engine(
+    servers: ServerFactory, agents: AgentFactory, tmp_path: Path, tiny_model: Path
+) -> None:
+    server = start(servers, agents, tmp_path, ["node-a"])
+    server.apply(tiny_documents(tiny_model))
+    [replica] = wait_for(lambda: running(server, "tiny", 1), timeout=90, what="the tiny replica to run")
+    headers = api_key(server)
+    events: list[str] = []
+    with httpx.Client(timeout=120) as http:
+        stream = stream_events(http, server.url + "/v1", headers)
+        for event in stream:
+            events.append(event)
+            if len([p for e in events for p in content_of(e)]) == 2:
+                break
+        out = run_cli("delete", "deployment", "tiny", env=cli_env(server, tmp_path))
+        assert out.returncode == 0, out.stderr
+        events += list(stream)
+    pieces = [p for e in events for p in content_of(e)]
+    print(f"deleted mid-stream: {len(pieces)} chunks, last event {events[-1]!r}")
+    assert len(pieces) == 20 and events[-1] == "[DONE]", events[-3:]
+
+    def released() -> bool:
+        with server.client(timeout=10) as api:
+            return api.get(f"/replicas/{replica['name']}").status_code == 404
+
+    wait_for(released, timeout=30, what=f"{replica['name']} to be released once its stream ended")
+    wait_for(lambda: not agents.started[0].engines(), timeout=30, what="the engine to stop")
+    assert read_state(server.database_url).violations() == []
