@@ -24,8 +24,8 @@ app = typer.Typer(
         "offline. `server` runs the control plane (admin API, state store, reconciler); "
         "`agent` runs on every machine: it discovers the hardware, registers, and supervises the "
         "engines assigned to it. `up` runs server and agent on this machine. `apply`, `get`, "
-        "`describe`, `explain`, `logs`, `cordon`, `uncordon`, `drain`, `delete` and `upload` talk "
-        "to the control plane over HTTP; `keys` manages the gateway's API keys. The OpenAI API is "
+        "`describe`, `explain`, `logs`, `cordon`, `uncordon`, `drain`, `delete`, `upload` and "
+        "`rollout` talk to the control plane over HTTP; `keys` manages the gateway's API keys. The OpenAI API is "
         "served under /v1 by `server` (and `up`), and by `gateway` processes to scale out. `kube` "
         "renders and applies the same placements as Kubernetes objects, without agents."
     ),
