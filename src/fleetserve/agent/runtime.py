@@ -36,6 +36,7 @@ from fleetserve.metrics.engine import in_flight
 from fleetserve.metrics.mapping import MetricMapping
 from fleetserve.metrics.promtext import ExpositionError
 from fleetserve.protocol import Assignment, AssignmentSet, Download, GpuSample, ReplicaReport, StatusReport
+from fleetserve.routing import engine_auth
 from fleetserve.spec.resources import DeviceClass, Node, Replica, ReplicaState
 
 log = logging.getLogger("fleetserve.agent")
@@ -87,7 +88,7 @@ class Agent:
         self._preparing: set[str] = set()
         self._model_of: dict[str, str] = {}  # replica → the model it serves (one pin each)
         # replica → its engine's metrics URL and metric names: the in-flight count a drain waits on
-        self._metrics_of: dict[str, tuple[str, MetricMapping]] = {}
+        self._metrics_of: dict[str, tuple[str, MetricMapping, str | None]] = {}
         # replica → its last in-flight reading and when (monotonic) it was taken
         self._in_flight_seen: dict[str, tuple[int, float]] = {}
         # A busy engine answers /metrics late: readings are taken off the report (heartbeat) path.
@@ -168,6 +169,7 @@ class Agent:
             port=free_port(self.settings.engine_host),
             context=entry.context,
             peer_addresses=tuple(entry.peers),
+            engine_key=entry.engine_key,
         )
         with self._lock:
             if replica.name not in self._wanted:
@@ -175,7 +177,8 @@ class Agent:
         spec = ENGINES[profile.engine].adapter.launch(ctx)
         if spec.metrics_url is not None:
             with self._lock:
-                self._metrics_of[replica.name] = (spec.metrics_url, ENGINES[profile.engine].metrics)
+                engine = ENGINES[profile.engine]
+                self._metrics_of[replica.name] = (spec.metrics_url, engine.metrics, entry.engine_key)
         self.supervisor.start(replica.name, spec)
 
     def _in_flight(self, name: str) -> int | None:
@@ -185,9 +188,10 @@ class Agent:
             target = self._metrics_of.get(name)
         if target is None:
             return None
-        url, mapping = target
+        url, mapping, key = target
         try:
-            response = self._http.get(url)
+            # The engine's own key: its metrics are as closed as its API.
+            response = self._http.get(url, headers=engine_auth(key))
             response.raise_for_status()
             return in_flight(response.text, mapping)
         except (httpx.HTTPError, ExpositionError):

@@ -141,6 +141,9 @@ class ReplicaRow(Base):
     reported_at: Mapped[datetime | None]
     # When the replica turned Draining (out of the routes); None while it is not draining.
     draining_since: Mapped[datetime | None]
+    # The engine's API key, made at allocation: only the replica's agent (in its assignment), the
+    # gateway and the observer read it; the admin API never shows it. None: placed before keys.
+    engine_key: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class ReplicaShardRow(Base):
