@@ -9,6 +9,11 @@ own /v1 gateway.
   waits for its request and is released; nothing leaks.
 - A rolling update (the deployment's model changes) under request load: 0 failed, 0 truncated
   non-streamed requests; ``fleetserve rollout status`` follows it and ``rollout undo`` rolls back.
+- SIGTERM to ``fleetserve gateway`` and to ``fleetserve server`` mid-stream: the stream finishes
+  (20 chunks, ``[DONE]``), then the process exits; an engine killed mid-stream ends the client's
+  stream with an error event, never ``[DONE]``.
+- Deleting a deployment mid-stream: the stream finishes, then the replica is released and its
+  engine stopped.
 
 Each scenario prints its counts (sent / completed / failed / truncated, leaked allocations).
 """
@@ -329,7 +334,7 @@ def stream_events(http: httpx.Client, url: str, headers: dict[str, str]) -> Iter
         yield from (line[6:] for line in response.iter_lines() if line.startswith("data: "))
 
 
-def test_a_gateway_stopped_with_sigterm_finishes_its_streams_and_a_broken_upstream_is_signalled(
+def test_gateway_and_server_on_sigterm_finish_their_streams_and_a_broken_upstream_is_signalled(
     servers: ServerFactory, agents: AgentFactory, tmp_path: Path, tiny_model: Path
 ) -> None:
     server = start(servers, agents, tmp_path, ["node-a"])
@@ -388,6 +393,26 @@ def test_a_gateway_stopped_with_sigterm_finishes_its_streams_and_a_broken_upstre
     print(f"engine of {replica['name']} killed mid-stream: last event {events[-1][:120]!r}")
     assert "[DONE]" not in events
     assert [e["code"] for e in errors] == ["stream_broken"], events[-2:]
+
+    # The control plane on SIGTERM, mid-stream: the stream finishes, then the server exits.
+    wait_for(lambda: running(server, "tiny", 1), timeout=90, what="the killed engine to be restarted")
+    wait_for(lambda: agents.started[0].engines(), timeout=30, what="the engine process")
+    events = []
+    with httpx.Client(timeout=120) as http:
+        stream = stream_events(http, server.url + "/v1", headers)
+        for event in stream:
+            events.append(event)
+            if len([p for e in events for p in content_of(e)]) == 2:
+                server.proc.send_signal(signal.SIGTERM)
+                stopped = time.monotonic()
+                break
+        events += list(stream)
+    code = server.proc.wait(timeout=40)
+    pieces = [p for e in events for p in content_of(e)]
+    print(
+        f"server SIGTERM mid-stream: {len(pieces)} chunks, exit {code} {time.monotonic() - stopped:.1f} s later"
+    )
+    assert len(pieces) == 20 and events[-1] == "[DONE]", events[-3:]
 
 
 def test_deleting_a_deployment_during_a_stream_lets_the_stream_finish_then_stops_the_engine(
