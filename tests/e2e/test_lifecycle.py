@@ -97,12 +97,18 @@ def content_of(event: str) -> list[str]:
     return [delta["content"]] if delta.get("content") else []
 
 
-def start(servers: ServerFactory, agents: AgentFactory, tmp_path: Path, nodes: list[str]) -> ServerProcess:
+def start(
+    servers: ServerFactory,
+    agents: AgentFactory,
+    tmp_path: Path,
+    nodes: list[str],
+    agent_args: tuple[str, ...] = (),
+) -> ServerProcess:
     server = servers.start(
         f"sqlite:///{tmp_path / 'state.db'}", name="server", extra_args=short_deadline_args(tmp_path)
     )
     for node in nodes:
-        agents.start(server.url, server.join_token, node)
+        agents.start(server.url, server.join_token, node, extra_args=agent_args)
 
     def registered() -> bool:
         with server.client(timeout=10) as api:
@@ -144,7 +150,8 @@ def leaked(server: ServerProcess, deployment: str, desired: int) -> int:
 def test_a_model_url_answering_404_fails_its_replica_again_and_again_without_leaking_capacity(
     servers: ServerFactory, agents: AgentFactory, tmp_path: Path, not_found_url: str
 ) -> None:
-    server = start(servers, agents, tmp_path, ["node-f"])
+    # The 404 server is on loopback: the agent must be allowed to fetch from a private address.
+    server = start(servers, agents, tmp_path, ["node-f"], agent_args=("--allow-private-sources",))
     docs: list[dict[str, Any]] = [
         {
             "kind": "Model",
