@@ -1,8 +1,9 @@
 """One rule, one place: which replicas can be sent requests (and scraped), at which URL, with
 which key.
 
-A replica is routable when it is Running (its agent saw its engine pass its health check), its
-agent reported the port its engine listens on, every node it has a shard on is Ready (a node that
+A replica is routable when it is Running (its agent saw its engine pass its health check; a
+Draining replica is not: that is how a drain takes it out of every gateway's routes), its agent
+reported the port its engine listens on, every node it has a shard on is Ready (a node that
 stopped heartbeating is out of the routes as soon as it is judged NotReady, not when it is Lost),
 and its first shard's node has an address; its URL is ``http://ADDRESS:PORT`` with an IPv6 address in
 brackets (``url_host``). The gateway's endpoint table and the observer's scrape targets both ask
@@ -23,6 +24,9 @@ from dataclasses import dataclass, field
 from fleetserve.engines.launch import url_host
 from fleetserve.protocol import ReplicaStatus
 from fleetserve.spec.resources import NodeState, Replica, ReplicaState
+
+# How often a gateway reads the routes from the store: a change reaches every gateway within it.
+ROUTE_REFRESH_SECONDS = 1.0
 
 
 def new_engine_key() -> str:

@@ -27,9 +27,10 @@ app = typer.Typer(
         "offline. `server` runs the control plane (admin API, state store, reconciler); "
         "`agent` runs on every machine: it discovers the hardware, registers, and supervises the "
         "engines assigned to it. `up` runs server and agent on this machine. `apply`, `get`, "
-        "`describe`, `explain`, `logs`, `cordon`, `uncordon`, `drain`, `delete` and `upload` talk "
-        "to the control plane over HTTP; `keys` manages the gateway's API keys. The OpenAI API is "
-        "served under /v1 by `server` (and `up`), and by `gateway` processes to scale out. `kube` "
+        "`describe`, `explain`, `logs`, `cordon`, `uncordon`, `drain`, `delete`, `upload` and "
+        "`rollout` talk to the control plane over HTTP; `keys` manages the gateway's API keys. "
+        "The OpenAI API is served under /v1 by `server` (and `up`), and by `gateway` processes to "
+        "scale out. `kube` "
         "renders and applies the same placements as Kubernetes objects, without agents."
     ),
     no_args_is_help=True,
@@ -188,6 +189,14 @@ def server_command(
     models_dir: Annotated[
         Path, typer.Option(help="Where the server keeps model files it serves to agents (fleetserve://NAME).")
     ] = Path("fleetserve-models"),
+    grace_seconds: Annotated[
+        float,
+        typer.Option(
+            help="On SIGTERM or SIGINT: stop accepting, then let in-flight requests (streams too) "
+            "finish for at most this many seconds before exiting.",
+            min=0,
+        ),
+    ] = 30.0,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
     tls_cert: TlsCertOpt = None,
     tls_key: TlsKeyOpt = None,
@@ -215,7 +224,8 @@ def server_command(
     )
     try:
         served = _listen_tls(host, tls_cert, tls_key, tls_dir, tls_san, tls, insecure, "server")
-        run_server(database_url, Listen(host, port, log_level, served, tuple(tls_san or ())), control)
+        listen = Listen(host, port, log_level, served, tuple(tls_san or ()), grace_seconds)
+        run_server(database_url, listen, control)
     except FleetserveError as err:
         raise fail(err) from None
 
@@ -433,6 +443,14 @@ def gateway_command(
     ] = "fleetserve.db",
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.", min=1, max=65535)] = 8081,
+    grace_seconds: Annotated[
+        float,
+        typer.Option(
+            help="On SIGTERM or SIGINT: stop accepting, then let in-flight requests (streams too) "
+            "finish for at most this many seconds before exiting.",
+            min=0,
+        ),
+    ] = 30.0,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
     tls_cert: TlsCertOpt = None,
     tls_key: TlsKeyOpt = None,
@@ -451,6 +469,7 @@ def gateway_command(
 
     try:
         served = _listen_tls(host, tls_cert, tls_key, tls_dir, tls_san, tls, insecure, "gateway")
-        run_gateway(database_url, Listen(host, port, log_level, served, tuple(tls_san or ())))
+        listen = Listen(host, port, log_level, served, tuple(tls_san or ()), grace_seconds)
+        run_gateway(database_url, listen)
     except FleetserveError as err:
         raise fail(err) from None
