@@ -61,7 +61,14 @@ def _wait(
     raise UpError(f"{what}: not done after {timeout:.0f} s (logs in {logs[0].parent})")
 
 
-def up(data_dir: Path, port: int, model: str | None, console: Console, ready_timeout: float) -> None:
+def up(
+    data_dir: Path,
+    port: int,
+    model: str | None,
+    console: Console,
+    ready_timeout: float,
+    redis_url: str | None = None,
+) -> None:
     """Server and agent over a SQLite file in ``data_dir``; with ``--model tiny``, serve the tiny model."""
     # Every process and document gets absolute paths: none depends on another's working directory.
     data_dir = data_dir.absolute()
@@ -76,7 +83,7 @@ def up(data_dir: Path, port: int, model: str | None, console: Console, ready_tim
             _spawn(
                 [exe, "server", "--database-url", str(data_dir / "fleetserve.db"), "--port", str(port),
                  "--token-file", str(token_file), "--models-dir", str(data_dir / "server-models"),
-                 "--reconcile-interval", "0.5"],
+                 "--reconcile-interval", "0.5", *(["--redis-url", redis_url] if redis_url else [])],
                 logs[0],
             )
         )  # fmt: skip

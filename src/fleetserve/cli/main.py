@@ -134,6 +134,18 @@ def server_command(
     models_dir: Annotated[
         Path, typer.Option(help="Where the server keeps model files it serves to agents (fleetserve://NAME).")
     ] = Path("fleetserve-models"),
+    redis_url: Annotated[
+        str | None,
+        typer.Option(
+            "--redis-url",
+            envvar="FLEETSERVE_REDIS_URL",
+            help="redis://HOST:PORT/DB: keep the API keys' rate-limit windows in this Redis, shared "
+            "by every gateway (without it, each process keeps its own; losing Redis falls back to them).",
+        ),
+    ] = None,
+    redis_namespace: Annotated[
+        str, typer.Option(help="Prefix of the Redis keys, for several fleets on one Redis.")
+    ] = "fleetserve",
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:
     """Run the control plane: admin REST API (OpenAPI at /docs), state store, reconciler.
@@ -142,7 +154,7 @@ def server_command(
     hashes are stored. Several servers may share one PostgreSQL database: one of them (the
     holder of a lease in the database) reconciles at a time.
     """
-    from fleetserve.server.process import ControlPlane, Listen, heartbeat_policy, run_server
+    from fleetserve.server.process import ControlPlane, Listen, SharedWindows, heartbeat_policy, run_server
 
     if lost_after <= not_ready_after:
         raise typer.BadParameter("--lost-after must be longer than --not-ready-after")
@@ -150,7 +162,9 @@ def server_command(
         models_dir, reconcile_interval, heartbeat_policy(not_ready_after, lost_after), token_file
     )
     try:
-        run_server(database_url, Listen(host, port, log_level), control)
+        run_server(
+            database_url, Listen(host, port, log_level), control, SharedWindows(redis_url, redis_namespace)
+        )
     except FleetserveError as err:
         raise fail(err) from None
 
@@ -239,6 +253,14 @@ def up_command(
     ),
     port: Annotated[int, typer.Option(help="Control-plane port.", min=1, max=65535)] = 8080,
     ready_timeout: Annotated[float, typer.Option(help="Seconds to wait for the engine to be ready.")] = 300.0,
+    redis_url: Annotated[
+        str | None,
+        typer.Option(
+            "--redis-url",
+            envvar="FLEETSERVE_REDIS_URL",
+            help="redis://HOST:PORT/DB: the server's gateway keeps its rate-limit windows there.",
+        ),
+    ] = None,
 ) -> None:
     """Run the control plane and an agent on this machine over a SQLite file: the quickstart.
 
@@ -250,7 +272,7 @@ def up_command(
     if model not in (None, "tiny"):
         raise typer.BadParameter("only 'tiny' is built in; apply your own models with `fleetserve apply`")
     try:
-        up(data_dir, port, model, Console(soft_wrap=True), ready_timeout)
+        up(data_dir, port, model, Console(soft_wrap=True), ready_timeout, redis_url)
     except FleetserveError as err:
         raise fail(err) from None
 
@@ -278,6 +300,21 @@ def gateway_command(
     ] = "fleetserve.db",
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.", min=1, max=65535)] = 8081,
+    redis_url: Annotated[
+        str | None,
+        typer.Option(
+            "--redis-url",
+            envvar="FLEETSERVE_REDIS_URL",
+            help="redis://HOST:PORT/DB: keep the API keys' rate-limit windows in this Redis, shared "
+            "by every gateway (without it, each process keeps its own; losing Redis falls back to them).",
+        ),
+    ] = None,
+    redis_namespace: Annotated[
+        str, typer.Option(help="Prefix of the Redis keys, for several fleets on one Redis.")
+    ] = "fleetserve",
+    access_log: Annotated[
+        bool, typer.Option("--access-log", help="Log a line per request (costs CPU on the data path).")
+    ] = False,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:
     """Run an extra OpenAI-compatible gateway process over the control plane's database.
@@ -285,9 +322,11 @@ def gateway_command(
     `fleetserve server` serves the same API under /v1 already; run more gateways (behind a load
     balancer) to scale out. Every gateway follows replica changes from the database, no restart.
     """
-    from fleetserve.server.process import Listen, run_gateway
+    from fleetserve.server.process import Listen, SharedWindows, run_gateway
 
     try:
-        run_gateway(database_url, Listen(host, port, log_level))
+        run_gateway(
+            database_url, Listen(host, port, log_level), SharedWindows(redis_url, redis_namespace), access_log
+        )
     except FleetserveError as err:
         raise fail(err) from None

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from types import MappingProxyType, TracebackType
-from typing import Protocol, TypeVar
+from typing import Protocol, TypeVar, cast
 from urllib.parse import urlsplit
 
 import httpx
@@ -437,11 +437,8 @@ class _Connection(asyncio.Protocol):
         self.keep_alive = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        if not isinstance(transport, asyncio.Transport):
-            raise InternalError(
-                f"a stream connection got a {type(transport).__name__}, not a stream transport"
-            )
-        self._transport = transport
+        # uvloop's TCPTransport is a stream transport without subclassing asyncio.Transport.
+        self._transport = cast(asyncio.Transport, transport)
         self._pool._open.add(self)
 
     def exchange(self, request: bytes, max_body: int) -> asyncio.Future[bytes]:

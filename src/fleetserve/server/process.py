@@ -50,6 +50,14 @@ class Listen:
 
 
 @dataclass(frozen=True)
+class SharedWindows:
+    """Where the gateway's rate-limit windows live: this process (no URL) or a Redis shared by all."""
+
+    redis_url: str | None = None
+    namespace: str = "fleetserve"
+
+
+@dataclass(frozen=True)
 class ControlPlane:
     """What only the control plane runs: the reconciler's pace and deadlines, tokens, model files."""
 
@@ -133,24 +141,31 @@ def reconciling(store: SqlStore, control: ControlPlane, serving: Serving) -> Lif
     return lifespan
 
 
-def server_app(store: SqlStore, control: ControlPlane) -> FastAPI:
+def server_app(store: SqlStore, control: ControlPlane, windows: SharedWindows | None = None) -> FastAPI:
     """The control plane's app: admin and agents' API, gateway, observer and reconciler."""
-    serving = Serving.build(store)
+    windows = windows or SharedWindows()
+    serving = Serving.build(store, redis_url=windows.redis_url, redis_namespace=windows.namespace)
     return create_app(
         store, lifespan=reconciling(store, control, serving), models_dir=control.models_dir, serving=serving
     )
 
 
-def gateway_app(store: SqlStore) -> FastAPI:
+def gateway_app(store: SqlStore, windows: SharedWindows | None = None) -> FastAPI:
     """An extra gateway's app: the same gateway, observer and ``/metrics`` as the control plane's."""
-    return create_gateway_app(store, serving=Serving.build(store))
+    windows = windows or SharedWindows()
+    return create_gateway_app(
+        store, serving=Serving.build(store, redis_url=windows.redis_url, redis_namespace=windows.namespace)
+    )
 
 
 def serve(app: FastAPI, listen: Listen, access_log: bool) -> bool:
     """Serve ``app`` until stopped (SIGINT or SIGTERM); whether it started at all."""
     # Long-polling agents and streams hold requests open; do not let them delay a shutdown for long.
+    # uvloop and httptools: the gateway's data path is raw ASGI, and these keep uvicorn's share small.
     config = uvicorn.Config(
         app,
+        loop="uvloop",
+        http="httptools",
         host=listen.host,
         port=listen.port,
         log_level=listen.log_level.lower(),
@@ -162,7 +177,9 @@ def serve(app: FastAPI, listen: Listen, access_log: bool) -> bool:
     return server.started
 
 
-def run_server(database_url: str, listen: Listen, control: ControlPlane) -> None:
+def run_server(
+    database_url: str, listen: Listen, control: ControlPlane, windows: SharedWindows | None = None
+) -> None:
     """Open (and migrate) the store, then serve the API and run the reconciler until stopped."""
     logging.basicConfig(
         level=listen.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
@@ -171,7 +188,7 @@ def run_server(database_url: str, listen: Listen, control: ControlPlane) -> None
     store = SqlStore.open(database_url)
     try:
         ensure_tokens(store, control.token_file, console)
-        app = server_app(store, control)
+        app = server_app(store, control, windows)
         where = f"http://{listen.host}:{listen.port}"
         console.print(f"fleetserve server: {where} (OpenAPI at /docs), state in {database_url}")
         serve(app, listen, access_log=False)
@@ -179,11 +196,16 @@ def run_server(database_url: str, listen: Listen, control: ControlPlane) -> None
         store.close()
 
 
-def run_gateway(database_url: str, listen: Listen) -> None:
+def run_gateway(
+    database_url: str, listen: Listen, windows: SharedWindows | None = None, access_log: bool = False
+) -> None:
     """Open the control plane's store, then serve the gateway over it until stopped."""
+    logging.basicConfig(
+        level=listen.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     store = SqlStore.open(database_url)
     try:
-        if not serve(gateway_app(store), listen, access_log=True):
+        if not serve(gateway_app(store, windows), listen, access_log=access_log):
             raise SystemExit(STARTUP_FAILURE)
     finally:
         store.close()
