@@ -144,3 +144,26 @@ def engines_on(store: SqlStore, ports: list[int], model_path: Path, **fields: ob
         {n: (ReplicaState.RUNNING, ReplicaStatus(port=p)) for n, p in zip(names, ports, strict=True)},
     )
     return names
+
+
+@contextmanager
+def fake_openai_engine() -> Iterator[int]:
+    """A fake OpenAI engine (fleetserve.dev.fake_openai) on 127.0.0.1 in a thread; yields its port."""
+    import asyncio
+
+    import uvloop
+
+    from fleetserve.dev.fake_openai import FakeEngine
+
+    loop = uvloop.new_event_loop()
+    engine = FakeEngine()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    port = asyncio.run_coroutine_threadsafe(engine.start(), loop).result(10)
+    try:
+        yield port
+    finally:
+        asyncio.run_coroutine_threadsafe(engine.stop(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()

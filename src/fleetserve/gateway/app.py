@@ -173,6 +173,7 @@ class Gateway:
         self.rng = random.Random(seed)
         self.in_flight: dict[str, int] = defaultdict(int)
         self._keys: dict[bytes, tuple[ApiKey | None, float]] = {}
+        self._queue_depth: dict[str, int] = {}
         self.http: HttpClient | None = None
 
     async def start(self) -> None:
@@ -394,7 +395,10 @@ class Gateway:
         seconds = time.monotonic() - started
         if deployment is not None:
             metrics.gateway_answer(deployment, status, seconds)
-            metrics.set_queue_depth(deployment, self.admission.depth(deployment).waiting)
+            waiting = self.admission.depth(deployment).waiting
+            if self._queue_depth.get(deployment) != waiting:  # a gauge: set only when it moved
+                self._queue_depth[deployment] = waiting
+                metrics.set_queue_depth(deployment, waiting)
         metrics.gateway_key_request(
             key.name, model, seconds, ex.prompt if ex else 0, ex.completion if ex else 0
         )

@@ -321,6 +321,7 @@ class FleetMetrics:
         self.ratelimit_fallbacks = counter("fleetserve_ratelimit_fallbacks_total")
         # The gateway's labelled children, looked up once per label set (its hot path).
         self._hot: dict[tuple[str, ...], tuple[Counter, Histogram]] = {}
+        self._hot_keys: dict[tuple[str, str], tuple[Histogram, Counter, Counter]] = {}
         # Label values this object created, per labelled metric, so a deleted deployment's series
         # can be removed without reaching into prometheus_client's internals.
         self._children_lock = threading.Lock()
@@ -373,21 +374,22 @@ class FleetMetrics:
 
     def gateway_key_request(self, key: str, model: str, seconds: float, prompt: int, completion: int) -> None:
         """One answered request of API key ``key`` (its stored name) for ``model``: duration, tokens."""
-        hot = self._hot.get(("key", key, model))
+        hot = self._hot_keys.get((key, model))
         if hot is None:
             for labels in ((key, model, "prompt"), (key, model, "completion")):
                 self._child("fleetserve_gateway_tokens_total", *labels)
             self._child("fleetserve_gateway_key_request_seconds", key, model)
             hot = (
-                self.gateway_tokens.labels(key, model, "prompt"),
                 self.gateway_key_seconds.labels(key, model),
+                self.gateway_tokens.labels(key, model, "prompt"),
+                self.gateway_tokens.labels(key, model, "completion"),
             )
-            self._hot[("key", key, model)] = hot
-        hot[1].observe(seconds)
+            self._hot_keys[(key, model)] = hot
+        hot[0].observe(seconds)
         if prompt:
-            hot[0].inc(prompt)
+            hot[1].inc(prompt)
         if completion:
-            self.gateway_tokens.labels(key, model, "completion").inc(completion)
+            hot[2].inc(completion)
 
     def gateway_stream(
         self, deployment: str, replica: str, engine: str, ttft: float, itl: float | None
@@ -434,6 +436,7 @@ class FleetMetrics:
             "fleetserve_gateway_tokens_total": self.gateway_tokens,
         }
         self._hot.clear()
+        self._hot_keys.clear()
         with self._children_lock:
             for name, metric in by_model.items():
                 children = self._children.get(name, set())
