@@ -416,8 +416,8 @@ def start_litellm(exe: Path, tmp: Path, engine_port: int) -> tuple[subprocess.Po
     }
     env.pop("VIRTUAL_ENV", None)
     proc = subprocess.Popen(
-        ["taskset", "-c", PROXY_CPU, str(exe), "--config", str(config), "--host", "127.0.0.1", "--port", str(port),
-         "--num_workers", "1"],
+        ["taskset", "-c", PROXY_CPU, str(exe), "--config", str(config), "--host", "127.0.0.1",
+         "--port", str(port), "--num_workers", "1"],
         stdout=(work / "log").open("wb"),
         stderr=subprocess.STDOUT,
         env=env,
@@ -474,10 +474,11 @@ def table(rows: list[Row], direct_p50: float | None) -> str:
             f"{(fmt(added, '+.3f') + ' ms') if added is not None else '—':>10} "
             f"{mark(added, TARGET_ADDED_P50_MS, False) if proxy else '':>6} "
             f"{fmt(r.rps, ',.0f'):>9} {mark(r.rps, TARGET_RPS, True) if proxy else '':>6} "
-            f"{fmt(r.cpu_per_1k, '.3f'):>12} {mark(r.cpu_per_1k, TARGET_CPU_PER_1K, False) if proxy else '':>6} "
+            f"{fmt(r.cpu_per_1k, '.3f'):>12} "
+            f"{mark(r.cpu_per_1k, TARGET_CPU_PER_1K, False) if proxy else '':>6} "
             f"{fmt(r.cpu_per_1k_streams, '.3f'):>16} "
-            f"{mark(r.cpu_per_1k_streams, TARGET_CPU_PER_1K_STREAMS, False) if proxy else '':>6} {r.errors:>6}"
-            + (f"  ({r.note})" if r.note else "")
+            f"{mark(r.cpu_per_1k_streams, TARGET_CPU_PER_1K_STREAMS, False) if proxy else '':>6} "
+            f"{r.errors:>6}" + (f"  ({r.note})" if r.note else "")
         )
     lines.append(
         f"targets: added p50 <= {TARGET_ADDED_P50_MS} ms; >= {TARGET_RPS:,} rps on one core at c=16; "

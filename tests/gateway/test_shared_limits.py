@@ -102,7 +102,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             for i in range(3):
                 procs.append(start_gateway(database, REDIS, namespace, tmp / f"gateway-{i}.log"))
             for proc, port in procs:
-                wait_for(lambda p=port: proc.poll() is None and routed(p, probe), 60, f"gateway on {port}")
+                wait_for(
+                    lambda g=proc, p=port: g.poll() is None and routed(p, probe), 60, f"gateway on {port}"
+                )
             yield Fleet(database, [port for _, port in procs], store)
         finally:
             for proc, _ in procs:
