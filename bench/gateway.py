@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import secrets
 import shutil
 import socket
 import statistics
@@ -174,6 +175,7 @@ class Row:
     rps: float | None = None
     cpu_per_1k: float | None = None
     cpu_per_1k_streams: float | None = None
+    share: float | None = None  # of its core the proxy got during the c=16 phase
     errors: int = 0
     note: str = ""
 
@@ -388,10 +390,11 @@ def ensure_litellm() -> Path | None:
     return exe
 
 
-def start_litellm(exe: Path, tmp: Path, engine_port: int) -> tuple[subprocess.Popen[bytes], int]:
+def start_litellm(exe: Path, tmp: Path, engine_port: int) -> tuple[subprocess.Popen[bytes], int, str]:
     work = tmp / "litellm"
     work.mkdir()
     port = free_port()
+    key = f"sk-{secrets.token_hex(24)}"  # LiteLLM refuses to start without a (strong) master key
     config = work / "config.yaml"
     config.write_text(
         textwrap.dedent(
@@ -405,6 +408,8 @@ def start_litellm(exe: Path, tmp: Path, engine_port: int) -> tuple[subprocess.Po
             litellm_settings:
               drop_params: true
               telemetry: false
+            general_settings:
+              master_key: {key}
             """
         )
     )
@@ -429,7 +434,7 @@ def start_litellm(exe: Path, tmp: Path, engine_port: int) -> tuple[subprocess.Po
         "LiteLLM's proxy",
         proc,
     )
-    return proc, port
+    return proc, port, key
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -454,7 +459,8 @@ def mark(value: float | None, target: float, higher_is_better: bool) -> str:
 def table(rows: list[Row], direct_p50: float | None) -> str:
     head = (
         f"{'proxy':<20} {'p50 c=1':>9} {'added p50':>10} {'':>6} {'rps c=16':>9} {'':>6} "
-        f"{'CPU-s/1k req':>12} {'':>6} {'CPU-s/1k streams':>16} {'':>6} {'errors':>6}"
+        f"{'CPU-s/1k req':>12} {'':>6} {'CPU-s/1k streams':>16} {'':>6} {'errors':>6} "
+        f"{'core used':>9} {'rps/core':>8}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -478,12 +484,17 @@ def table(rows: list[Row], direct_p50: float | None) -> str:
             f"{mark(r.cpu_per_1k, TARGET_CPU_PER_1K, False) if proxy else '':>6} "
             f"{fmt(r.cpu_per_1k_streams, '.3f'):>16} "
             f"{mark(r.cpu_per_1k_streams, TARGET_CPU_PER_1K_STREAMS, False) if proxy else '':>6} "
-            f"{r.errors:>6}" + (f"  ({r.note})" if r.note else "")
+            f"{r.errors:>6} {fmt(r.share * 100 if r.share is not None else None, '.0f') + ('%' if r.share else ''):>9} "
+            f"{fmt(1000 / r.cpu_per_1k if r.cpu_per_1k else None, ',.0f'):>8}"
+            + (f"  ({r.note})" if r.note else "")
         )
     lines.append(
         f"targets: added p50 <= {TARGET_ADDED_P50_MS} ms; >= {TARGET_RPS:,} rps on one core at c=16; "
         f"<= {TARGET_CPU_PER_1K} CPU-s per 1,000 requests; <= {TARGET_CPU_PER_1K_STREAMS} CPU-s per "
-        f"1,000 streams of {STREAM_EVENTS} events"
+        f"1,000 streams of {STREAM_EVENTS} events\n"
+        "core used: the proxy's CPU time over the c=16 phase's wall time (below 100% when the load "
+        "generator, or other work on a shared machine, held it back); rps/core: 1 / CPU per request, "
+        "the rate one whole core would carry"
     )
     return "\n".join(lines)
 
@@ -502,7 +513,8 @@ def main() -> None:
         )
     os.sched_setaffinity(0, LOAD_CPUS)
     print(
-        f"CPUs: proxy on {PROXY_CPU}, load generator and engine on {sorted(LOAD_CPUS)}; {os.cpu_count()} in all"
+        f"CPUs: proxy on {PROXY_CPU}, load generator and engine on {sorted(LOAD_CPUS)}; "
+        f"{os.cpu_count()} in all"
     )
     rows: list[Row] = []
     engine, engine_port = start_engine()
@@ -531,14 +543,14 @@ def main() -> None:
                 else:
                     print("litellm ...", flush=True)
                     try:
-                        proc, port = start_litellm(exe, tmp, engine_port)
+                        proc, port, key = start_litellm(exe, tmp, engine_port)
                     except RuntimeError as exc:
                         log = (tmp / "litellm" / "log").read_text(errors="replace")[-600:]
                         print(f"  LiteLLM's proxy did not start: {exc}\n{log}")
                         rows.append(Row("litellm", note=f"did not start: {exc}"))
                     else:
                         try:
-                            rows.append(measure("litellm", port, "none", proc.pid, args.quick))
+                            rows.append(measure("litellm", port, key, proc.pid, args.quick))
                         finally:
                             stop(proc)
 
