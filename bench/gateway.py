@@ -471,6 +471,7 @@ def table(rows: list[Row], direct_p50: float | None) -> str:
             None if r.name == "direct" or direct_p50 is None or r.p50_ms is None else r.p50_ms - direct_p50
         )
         proxy = r.name != "direct"
+        share = "—" if r.share is None else f"{r.share * 100:.0f}%"
 
         def fmt(value: float | None, spec: str) -> str:
             return "—" if value is None else format(value, spec)
@@ -484,7 +485,7 @@ def table(rows: list[Row], direct_p50: float | None) -> str:
             f"{mark(r.cpu_per_1k, TARGET_CPU_PER_1K, False) if proxy else '':>6} "
             f"{fmt(r.cpu_per_1k_streams, '.3f'):>16} "
             f"{mark(r.cpu_per_1k_streams, TARGET_CPU_PER_1K_STREAMS, False) if proxy else '':>6} "
-            f"{r.errors:>6} {fmt(r.share * 100 if r.share is not None else None, '.0f') + ('%' if r.share else ''):>9} "
+            f"{r.errors:>6} {share:>9} "
             f"{fmt(1000 / r.cpu_per_1k if r.cpu_per_1k else None, ',.0f'):>8}"
             + (f"  ({r.note})" if r.note else "")
         )
