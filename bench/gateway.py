@@ -201,6 +201,7 @@ def measure(name: str, port: int, key: str, pid: int | None, quick: bool) -> Row
             cpu_per_1k_streams=stream_cpu / streams.count * 1000
             if stream_cpu is not None and streams.count
             else None,
+            share=cpu / many.seconds if cpu is not None else None,
             errors=single.errors + many.errors + streams.errors,
         )
 

@@ -44,6 +44,8 @@ from e2e_support import (
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from fleetserve.metrics.exposition import ENGINE_METRICS
+
 CPU_NODE = "cpu-a"
 GPU_NODE = "gpu-v"
 GPU_CLASS = "nvidia-h200-141gb"
@@ -107,7 +109,8 @@ def engine_series(samples: Samples, replica: str) -> dict[str, tuple[dict[str, s
     out = {}
     for (name, labels), value in samples.items():
         as_dict = dict(labels)
-        if as_dict.get("replica") == replica and name.startswith("fleetserve_") and "le" not in as_dict:
+        # The engine's own series: the gateway's per-replica histograms (TTFT, ITL) are not.
+        if as_dict.get("replica") == replica and name in ENGINE_METRICS:
             assert name not in out, f"two {name} series for {replica}"
             out[name] = (as_dict, value)
     return out
