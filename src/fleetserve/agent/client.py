@@ -3,6 +3,7 @@ assignments, status, classes."""
 
 from __future__ import annotations
 
+import ssl
 from typing import Any
 
 import httpx
@@ -19,9 +20,16 @@ class AgentApiError(FleetserveError):
 
 
 class AgentClient:
-    """HTTP client of the agents' API, authenticated with the join token."""
+    """HTTP client of the agents' API, authenticated with the join token; ``verify`` is how it
+    verifies the server's certificate (``fleetserve.tls.client_verify``)."""
 
-    def __init__(self, server: str, token: str, transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        server: str,
+        token: str,
+        transport: httpx.BaseTransport | None = None,
+        verify: ssl.SSLContext | bool = True,
+    ) -> None:
         self.server = server.rstrip("/")
         self.token = token
         self._http = httpx.Client(
@@ -29,6 +37,7 @@ class AgentClient:
             headers={"Authorization": f"Bearer {token}"},
             timeout=httpx.Timeout(10.0, read=45.0),
             transport=transport,
+            verify=verify,
         )
 
     def close(self) -> None:

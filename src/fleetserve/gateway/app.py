@@ -42,6 +42,7 @@ from fleetserve.gateway.sse import UsageTap, usage_of_body
 from fleetserve.gateway.windows import Held, LocalWindows, Windows
 from fleetserve.httpclient import HttpClient, Origin, Response, UpstreamError
 from fleetserve.metrics.exposition import UNKNOWN_MODEL, FleetMetrics
+from fleetserve.routing import engine_auth
 from fleetserve.store.credentials import ApiKey
 from fleetserve.store.protocols import GatewayStore
 
@@ -109,13 +110,24 @@ def origin_of(url: str) -> tuple[Origin, bytes]:
     return Origin(host.strip("[]"), int(port), scheme == "https"), authority.encode()
 
 
+@functools.lru_cache(maxsize=4096)
+def _auth_line(engine_key: str | None) -> bytes:
+    """The replica's engine key as a header line (none for a replica placed before engine keys)."""
+    return b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in engine_auth(engine_key).items())
+
+
 def upstream_request(endpoint: Endpoint, path: bytes, body: bytes) -> tuple[Origin, bytes]:
     """The request to send to an engine, head and body: the one place its headers are built."""
     origin, host = origin_of(endpoint.url)
-    head = b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % (
-        path,
-        host,
-        len(body),
+    # The replica's own engine key: the engine refuses any request without it.
+    head = (
+        b"POST %s HTTP/1.1\r\nHost: %s\r\n%sContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+        % (
+            path,
+            host,
+            _auth_line(endpoint.engine_key),
+            len(body),
+        )
     )
     return origin, head + body
 
