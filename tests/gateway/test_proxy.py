@@ -268,3 +268,34 @@ def test_a_request_body_is_forwarded_as_sent_and_unknown_routes_are_404(served):
     # The admin API stays on FastAPI, beside /v1 on the same listener.
     assert httpx.get(f"{served.url}/healthz").json()["status"] == "ok"
     assert json.loads(httpx.get(f"{served.url}/v1/models").text)["error"]["code"] == "invalid_api_key"
+
+
+def test_each_engine_gets_its_own_replicas_key_from_the_one_place_headers_are_built(served):
+    keys = served.store.engine_keys(["tiny-0", "tiny-1"])
+    assert len(set(keys.values())) == 2 and all(keys.values())
+    with client(served, key(served, "keyed")) as http:
+        for _ in range(6):
+            assert http.post("/chat/completions", json=chat()).status_code == 200
+    by_port = {e.port: e for e in served.engines}
+    for endpoint in served.gateway.table.routes["tiny"].endpoints:
+        engine = by_port[int(endpoint.url.rpartition(":")[2])]
+        sent = {h.get(b"authorization") for h in engine.served.headers}
+        assert sent == {f"Bearer {keys[endpoint.replica]}".encode()}, (endpoint.replica, sent)
+
+
+def test_an_engine_key_with_a_line_break_is_never_sent():
+    from fleetserve.gateway.app import upstream_request
+    from fleetserve.gateway.picker import Endpoint
+    from fleetserve.httpclient import UpstreamError
+
+    _, request = upstream_request(
+        Endpoint("r", "http://127.0.0.1:9", engine_key="k1"), b"/v1/completions", b"{}"
+    )
+    assert request.startswith(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:9\r\nAuthorization: Bearer k1\r\n"
+    )
+    assert request.endswith(b"Content-Length: 2\r\n\r\n{}")
+    with pytest.raises(UpstreamError):
+        upstream_request(
+            Endpoint("r", "http://127.0.0.1:9", engine_key="k\r\nX-Evil: 1"), b"/v1/completions", b"{}"
+        )

@@ -113,6 +113,8 @@ def origin_of(url: str) -> tuple[Origin, bytes]:
 @functools.lru_cache(maxsize=4096)
 def _auth_line(engine_key: str | None) -> bytes:
     """The replica's engine key as a header line (none for a replica placed before engine keys)."""
+    if engine_key is not None and ("\r" in engine_key or "\n" in engine_key):
+        raise UpstreamError("the replica's engine key holds a line break: not sent")
     return b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in engine_auth(engine_key).items())
 
 
@@ -467,12 +469,12 @@ class Gateway:
             if endpoint is None:
                 break
             tried.add(endpoint.replica)
-            origin, request = upstream_request(endpoint, path, body)
             self.in_flight[endpoint.replica] += 1
             try:
                 ex.endpoint = endpoint
                 ex.sent_at = time.monotonic()
                 try:
+                    origin, request = upstream_request(endpoint, path, body)
                     response = await http.request(origin, request, UPSTREAM_TIMEOUT)
                 except UpstreamError as exc:
                     last_error = f"replica {endpoint.replica}: {exc}"
