@@ -267,6 +267,11 @@ class _Connection(asyncio.Protocol):
             self._transport.abort()
 
 
+def _expire(head: asyncio.Future[Response], timeout: float) -> None:
+    if not head.done():
+        head.set_exception(UpstreamTimeout(f"no answer within {timeout:g}s"))
+
+
 class HttpClient:
     """Keep-alive HTTP/1.1 connections to many origins, a pool of idle ones per origin."""
 
@@ -298,18 +303,20 @@ class HttpClient:
 
     async def _exchange(self, conn: _Connection, request: bytes, timeout: float | None) -> Response:
         head = conn.send(request)
+        # A timer on the loop rather than wait_for: one handle per request, no extra future.
+        timer = (
+            None
+            if timeout is None
+            else asyncio.get_running_loop().call_later(timeout, _expire, head, timeout)
+        )
         try:
-            if timeout is None:
-                return await head
-            return await asyncio.wait_for(head, timeout)
-        except TimeoutError as exc:
-            conn.abort()
-            raise UpstreamTimeout(
-                f"no answer from {conn.origin.host}:{conn.origin.port} in {timeout:g}s"
-            ) from exc
+            return await head
         except BaseException:
-            conn.abort()  # cancelled or failed halfway: the connection's state is unknown
+            conn.abort()  # cancelled, timed out or failed halfway: the connection's state is unknown
             raise
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     async def _connect(self, origin: Origin) -> _Connection:
         loop = asyncio.get_running_loop()

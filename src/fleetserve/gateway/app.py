@@ -188,6 +188,7 @@ class Gateway:
         self.in_flight: dict[str, int] = defaultdict(int)
         self._keys: dict[bytes, tuple[ApiKey | None, float]] = {}
         self._queue_depth: dict[str, int] = {}
+        self._policies: dict[str, tuple[Route, AdmissionPolicy]] = {}
         self.http: HttpClient | None = None
 
     async def start(self) -> None:
@@ -229,6 +230,15 @@ class Gateway:
 
     def route_of(self, model: str) -> Route | None:
         return self.table.routes.get(model)
+
+    def _policy(self, route: Route) -> AdmissionPolicy:
+        """The route's admission policy, built once per route (routes are replaced on change)."""
+        cached = self._policies.get(route.deployment)
+        if cached is not None and cached[0] is route:
+            return cached[1]
+        policy = AdmissionPolicy.of(route.policy, max_concurrency_per_replica=route.concurrency_per_replica)
+        self._policies[route.deployment] = (route, policy)
+        return policy
 
     def _ready(self, model: str) -> int:
         route = self.table.routes.get(model)
@@ -360,14 +370,7 @@ class Gateway:
         try:
             try:
                 await exits.enter_async_context(
-                    self.admission.slot(
-                        model,
-                        AdmissionPolicy.of(
-                            route.policy, max_concurrency_per_replica=route.concurrency_per_replica
-                        ),
-                        lambda: self._ready(model),
-                        HOLD_SECONDS,
-                    )
+                    self.admission.slot(model, self._policy(route), lambda: self._ready(model), HOLD_SECONDS)
                 )
             except GatewayRejection as exc:
                 exchange.usage_total = 0  # nothing was generated
