@@ -218,10 +218,13 @@ class RateLimiter:
         """Replace a reservation with the ``tokens`` really used."""
         if tokens < 0:
             raise ValueError(f"tokens must not be negative, got {tokens}")
-        if reservation.event.live:
-            reservation.log.adjust(reservation.event, tokens)
-        else:
-            self.record_tokens(reservation.key, tokens, now)
+        event = reservation.event
+        if event.live and now < event.at + WINDOW_SECONDS:
+            reservation.log.adjust(event, tokens)
+            return
+        if event.live:  # out of the window but not pruned yet: it no longer counts either way
+            reservation.log.adjust(event, 0)
+        self.record_tokens(reservation.key, tokens, now)
 
     def prune(self, now: float) -> int:
         """Drop expired events of every key and the keys left with none; how many keys went."""
