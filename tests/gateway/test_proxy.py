@@ -299,3 +299,16 @@ def test_an_engine_key_with_a_line_break_is_never_sent():
         upstream_request(
             Endpoint("r", "http://127.0.0.1:9", engine_key="k\r\nX-Evil: 1"), b"/v1/completions", b"{}"
         )
+
+
+def test_a_stream_whose_engine_breaks_off_is_signalled_never_ended_as_complete(served):
+    with client(served, key(served, "broken")) as http:
+        response = http.post("/chat/completions", json=chat(stream=True, max_tokens=20, fake_break_after=3))
+        assert response.status_code == 200
+        got = events(response.text)
+        assert "[DONE]" not in got
+        assert len(got) == 4 and json.loads(got[-1])["error"]["code"] == "upstream_broke", got
+        # The gateway is none the worse: the next stream is whole.
+        again = events(http.post("/chat/completions", json=chat(stream=True, max_tokens=5)).text)
+        assert again[-1] == "[DONE]" and len(again) == 7
+    wait_for(lambda: sum(served.gateway.in_flight.values()) == 0, what="nothing in flight")

@@ -7,8 +7,9 @@ answer at once: a JSON body, or with ``"stream": true`` a server-sent event stre
 ``stream_options.include_usage`` asks for it, then ``[DONE]``. Usage counts one prompt token per
 4 bytes of the request body and one completion token per event, as engines report them.
 
-Two fields of a request steer it, for tests: ``"fake_delay": SECONDS`` waits that long before
-each event, ``"fake_status": CODE`` answers with that status. ``GET /health`` and ``/metrics``
+Three fields of a request steer it, for tests: ``"fake_delay": SECONDS`` waits that long before
+each event, ``"fake_status": CODE`` answers with that status, ``"fake_break_after": N`` drops the
+connection after N events of a stream. ``GET /health`` and ``/metrics``
 answer 200. ``FakeEngine`` counts what it served and what was cut off by a closed connection.
 """
 
@@ -146,7 +147,15 @@ class _Request(asyncio.Protocol):
             options = request.get("stream_options") or {}
             usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
             self.streaming = asyncio.get_running_loop().create_task(
-                self._stream(transport, url, prompt_tokens, int(tokens), usage, float(delay))
+                self._stream(
+                    transport,
+                    url,
+                    prompt_tokens,
+                    int(tokens),
+                    usage,
+                    float(delay),
+                    request.get("fake_break_after"),
+                )
             )
             return
         answer = completion(url, prompt_tokens, int(tokens))
@@ -160,6 +169,7 @@ class _Request(asyncio.Protocol):
         tokens: int,
         usage: bool,
         delay: float,
+        break_after: object = None,
     ) -> None:
         chat = url.endswith(b"/chat/completions")
         kind = b"chat.completion.chunk" if chat else b"text_completion"
@@ -172,7 +182,11 @@ class _Request(asyncio.Protocol):
             last = prefix + b'{"index":0,"text":"","finish_reason":"length"}]}\n\n'
         try:
             transport.write(_head(200, b"text/event-stream", None))
-            for _ in range(tokens):
+            for i in range(tokens):
+                if isinstance(break_after, int) and i == break_after:
+                    transport.abort()  # an engine that died mid-stream
+                    self.engine.served.streams_cut += 1
+                    return
                 if delay:
                     await asyncio.sleep(delay)
                 else:
