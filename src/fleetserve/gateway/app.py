@@ -65,8 +65,17 @@ UPSTREAM_TIMEOUT = 600.0
 DEFAULT_RESERVE_TOKENS = 256
 # Bytes of request body per prompt token, for the reservation's estimate of the prompt.
 BYTES_PER_TOKEN = 4
+# Upstream headers not relayed: hop-by-hop ones, and those uvicorn sets itself (no duplicates).
 HOP_HEADERS = frozenset(
-    {b"content-length", b"transfer-encoding", b"connection", b"keep-alive", b"content-encoding"}
+    {
+        b"content-length",
+        b"transfer-encoding",
+        b"connection",
+        b"keep-alive",
+        b"content-encoding",
+        b"date",
+        b"server",
+    }
 )
 _JSON = (b"content-type", b"application/json")
 
