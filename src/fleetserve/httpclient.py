@@ -1,7 +1,8 @@
-"""A lean HTTP/1.1 client on asyncio with keep-alive pooling, for the gateway's upstream requests.
+"""A lean HTTP/1.1 client on asyncio with keep-alive pooling: the gateway's upstream requests and
+the metrics scraper's fetches (``fleetserve.metrics.scraper.HttpFetcher``).
 
-It grew out of the metrics scraper's fetcher (measured there at a fraction of httpx's CPU per
-request) and parses responses with ``httptools`` (llhttp, the parser of Node.js). One
+It grew out of the scraper's own fetcher (measured at a fraction of httpx's CPU per request)
+and parses responses with ``httptools`` (llhttp, the parser of Node.js). One
 ``HttpClient`` keeps idle connections per origin; a request takes one (or opens one), writes the
 request bytes the caller built, and returns a ``Response`` as soon as the head has arrived. The
 body is then read whole (``read``) or piece by piece as it arrives (``next_piece``), with no
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import cast
 
@@ -34,6 +35,9 @@ from fleetserve.errors import FleetserveError, InternalError
 
 MAX_IDLE_PER_ORIGIN = 64
 """Idle keep-alive connections kept per origin; more are closed when they come back."""
+
+MAX_IDLE = 4096
+"""Idle keep-alive connections kept in all, least recently used origin's closed first."""
 
 PAUSE_BYTES = 256 * 1024
 """A response buffering this much unread body stops reading from its socket until it is drained."""
@@ -280,12 +284,16 @@ class HttpClient:
         *,
         connect_timeout: float = 5.0,
         max_idle_per_origin: int = MAX_IDLE_PER_ORIGIN,
+        max_idle: int = MAX_IDLE,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.connect_timeout = connect_timeout
-        self._max_idle = max_idle_per_origin
+        self._per_origin = max_idle_per_origin
+        self._max_idle = max_idle
         self._ssl = ssl_context
-        self._idle: dict[Origin, list[_Connection]] = {}
+        # Origins by last use, oldest first: past ``max_idle`` in all, the oldest idle one closes.
+        self._idle: OrderedDict[Origin, list[_Connection]] = OrderedDict()
+        self._idle_count = 0
         self._open: set[_Connection] = set()
 
     async def request(self, origin: Origin, request: bytes, timeout: float | None = None) -> Response:
@@ -345,31 +353,47 @@ class HttpClient:
         conns = self._idle.get(origin)
         while conns:
             conn = conns.pop()
+            self._idle_count -= 1
+            if not conns:
+                del self._idle[origin]
             if not conn.closed:
                 return conn
         return None
 
     def _put_idle(self, conn: _Connection) -> None:
         conns = self._idle.setdefault(conn.origin, [])
-        if len(conns) >= self._max_idle:
+        self._idle.move_to_end(conn.origin)
+        if len(conns) >= self._per_origin:
             conn.abort()
-        else:
-            conns.append(conn)
+            return
+        conns.append(conn)
+        self._idle_count += 1
+        while self._idle_count > self._max_idle:
+            oldest_origin, oldest = next(iter(self._idle.items()))
+            oldest.pop(0).abort()
+            self._idle_count -= 1
+            if not oldest:
+                del self._idle[oldest_origin]
 
     def _lost(self, conn: _Connection) -> None:
+        # An idle connection the server closed (its keep-alive timeout) leaves the pool at once.
         self._open.discard(conn)
         conns = self._idle.get(conn.origin)
         if conns is not None and conn in conns:
             conns.remove(conn)
+            self._idle_count -= 1
+            if not conns:
+                del self._idle[conn.origin]
 
     @property
     def idle_connections(self) -> int:
         """Open connections waiting in the pool."""
-        return sum(len(c) for c in self._idle.values())
+        return self._idle_count
 
     async def aclose(self) -> None:
         """Close every connection, idle or not."""
         self._idle.clear()
+        self._idle_count = 0
         for conn in list(self._open):
             conn.abort()
         await asyncio.sleep(0)  # let the transports run connection_lost
