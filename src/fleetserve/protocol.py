@@ -70,7 +70,7 @@ class ReplicaReport(ReplicaStatus):
 
 
 class Download(BaseModel):
-    """A model download in flight on the node."""
+    """A model in the node's cache: ready, downloading (bytes done of total, rate) or failed (why)."""
 
     model_config = ConfigDict(extra="forbid")
     model: str = Field(max_length=63, pattern=NAME_PATTERN)
@@ -78,6 +78,9 @@ class Download(BaseModel):
     done: int = Field(ge=0)
     total: int | None = Field(default=None, ge=0)
     rate: float = Field(default=0.0, ge=0)
+    # What is fetched, and why the last attempt failed (a failed download), for the node's status.
+    source: str = Field(default="", max_length=2000, pattern=TEXT_PATTERN)
+    error: str | None = Field(default=None, max_length=4000, pattern=TEXT_PATTERN)
 
 
 class GpuSample(BaseModel):

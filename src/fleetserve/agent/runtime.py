@@ -15,11 +15,12 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fleetserve.agent.cache import ModelCache
+from fleetserve.agent.cache import CacheState, ModelCache
 from fleetserve.agent.client import AgentApiError, AgentClient
 from fleetserve.agent.supervisor import Supervisor
 from fleetserve.drivers import RuntimeVariant
@@ -27,9 +28,10 @@ from fleetserve.engines.binaries import resolve
 from fleetserve.engines.launch import LaunchContext
 from fleetserve.engines.registry import ENGINES
 from fleetserve.engines.spec import EngineKind
-from fleetserve.errors import FleetserveError, InternalError, StaleEpoch
+from fleetserve.errors import FleetserveError, InternalError, SourceError, StaleEpoch
 from fleetserve.protocol import Assignment, AssignmentSet, Download, GpuSample, ReplicaReport, StatusReport
 from fleetserve.spec.resources import DeviceClass, Node, Replica, ReplicaState
+from fleetserve.units import format_bytes
 
 log = logging.getLogger("fleetserve.agent")
 
@@ -79,6 +81,7 @@ class Agent:
         self._wanted: dict[str, Assignment] = {}  # replica → its assignment
         self._preparing: set[str] = set()
         self._model_of: dict[str, str] = {}  # replica → the model it serves (one pin each)
+        self._progress: dict[str, tuple[int, float]] = {}  # model → (bytes done, when that changed)
 
     # --- registration and fencing ----------------------------------------------------------------
 
@@ -138,6 +141,7 @@ class Agent:
         model, profile, variant, driver = entry.model, entry.profile, entry.runtime, entry.driver
         binary = resolve(profile.engine, variant, self.settings.binaries)
         path = self.cache.ensure(model)
+        check_model_path(profile.engine, model.source, path)
         self.cache.pin(model.name)
         with self._lock:
             self._model_of[replica.name] = model.name
@@ -177,11 +181,20 @@ class Agent:
             )
             for name, s in statuses.items()
         }
+        cache_status = self.cache.status()
         for name in self._preparing - set(statuses):
-            replicas[name] = ReplicaReport(state=ReplicaState.STARTING, message="fetching the model")
+            replicas[name] = ReplicaReport(state=ReplicaState.STARTING, message=self._fetching(name))
         downloads = [
-            Download(model=s.model, state=s.state.value, done=s.done, total=s.total, rate=s.rate)
-            for s in self.cache.status()
+            Download(
+                model=s.model,
+                state=s.state.value,
+                done=s.done,
+                total=s.total,
+                rate=s.rate,
+                source=s.source[:2000],
+                error=s.error[:4000] if s.error else None,
+            )
+            for s in cache_status
         ]
         report = StatusReport(
             node=node.name,
@@ -205,6 +218,24 @@ class Agent:
         for name in stop:
             log.info("stopping %s: the server says it is not this node's", name)
             self._stop(name)
+
+    def _fetching(self, replica: str) -> str:
+        """What a replica waiting for its model says: the download's source, progress, or stall."""
+        with self._lock:
+            entry = self._wanted.get(replica)
+        if entry is None:
+            return "fetching the model"
+        model = entry.model
+        status = next((s for s in self.cache.status() if s.model == model.name), None)
+        if status is None or status.state is not CacheState.DOWNLOADING:
+            return f"fetching model {model.name} from {model.source}"
+        now = time.monotonic()
+        last = self._progress.get(model.name)
+        if last is None or last[0] != status.done:
+            self._progress[model.name] = last = (status.done, now)
+        return download_message(
+            model.name, model.source, status.done, status.total, status.rate, now - last[1]
+        )
 
     def _stop(self, name: str) -> None:
         """Stop a replica and drop its pin on its model (pins are counted per replica)."""
@@ -258,6 +289,30 @@ class Agent:
             thread.start()
         stop.wait()
         self.supervisor.shutdown()
+
+
+def check_model_path(engine: EngineKind, source: str, path: Path) -> None:
+    """Refuse a whole repository (a directory) for an engine that loads one file."""
+    if path.is_dir() and not ENGINES[engine].serves_directory:
+        raise SourceError(
+            f"{source} is a whole repository, and {engine.value} loads one model file: name the file, "
+            "e.g. hf://ORG/REPO/FILE.gguf"
+        )
+
+
+# Seconds without a byte after which a download is reported stalled.
+STALL_SECONDS = 60.0
+
+
+def download_message(model: str, source: str, done: int, total: int | None, rate: float, idle: float) -> str:
+    """A replica's message while its model downloads: source, bytes, rate; or that it stalled."""
+    of = f" of {format_bytes(total)}" if total is not None else ""
+    if idle >= STALL_SECONDS:
+        return (
+            f"download of model {model} from {source} stalled: no bytes for {idle:.0f} s at "
+            f"{format_bytes(done)}{of} (the transfer resumes where it stopped)"
+        )
+    return f"downloading model {model} from {source}: {format_bytes(done)}{of} at {format_bytes(int(rate))}/s"
 
 
 def default_cache_dir() -> Path:

