@@ -307,7 +307,7 @@ def test_a_stream_whose_engine_breaks_off_is_signalled_never_ended_as_complete(s
         assert response.status_code == 200
         got = events(response.text)
         assert "[DONE]" not in got
-        assert len(got) == 4 and json.loads(got[-1])["error"]["code"] == "upstream_broke", got
+        assert len(got) == 4 and json.loads(got[-1])["error"]["code"] == "stream_broken", got
         # The gateway is none the worse: the next stream is whole.
         again = events(http.post("/chat/completions", json=chat(stream=True, max_tokens=5)).text)
         assert again[-1] == "[DONE]" and len(again) == 7

@@ -19,6 +19,9 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import httpx
 
 from fleetserve.agent.cache import CacheState, ModelCache
 from fleetserve.agent.client import AgentApiError, AgentClient
@@ -29,7 +32,11 @@ from fleetserve.engines.launch import LaunchContext
 from fleetserve.engines.registry import ENGINES
 from fleetserve.engines.spec import EngineKind
 from fleetserve.errors import FleetserveError, InternalError, SourceError, StaleEpoch
+from fleetserve.metrics.engine import in_flight
+from fleetserve.metrics.mapping import MetricMapping
+from fleetserve.metrics.promtext import ExpositionError
 from fleetserve.protocol import Assignment, AssignmentSet, Download, GpuSample, ReplicaReport, StatusReport
+from fleetserve.routing import engine_auth
 from fleetserve.spec.resources import DeviceClass, Node, Replica, ReplicaState
 from fleetserve.units import format_bytes
 
@@ -81,6 +88,12 @@ class Agent:
         self._wanted: dict[str, Assignment] = {}  # replica → its assignment
         self._preparing: set[str] = set()
         self._model_of: dict[str, str] = {}  # replica → the model it serves (one pin each)
+        # replica → its engine's metrics URL and metric names: the in-flight count a drain waits on
+        self._metrics_of: dict[str, tuple[str, MetricMapping, str | None]] = {}
+        # replica → its last in-flight reading and when (monotonic) it was taken
+        self._in_flight_seen: dict[str, tuple[int, float]] = {}
+        # A busy engine answers /metrics late: readings are taken off the report (heartbeat) path.
+        self._http = httpx.Client(timeout=10.0)
         self._progress: dict[str, tuple[int, float]] = {}  # model → (bytes done, when that changed)
 
     # --- registration and fencing ----------------------------------------------------------------
@@ -104,7 +117,8 @@ class Agent:
         with self._lock:
             self.revision = assignments.revision
             self._wanted = wanted
-        for name in self.supervisor.names() - set(wanted):
+        # A replica kept (its deployment is gone; it drains) runs on until it is released.
+        for name in self.supervisor.names() - set(wanted) - set(assignments.keep):
             log.info("stopping %s: no longer assigned to this node", name)
             self._stop(name)
         running = self.supervisor.names()
@@ -163,7 +177,52 @@ class Agent:
         with self._lock:
             if replica.name not in self._wanted:
                 return  # unassigned while the model was fetched
-        self.supervisor.start(replica.name, ENGINES[profile.engine].adapter.launch(ctx))
+        spec = ENGINES[profile.engine].adapter.launch(ctx)
+        if spec.metrics_url is not None:
+            with self._lock:
+                engine = ENGINES[profile.engine]
+                self._metrics_of[replica.name] = (spec.metrics_url, engine.metrics, entry.engine_key)
+        self.supervisor.start(replica.name, spec)
+
+    def _in_flight(self, name: str) -> int | None:
+        """The requests a replica's engine is running or holding now, from its own metrics; None
+        when they cannot be read."""
+        with self._lock:
+            target = self._metrics_of.get(name)
+        if target is None:
+            return None
+        url, mapping, key = target
+        try:
+            # The engine's own key: its metrics are as closed as its API.
+            response = self._http.get(url, headers=engine_auth(key))
+            response.raise_for_status()
+            return in_flight(response.text, mapping)
+        except (httpx.HTTPError, ExpositionError):
+            return None
+
+    def sample_in_flight(self) -> None:
+        """Read every Running replica's in-flight count once (what a drain waits on)."""
+        running = {n for n, s in self.supervisor.status().items() if s.state is ReplicaState.RUNNING}
+        for name in running:
+            read_at = time.monotonic()
+            value = self._in_flight(name)
+            with self._lock:
+                if value is None:
+                    self._in_flight_seen.pop(name, None)
+                else:
+                    self._in_flight_seen[name] = (value, read_at)
+        with self._lock:
+            for name in set(self._in_flight_seen) - running:
+                del self._in_flight_seen[name]
+
+    def _in_flight_report(self, name: str) -> dict[str, Any]:
+        """The last in-flight reading of a replica and its age, as report fields (none if unread)."""
+        with self._lock:
+            seen = self._in_flight_seen.get(name)
+        if seen is None:
+            return {}
+        value, read_at = seen
+        return {"inFlight": value, "inFlightAge": round(max(0.0, time.monotonic() - read_at), 3)}
 
     # --- reporting --------------------------------------------------------------------------------
 
@@ -178,6 +237,7 @@ class Agent:
                 restarts=s.restarts,
                 stderrTail=[line[:2000] for line in s.stderr_tail],
                 port=s.port or None,
+                **self._in_flight_report(name),
             )
             for name, s in statuses.items()
         }
@@ -242,6 +302,7 @@ class Agent:
         self.supervisor.stop(name)
         with self._lock:
             model = self._model_of.pop(name, None)
+            self._metrics_of.pop(name, None)
         if model is not None:
             self.cache.unpin(model)
 
@@ -253,6 +314,10 @@ class Agent:
                 self.report()
             except FleetserveError as exc:
                 log.warning("status report failed: %s", exc)
+
+    def _sample_loop(self, stop: threading.Event) -> None:
+        while not stop.wait(max(0.25, self.settings.interval / 2)):
+            self.sample_in_flight()
 
     def _watch_loop(self, stop: threading.Event) -> None:
         while not stop.is_set():
@@ -284,6 +349,7 @@ class Agent:
         threads = [
             threading.Thread(target=self._report_loop, args=(stop,), name="report", daemon=True),
             threading.Thread(target=self._watch_loop, args=(stop,), name="watch", daemon=True),
+            threading.Thread(target=self._sample_loop, args=(stop,), name="in-flight", daemon=True),
         ]
         for thread in threads:
             thread.start()

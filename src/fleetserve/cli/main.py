@@ -27,9 +27,10 @@ app = typer.Typer(
         "offline. `server` runs the control plane (admin API, state store, reconciler); "
         "`agent` runs on every machine: it discovers the hardware, registers, and supervises the "
         "engines assigned to it. `up` runs server and agent on this machine. `apply`, `get`, "
-        "`describe`, `explain`, `logs`, `cordon`, `uncordon`, `drain`, `delete` and `upload` talk "
-        "to the control plane over HTTP; `keys` manages the gateway's API keys. The OpenAI API is "
-        "served under /v1 by `server` (and `up`), and by `gateway` processes to scale out. `kube` "
+        "`describe`, `explain`, `logs`, `cordon`, `uncordon`, `drain`, `delete`, `upload` and "
+        "`rollout` talk to the control plane over HTTP; `keys` manages the gateway's API keys. "
+        "The OpenAI API is served under /v1 by `server` (and `up`), and by `gateway` processes to "
+        "scale out. `kube` "
         "renders and applies the same placements as Kubernetes objects, without agents."
     ),
     no_args_is_help=True,
@@ -200,6 +201,14 @@ def server_command(
     redis_namespace: Annotated[
         str, typer.Option(help="Prefix of the Redis keys, for several fleets on one Redis.")
     ] = "fleetserve",
+    grace_seconds: Annotated[
+        float,
+        typer.Option(
+            help="On SIGTERM or SIGINT: stop accepting, then let in-flight requests (streams too) "
+            "finish for at most this many seconds before exiting.",
+            min=0,
+        ),
+    ] = 30.0,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
     tls_cert: TlsCertOpt = None,
     tls_key: TlsKeyOpt = None,
@@ -227,12 +236,8 @@ def server_command(
     )
     try:
         served = _listen_tls(host, tls_cert, tls_key, tls_dir, tls_san, tls, insecure, "server")
-        run_server(
-            database_url,
-            Listen(host, port, log_level, served, tuple(tls_san or ())),
-            control,
-            SharedWindows(redis_url, redis_namespace),
-        )
+        listen = Listen(host, port, log_level, served, tuple(tls_san or ()), grace_seconds)
+        run_server(database_url, listen, control, SharedWindows(redis_url, redis_namespace))
     except FleetserveError as err:
         raise fail(err) from None
 
@@ -464,6 +469,14 @@ def gateway_command(
     access_log: Annotated[
         bool, typer.Option("--access-log", help="Log a line per request (costs CPU on the data path).")
     ] = False,
+    grace_seconds: Annotated[
+        float,
+        typer.Option(
+            help="On SIGTERM or SIGINT: stop accepting, then let in-flight requests (streams too) "
+            "finish for at most this many seconds before exiting.",
+            min=0,
+        ),
+    ] = 30.0,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
     tls_cert: TlsCertOpt = None,
     tls_key: TlsKeyOpt = None,
@@ -482,11 +495,7 @@ def gateway_command(
 
     try:
         served = _listen_tls(host, tls_cert, tls_key, tls_dir, tls_san, tls, insecure, "gateway")
-        run_gateway(
-            database_url,
-            Listen(host, port, log_level, served, tuple(tls_san or ())),
-            SharedWindows(redis_url, redis_namespace),
-            access_log,
-        )
+        listen = Listen(host, port, log_level, served, tuple(tls_san or ()), grace_seconds)
+        run_gateway(database_url, listen, SharedWindows(redis_url, redis_namespace), access_log)
     except FleetserveError as err:
         raise fail(err) from None

@@ -165,6 +165,37 @@ def read_documents(paths: Sequence[Path]) -> list[dict[str, Any]]:
     return docs
 
 
+def rollout_line(data: dict[str, Any]) -> tuple[str, bool]:
+    """One line of a deployment's rollout progress (from ``GET /deployments/NAME``), and whether
+    the rollout is complete: the reconciler saw this generation and every replica runs its
+    current revision."""
+    name, status = data["name"], data.get("status", {})
+    progress = status.get("rollout") or {}
+    seen = status.get("observedGeneration") == data.get("generation")
+    current = progress.get("revision") == data.get("revision")
+    if not (seen and current):
+        return (
+            f"deployment/{name}: waiting for the reconciler to see generation {data.get('generation')}",
+            False,
+        )
+    failure = next(
+        (
+            c
+            for c in status.get("conditions", [])
+            if c["type"] == ConditionType.REPLICA_FAILURE and c["status"]
+        ),
+        None,
+    )
+    counts = (
+        f"{progress['updated']}/{progress['desired']} updated, {progress['ready']} ready, "
+        f"{progress['old']} old, {progress['draining']} draining"
+    )
+    if progress.get("complete") and not progress.get("draining"):
+        return f"deployment/{name} rolled out: revision {progress['revision']}, {counts}", True
+    extra = f" ({failure['message']})" if failure else ""
+    return f"deployment/{name}: rolling out revision {progress['revision']}: {counts}{extra}", False
+
+
 def print_decision(data: dict[str, Any], console: Console) -> None:
     """A stored decision (``DeploymentDecision.to_dict``) as the same lines ``plan`` prints."""
     decision = data.get("decision")

@@ -111,6 +111,19 @@ async def send_error(
     await send_body(send, status, error_body(message, kind, code, param), headers)
 
 
+def broken_stream_event(replica: str) -> bytes:
+    """The server-sent event that ends a stream whose upstream broke off mid-way."""
+    body = {
+        "error": {
+            "message": f"the upstream stream from replica {replica} broke off before it was complete",
+            "type": "upstream_error",
+            "param": None,
+            "code": "stream_broken",
+        }
+    }
+    return b"\n\ndata: " + orjson.dumps(body) + b"\n\n"
+
+
 @functools.lru_cache(maxsize=4096)
 def origin_of(url: str) -> tuple[Origin, bytes]:
     """An endpoint URL's origin and its Host header value (cached: URLs repeat)."""
@@ -540,10 +553,12 @@ class Gateway:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
             await send({"type": "http.response.body", "body": tap.flush(), "more_body": False})
         except UpstreamError as exc:
-            log.warning("stream from %s broke off: %s", ex.endpoint.replica if ex.endpoint else "?", exc)
-            broken = error_body(f"the engine's stream broke off: {exc}", "server_error", "upstream_broke")
+            # Never end a broken stream as if it were complete: the client gets an error event
+            # (OpenAI clients raise on it) and no [DONE].
+            replica = ex.endpoint.replica if ex.endpoint else "?"
+            log.warning("stream from %s broke off: %s", replica, exc)
             await send(
-                {"type": "http.response.body", "body": b"data: " + broken + b"\n\n", "more_body": False}
+                {"type": "http.response.body", "body": broken_stream_event(replica), "more_body": False}
             )
         finally:
             response.close()
