@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-import httpx
 import pytest
 
 from builders import deployment
 from fleetserve.gateway.endpoints import EJECT_MAX_SECONDS, EJECT_SECONDS, Ejections, EndpointTable
+from fleetserve.httpclient import ConnectFailed, UpstreamBroke, UpstreamTimeout
 from fleetserve.protocol import ReplicaStatus
 from fleetserve.routing import ReplicaEndpoint, engine_auth, routable
 from fleetserve.spec.resources import Deployment, NodeState, Replica, ReplicaState, Shard
@@ -173,10 +173,9 @@ def test_when_every_endpoint_is_ejected_none_is():
 @pytest.mark.parametrize(
     ("error", "ejected"),
     [
-        pytest.param(httpx.ConnectError("refused"), True, id="connection-refused-ejects"),
-        pytest.param(httpx.ConnectTimeout("no answer"), True, id="connect-timeout-ejects"),
-        pytest.param(httpx.ReadTimeout("slow"), False, id="a-slow-answer-does-not"),
-        pytest.param(httpx.RemoteProtocolError("cut"), False, id="a-cut-answer-does-not"),
+        pytest.param(ConnectFailed("refused, or timed out"), True, id="a-connect-failure-ejects"),
+        pytest.param(UpstreamTimeout("slow"), False, id="a-slow-answer-does-not"),
+        pytest.param(UpstreamBroke("cut"), False, id="a-cut-answer-does-not"),
     ],
 )
 def test_a_connect_failure_ejects_the_endpoint_for_this_gateway_at_once(error, ejected):

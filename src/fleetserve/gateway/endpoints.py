@@ -16,15 +16,15 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-import httpx
 from starlette.concurrency import run_in_threadpool
 
 from fleetserve.engines.registry import ENGINES
 from fleetserve.errors import FleetserveError
 from fleetserve.gateway.picker import Endpoint
+from fleetserve.httpclient import ConnectFailed
 from fleetserve.routing import ROUTE_REFRESH_SECONDS, routable
 from fleetserve.spec.resources import AdmissionPolicy, Deployment
 from fleetserve.store.protocols import RouteSource
@@ -43,6 +43,8 @@ class Route:
     prefix_affinity: bool = False
     concurrency_per_replica: int = 8
     created: int = 0
+    # replica → its engine's name, for metrics labels
+    engines: Mapping[str, str] = field(default_factory=dict, compare=False)
 
 
 EJECT_SECONDS = 5.0
@@ -52,7 +54,7 @@ EJECT_MAX_SECONDS = 60.0
 """The longest ejection: each ejection in a row doubles the backoff up to this."""
 
 # Failures that mean nothing reached the engine: its host is unreachable or nothing listens.
-CONNECT_FAILURES = (httpx.ConnectError, httpx.ConnectTimeout)
+CONNECT_FAILURES = (ConnectFailed,)
 
 
 @dataclass
@@ -113,8 +115,13 @@ class EndpointTable:
             d.deployment.name: d.deployment for d in self.store.list_deployments()
         }
         endpoints: dict[str, list[Endpoint]] = {name: [] for name in deployments}
+        engines: dict[str, dict[str, str]] = {name: {} for name in deployments}
         for served in routable(self.store.replica_endpoints()):
             replica = served.replica
+            dep = deployments.get(replica.deployment)
+            profile = next((p for p in dep.profiles if p.name == replica.profile), None) if dep else None
+            if profile is not None:
+                engines[replica.deployment][replica.name] = profile.engine.value
             # Capacity across mixed hardware: a replica on more devices serves more at once.
             weight = float(max(1, sum(len(s.devices) for s in replica.shards)))
             endpoints.setdefault(replica.deployment, []).append(
@@ -128,6 +135,7 @@ class EndpointTable:
                 scales_from_zero=not isinstance(dep.replicas, int) and dep.replicas.min == 0,
                 prefix_affinity=dep.routing.prefix_affinity,
                 concurrency_per_replica=min(ENGINES[p.engine].concurrency_per_replica for p in dep.profiles),
+                engines=engines.get(name, {}),
             )
             for name, dep in deployments.items()
         }
