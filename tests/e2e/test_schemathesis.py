@@ -99,10 +99,11 @@ class Recorder:
         self.examples: Counter[str] = Counter()
         self.failures: list[str] = []
         self.unsatisfiable: list[str] = []
+        self.node_credential = ""  # agent-0's, once it enrolled: the agents' routes need it
 
     def headers_for(self, case) -> dict[str, str]:
         token = (
-            self.server.join_token
+            (self.node_credential or self.server.join_token)
             if case.operation.path.startswith("/api/v1/agent/")
             else self.server.admin_token
         )
@@ -144,7 +145,9 @@ def explicit_happy_paths(schema, rec: Recorder, eventually) -> None:
 
     agent = rec.run(schema["/api/v1/agent/register"]["POST"].Case(body=AGENT_NODE), "explicit")
     assert agent.status_code == 200, agent.text
-    beat = rec.run(schema["/api/v1/agent/heartbeat"]["POST"].Case(body={"node": "agent-0"}), "explicit")
+    rec.node_credential = agent.json()["credential"]
+    beat_body = {"node": "agent-0", "epoch": agent.json()["epoch"]}
+    beat = rec.run(schema["/api/v1/agent/heartbeat"]["POST"].Case(body=beat_body), "explicit")
     assert beat.status_code == 200, beat.text
 
     def placed() -> bool:
@@ -274,7 +277,7 @@ def test_text_with_a_nul_character_is_refused_or_stored_never_a_server_error(liv
         schema["/api/v1/nodes/{name}/drain"]["POST"].Case(
             path_parameters={"name": "n-2"}, body={"reason": nul}
         ),
-        schema["/api/v1/agent/heartbeat"]["POST"].Case(body={"node": nul}),
+        schema["/api/v1/agent/heartbeat"]["POST"].Case(body={"node": nul, "epoch": 1}),
         schema["/api/v1/apply"]["POST"].Case(
             body={"documents": [{**nodes[0], "name": "n-3", "cordon": {"reason": nul}}]}
         ),

@@ -221,8 +221,9 @@ class _Meter:
 class ModelCache:
     """The node's model cache under ``root``; see the module's documentation.
 
-    ``control_plane`` is ``(base URL, join token)``: it serves ``fleetserve://NAME`` sources, and its
-    token is sent with any http(s) source under the same base URL. ``hf_mirror`` is the local
+    ``control_plane`` is ``(base URL, token)``, the token being the node's credential (or a function
+    returning the current one): it serves ``fleetserve://NAME`` sources, and the token is sent with
+    any http(s) source under the same base URL, never elsewhere. ``hf_mirror`` is the local
     hub-cache directory ``hf://`` sources are read from, offline. Thread-safe; one instance per root.
     """
 
@@ -230,7 +231,7 @@ class ModelCache:
         self,
         root: Path,
         max_bytes: int | None = None,
-        control_plane: tuple[str, str] | None = None,
+        control_plane: tuple[str, str | Callable[[], str]] | None = None,
         hf_mirror: Path | None = None,
         *,
         attempts: int = 3,
@@ -483,7 +484,7 @@ class ModelCache:
                 )
             case ControlPlaneSource(name):
                 if self.control_plane is None:
-                    raise SourceError("fleetserve:// sources need the control plane's URL and join token")
+                    raise SourceError("fleetserve:// sources need the control plane's URL and a credential")
                 url = control_plane_url(self.control_plane[0], name)
                 try:
                     return fetch(
@@ -498,17 +499,17 @@ class ModelCache:
                     raise
                 except SourceError as exc:
                     if "refused the bearer token" in str(exc):
-                        raise SourceError(f"{exc}: the control plane refused the agent's join token") from exc
+                        raise SourceError(f"{exc}: the control plane refused the node's credential") from exc
                     raise
         raise AssertionError(f"unhandled source {source!r}")  # pragma: no cover
 
     def _auth_for(self, url: str) -> dict[str, str]:
-        """The join token, for URLs on the control plane only: never sent anywhere else."""
+        """The node's credential, for URLs on the control plane only: never sent anywhere else."""
         if self.control_plane is None:
             return {}
         base, token = self.control_plane
         if url.startswith(base.rstrip("/") + "/"):
-            return {"Authorization": f"Bearer {token}"}
+            return {"Authorization": f"Bearer {token if isinstance(token, str) else token()}"}
         return {}
 
     def _check_space(self, model: Model, needed: int) -> None:

@@ -27,7 +27,7 @@ from typing import IO
 
 import httpx
 
-from fleetserve.engines.launch import LaunchSpec
+from fleetserve.engines.launch import LaunchSpec, engine_environment
 from fleetserve.process import die_with_parent, group_alive
 from fleetserve.spec.resources import ReplicaState
 
@@ -173,7 +173,7 @@ class Supervisor:
 
     def _spawn(self, engine: _Engine) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **engine.spec.env}
+        env = engine_environment(os.environ, engine.spec.env)
         out = engine.log_path.open("ab")
         procs: list[subprocess.Popen[bytes]] = []
         try:

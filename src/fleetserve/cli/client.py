@@ -2,8 +2,9 @@
 config file, and an HTTP client that turns error answers into readable messages.
 
 Precedence: ``--server``/``--token`` flags, then ``FLEETSERVE_SERVER``/``FLEETSERVE_TOKEN``, then
-the config file (``$FLEETSERVE_CONFIG``, default ``~/.config/fleetserve/config.yaml``) with keys
-``server`` and ``token``.
+``FLEETSERVE_TOKEN_FILE`` (a file holding the admin token, or a tokens file with an ``admin`` key),
+then the config file (``$FLEETSERVE_CONFIG``, default ``~/.config/fleetserve/config.yaml``) with
+keys ``server`` and ``token``. No command needs a token on its command line.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import httpx
 import yaml
 
 from fleetserve.errors import FleetserveError
+from fleetserve.secretfile import read_secret, write_secret
 
 DEFAULT_SERVER = "http://127.0.0.1:8080"
 API = "/api/v1"
@@ -57,12 +59,26 @@ def read_config() -> dict[str, str]:
 
 
 def write_config(server: str, token: str) -> Path:
-    """Save server and token for later commands (mode 0600: the token is a secret)."""
-    path = config_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump({"server": server, "token": token}), encoding="utf-8")
-    path.chmod(0o600)
-    return path
+    """Save server and token for later commands (mode 0600 from creation: the token is a secret)."""
+    return write_secret(config_path(), yaml.safe_dump({"server": server, "token": token}))
+
+
+def token_from_file(path: Path, key: str = "admin") -> str:
+    """A token from a file: the token alone, or a tokens file (``fleetserve server --token-file``)
+    with ``key``."""
+    try:
+        text = read_secret(path)
+    except OSError as exc:
+        raise ClientError(f"cannot read the token file {path}: {exc}") from exc
+    try:
+        data: Any = yaml.safe_load(text)
+    except yaml.YAMLError:
+        data = None
+    if isinstance(data, dict):
+        if not isinstance(data.get(key), str):
+            raise ClientError(f"the tokens file {path} has no {key!r} key")
+        return str(data[key])
+    return text
 
 
 @dataclass(frozen=True)
@@ -80,7 +96,14 @@ def resolve(server: str | None, token: str | None) -> Target:
         server=(
             server or os.environ.get("FLEETSERVE_SERVER") or config.get("server") or DEFAULT_SERVER
         ).rstrip("/"),
-        token=token or os.environ.get("FLEETSERVE_TOKEN") or config.get("token"),
+        token=token
+        or os.environ.get("FLEETSERVE_TOKEN")
+        or (
+            token_from_file(Path(os.environ["FLEETSERVE_TOKEN_FILE"]))
+            if os.environ.get("FLEETSERVE_TOKEN_FILE")
+            else None
+        )
+        or config.get("token"),
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from rich.console import Console
 from fleetserve.dev.tinymodel import write_tiny_model
 from fleetserve.errors import FleetserveError
 from fleetserve.process import die_with_parent
+from fleetserve.secretfile import private_dir, write_secret
 
 TINY_DEPLOYMENT = "tiny"
 
@@ -35,12 +37,14 @@ def tiny_model(out: Path, console: Console) -> None:
     )
 
 
-def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
-    out = log.open("ab")
+def _spawn(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    out = os.fdopen(fd, "ab")
     try:
         return subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent
-        )
+            argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent,
+            env=env,
+        )  # fmt: skip
     finally:
         out.close()
 
@@ -62,10 +66,13 @@ def _wait(
 
 
 def up(data_dir: Path, port: int, model: str | None, console: Console, ready_timeout: float) -> None:
-    """Server and agent over a SQLite file in ``data_dir``; with ``--model tiny``, serve the tiny model."""
+    """Server and agent over a SQLite file in ``data_dir``; with ``--model tiny``, serve the tiny model.
+
+    ``data_dir`` is 0700; the tokens go to its tokens.yaml (0600), never into a log; the agent gets
+    the join token in its environment, not on its command line, and enrols automatically (the
+    server approves new names: it listens on loopback only)."""
     # Every process and document gets absolute paths: none depends on another's working directory.
-    data_dir = data_dir.absolute()
-    data_dir.mkdir(parents=True, exist_ok=True)
+    data_dir = private_dir(data_dir.absolute())
     exe = str(Path(sys.executable).with_name("fleetserve"))
     server_url = f"http://127.0.0.1:{port}"
     token_file = data_dir / "tokens.yaml"
@@ -76,7 +83,7 @@ def up(data_dir: Path, port: int, model: str | None, console: Console, ready_tim
             _spawn(
                 [exe, "server", "--database-url", str(data_dir / "fleetserve.db"), "--port", str(port),
                  "--token-file", str(token_file), "--models-dir", str(data_dir / "server-models"),
-                 "--reconcile-interval", "0.5"],
+                 "--reconcile-interval", "0.5", "--approve-new-nodes"],
                 logs[0],
             )
         )  # fmt: skip
@@ -100,10 +107,11 @@ def up(data_dir: Path, port: int, model: str | None, console: Console, ready_tim
         )
         procs.append(
             _spawn(
-                [exe, "agent", "--server", server_url, "--token", tokens["join"], "--address", "127.0.0.1",
+                [exe, "agent", "--server", server_url, "--address", "127.0.0.1",
                  "--cache-dir", str(data_dir / "cache"), "--log-dir", str(data_dir / "engine-logs"),
                  "--interval", "1"],
                 logs[1],
+                env={**os.environ, "FLEETSERVE_JOIN_TOKEN": tokens["join"]},
             )
         )  # fmt: skip
         admin = httpx.Client(
@@ -179,9 +187,7 @@ def _serve_tiny(
     if created.status_code != 200:
         raise UpError(f"creating an API key failed: {created.text}")
     key = created.json()["key"]
-    key_file = data_dir / "api-key"
-    key_file.write_text(key + "\n", encoding="utf-8")
-    key_file.chmod(0o600)
+    key_file = write_secret(data_dir / "api-key", key + "\n")
     gateway = f"{admin.base_url}/v1/chat/completions".replace("//v1", "/v1")
     # One real request through the gateway, so the quickstart ends with an answer, not a promise.
     hello = [{"role": "user", "content": "Hello!"}]
