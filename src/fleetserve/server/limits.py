@@ -18,7 +18,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fleetserve.server.auth import AGENT_PREFIX
 from fleetserve.server.problems import error_body
-from fleetserve.units import format_bytes
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -44,8 +43,12 @@ def limit_for(path: str) -> int | None:
     return BODY_LIMITS.get(path.removeprefix(AGENT_PREFIX), DEFAULT_LIMIT)
 
 
+def _size(n: int) -> str:
+    return f"{n // MiB} MiB" if n % MiB == 0 else f"{n // KiB} KiB" if n % KiB == 0 else f"{n} B"
+
+
 def _too_large(method: str, path: str, limit: int) -> JSONResponse:
-    message = f"the body of {method} {path} is over its limit of {format_bytes(limit)} ({limit} bytes)"
+    message = f"the body of {method} {path} is over its limit of {_size(limit)} ({limit} bytes)"
     return JSONResponse(error_body("body_too_large", message), status_code=413)
 
 
