@@ -1,9 +1,10 @@
 """The control plane's HTTP API (FastAPI): a versioned admin API and the agents' API.
 
 Admin routes need an admin token; agent routes a node's credential (the join token only
-enrols). ``create_gateway_app`` is the app of an extra gateway process; both apps answer ``/healthz``, ``/metrics`` and /v1 over one
-``Serving`` (fleetserve.server.process assembles the processes). Every error is JSON in one shape
-(``fleetserve.server.problems``); bad input is a 4xx naming the field.
+enrols). ``create_gateway_app`` is the app of an extra gateway process; both apps answer
+``/healthz``, ``/metrics`` and /v1 over one ``Serving`` (fleetserve.server.process assembles the
+processes). Every error is JSON in one shape (``fleetserve.server.problems``); bad input is a 4xx
+naming the field.
 """
 
 from __future__ import annotations
