@@ -90,9 +90,14 @@ def ensure_tokens(store: Tokens, token_file: Path | None, console: Console) -> N
         for name, plaintext in created.items():
             console.print(f"  {name} token: {plaintext}", markup=False, highlight=False)
     else:
-        where = write_secret(token_file or DEFAULT_TOKEN_FILE, yaml.safe_dump(created))
+        path = token_file or DEFAULT_TOKEN_FILE
+        try:
+            kept = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError):
+            kept = None
+        where = write_secret(path, yaml.safe_dump({**(kept if isinstance(kept, dict) else {}), **created}))
         console.print(
-            f"fleetserve: new {' and '.join(created)} tokens written to {where} (mode 0600); "
+            f"fleetserve: new tokens ({', '.join(created)}) written to {where} (mode 0600); "
             "only their hashes are stored",
             markup=False,
         )
