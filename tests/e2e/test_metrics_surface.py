@@ -3,9 +3,9 @@ reconcile every 0.2 s) scraping a real ``llama-server`` (the tiny model, started
 ``fleetserve agent`` on node ``cpu-a``) and vLLM replicas whose engine is a small local HTTP server
 replaying a recorded vLLM ``/metrics`` body (tests/fixtures/metrics).
 
-The vLLM replicas get there the way any replica does: a second node, ``gpu-v``, registers through
-the agents' API (enrolling with the join token, then with the node's credential; address 127.0.0.1, ten ``nvidia-h200-141gb`` GPUs); vLLM
-deployments on that class are applied; the reconciler places them on ``gpu-v``; the test's
+The vLLM replicas get there the way any replica does: a second node, ``gpu-v``, enrols through
+the agents' API with the join token (address 127.0.0.1, ten ``nvidia-h200-141gb`` GPUs) and speaks
+with the credential it is given from then on; vLLM deployments on that class are applied; the reconciler places them on ``gpu-v``; the test's
 stand-in agent reads its assignments and keeps reporting each one Running on its fake engine's
 port (POST /api/v1/agent/status every 0.5 s: the node's heartbeats too). The server's observer
 then scrapes those ports as it scrapes the llama-server's.

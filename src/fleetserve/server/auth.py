@@ -42,10 +42,6 @@ class Caller:
 
     node: str | None  # None: the join token
 
-    @property
-    def enrolling(self) -> bool:
-        return self.node is None
-
 
 def store_of(request: Request) -> SqlStore:
     """The store the app was created with."""
