@@ -46,6 +46,10 @@ Classes without a module are defined here.
     ├── KubeError                (fleetserve.kube.apply) the Kubernetes API refused or did not answer
     ├── ClientError              (fleetserve.cli.client) the control plane refused or did not answer
     │                            the command line
+    ├── TlsError                 (fleetserve.tls) TLS cannot be set up, or the server not verified
+    │   ├── PlainHttpRefused     plain HTTP on or to a non-loopback address without --insecure
+    │   ├── PinMismatch          the server's CA does not have the pinned hash
+    │   └── CaUnavailable        the server could not be reached to fetch its CA (worth a retry)
     └── UpError                  (fleetserve.cli.local) ``fleetserve up`` could not bring the stack up
 
 Expected placement outcomes (a replica that does not fit) are values, not exceptions: see

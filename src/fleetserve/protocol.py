@@ -160,7 +160,8 @@ class StatusReply(BaseModel):
 
 class Assignment(BaseModel):
     """What an agent needs to run one replica: the replica, its profile with the runtime variant
-    and driver worked out, the model document, and the addresses of the replica's nodes."""
+    and driver worked out, the model document, the addresses of the replica's nodes, and the API
+    key its engine must demand."""
 
     replica: Replica
     profile: Profile
@@ -170,6 +171,8 @@ class Assignment(BaseModel):
     context: int | None = None
     # Addresses of the replica's nodes, shard order ("" for a node not known any more).
     peers: list[str] = Field(default_factory=list)
+    # The engine's API key: the engine refuses requests without it (None: placed before keys).
+    engine_key: str | None = Field(default=None, max_length=64, repr=False)
 
 
 class AssignmentSet(BaseModel):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import shutil
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,6 +27,7 @@ from fleetserve.errors import (
 )
 from fleetserve.sources import parse_source
 from fleetserve.spec.resources import Model
+from fleetserve.tls import ServerTrust, client_verify, ensure_generated
 
 BODY = payload(300_000)
 DIGEST = sha256(BODY)
@@ -686,3 +688,29 @@ def test_the_rich_progress_helper_draws_a_bar_per_model(tmp_path: Path, server: 
 def test_a_malformed_source_is_refused_with_the_expected_form(source: str, message: str) -> None:
     with pytest.raises(SourceError, match=message.replace("[", r"\[").replace("]", r"\]")):
         parse_source(source)
+
+
+def test_a_control_plane_behind_tls_is_fetched_from_only_when_verified_by_its_ca(
+    tmp_path: Path, server: FileServer
+) -> None:
+    """The agent's verification of the control plane (its pinned CA) covers model files too; a
+    cache that trusts only the system's CAs refuses the generated certificate."""
+    served = ensure_generated(tmp_path / "tls", "server", ["127.0.0.1"])
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(served.cert_file, served.key_file)
+    server._httpd.socket = context.wrap_socket(server._httpd.socket, server_side=True)
+    server.token = TOKEN
+    base = server.base_url.replace("http://", "https://")
+    assert served.ca_file is not None
+    verify = client_verify(base, ServerTrust(ca_file=served.ca_file, ca_hash=served.pin))
+    model = Model(name="tiny", source="fleetserve://tiny", sha256=DIGEST)
+
+    unverified = ModelCache(tmp_path / "system", control_plane=(base, TOKEN), attempts=1)
+    with pytest.raises(SourceError, match="CERTIFICATE_VERIFY_FAILED"):
+        unverified.ensure(model)
+    assert server.gets() == []
+
+    cache = ModelCache(tmp_path / "cache", control_plane=(base, TOKEN), control_plane_verify=verify)
+    assert cache.ensure(model).read_bytes() == BODY
+    (get,) = server.gets()
+    assert get.path == CONTROL_PATH and get.headers["authorization"] == f"Bearer {TOKEN}"

@@ -391,6 +391,20 @@ def sql_poller(database_url: str) -> Iterator[Callable[[str], Any]]:
         conn.close()
 
 
+def engine_key(database_url: str, replica: str) -> str:
+    """The replica's engine API key, as the store holds it (only the gateway, the observer and
+    the replica's agent are given it; a test reads it here to reach the engine itself)."""
+    with sql_poller(database_url) as scalar:
+        key = scalar(f"SELECT engine_key FROM replicas WHERE name = '{replica}'")
+    assert isinstance(key, str) and key, f"replica {replica} has no engine key"
+    return key
+
+
+def engine_headers(database_url: str, replica: str) -> dict[str, str]:
+    """The Authorization header that opens the replica's engine."""
+    return {"Authorization": f"Bearer {engine_key(database_url, replica)}"}
+
+
 def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
     """Poll ``condition`` until it returns something truthy; fail with ``what`` after ``timeout``."""
     deadline = time.monotonic() + timeout

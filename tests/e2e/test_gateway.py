@@ -45,6 +45,7 @@ from e2e_support import (
     ServerFactory,
     ServerProcess,
     cli_env,
+    engine_headers,
     engine_ready,
     llama_servers,
     replica_details,
@@ -106,6 +107,8 @@ class Fleet:
         }
         if len(ports) != count or not all(engine_ready(p) for p in ports.values()):
             return {}
+        for name, port in ports.items():  # what ``metrics`` needs to read the engine itself
+            ENGINE_HEADERS[port] = engine_headers(self.server.database_url, name)
         return ports
 
     def engine_log(self, deployment: str, replica: str) -> Path:
@@ -119,10 +122,16 @@ class Fleet:
         return int(response.json()["id"]), str(response.json()["key"])
 
 
+# The engine key of each running replica's port, as ``Fleet.running`` found them: an engine
+# refuses a request without its replica's key.
+ENGINE_HEADERS: dict[int, dict[str, str]] = {}
+
+
 def metrics(port: int) -> dict[str, float]:
-    """A llama-server's ``llamacpp:`` metrics, scraped from its own port (not through the gateway)."""
+    """A llama-server's ``llamacpp:`` metrics, scraped from its own port (not through the gateway)
+    with its replica's key."""
     with httpx.Client(timeout=10) as http:
-        response = http.get(f"http://127.0.0.1:{port}/metrics")
+        response = http.get(f"http://127.0.0.1:{port}/metrics", headers=ENGINE_HEADERS.get(port, {}))
     assert response.status_code == 200, response.text
     out = {}
     for line in response.text.splitlines():

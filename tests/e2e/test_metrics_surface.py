@@ -37,6 +37,7 @@ from e2e_support import (
     AgentProcess,
     ServerFactory,
     ServerProcess,
+    engine_headers,
     run_cli,
     tiny_documents,
     wait_for,
@@ -314,10 +315,13 @@ class Surface:
         return str(response.json()["key"])
 
 
-def llamacpp_own(port: int) -> dict[str, float]:
-    """The llama-server's own metrics, scraped from its port, under design.md's canonical names."""
+def llamacpp_own(port: int, headers: dict[str, str]) -> dict[str, float]:
+    """The llama-server's own metrics, scraped from its port with its key, under design.md's
+    canonical names."""
     with httpx.Client(timeout=10) as http:
-        return expected_from(http.get(f"http://127.0.0.1:{port}/metrics").text, "llama.cpp")
+        response = http.get(f"http://127.0.0.1:{port}/metrics", headers=headers)
+        assert response.status_code == 200, response.text
+        return expected_from(response.text, "llama.cpp")
 
 
 @pytest.fixture(scope="module")
@@ -363,6 +367,7 @@ def test_llamacpp_and_vllm_replicas_share_one_canonical_surface(surface: Surface
     tiny = wait_for(lambda: surface.running("tiny"), timeout=90, what="the tiny replica to be Running")
     assert [s["node"] for s in tiny["shards"]] == [CPU_NODE]
     tiny_name, tiny_port = tiny["name"], int(tiny["status"]["port"])
+    tiny_key = engine_headers(surface.server.database_url, tiny_name)
     coder = surface.serve_vllm("coder", QWEN_MODEL, 1, 8192, QWEN)
     glm = surface.serve_vllm("glm", GLM_MODEL, 8, 32768, GLM)
 
@@ -413,7 +418,7 @@ def test_llamacpp_and_vllm_replicas_share_one_canonical_surface(surface: Surface
 
     def tiny_matches_engine() -> dict[str, float] | None:
         mine = values_of(engine_series(surface.metrics(), tiny_name))
-        return mine if mine == llamacpp_own(tiny_port) else None
+        return mine if mine == llamacpp_own(tiny_port, tiny_key) else None
 
     before = wait_for(tiny_matches_engine, timeout=10, what="tiny's series to equal the engine's own")
 
@@ -570,6 +575,7 @@ def test_a_vllm_replica_that_exports_ttft_leaves_the_surface_live(surface: Surfa
     series must go on following their engines."""
     tiny = wait_for(lambda: surface.running("tiny"), timeout=90, what="the tiny replica to be Running")
     tiny_name, tiny_port = tiny["name"], int(tiny["status"]["port"])
+    tiny_key = engine_headers(surface.server.database_url, tiny_name)
     wait_for(
         lambda: surface.running("coder") and surface.running("glm"),
         timeout=30,
@@ -604,7 +610,7 @@ def test_a_vllm_replica_that_exports_ttft_leaves_the_surface_live(surface: Surfa
         return (
             values_of(engine_series(samples, bloom)),
             values_of(engine_series(samples, tiny_name)),
-            llamacpp_own(tiny_port),
+            llamacpp_own(tiny_port, tiny_key),
         )
 
     def live() -> bool:

@@ -35,6 +35,7 @@ from e2e_support import (
     clean_env,
     cli_env,
     engine_identity,
+    engine_key,
     free_port,
     kill_processes_mentioning,
     llama_servers,
@@ -132,10 +133,9 @@ def wait_running(server: ServerProcess, timeout: float = 60, min_restarts: int =
 NO_EOS = {"ignore_eos": True}
 
 
-def chat(port: int, max_tokens: int = 16) -> Any:
-    with OpenAI(
-        base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30
-    ) as client:
+def chat(port: int, key: str, max_tokens: int = 16) -> Any:
+    """A chat completion straight from the engine, with its key (it refuses requests without)."""
+    with OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=30) as client:
         return client.chat.completions.create(
             model="tiny",
             messages=[{"role": "user", "content": "Hello!"}],
@@ -164,7 +164,8 @@ def test_the_tiny_deployment_runs_on_the_cpu_node_and_answers_through_the_openai
     assert argv[argv.index("--threads") + 1] == "1"
     assert node_view(server, NODE)["status"]["replicas"] == [replica["name"]]
 
-    answer = chat(port)
+    key = engine_key(server.database_url, replica["name"])
+    answer = chat(port, key)
     assert answer.object == "chat.completion"
     assert answer.choices[0].message.role == "assistant"
     assert answer.choices[0].message.content
@@ -173,9 +174,7 @@ def test_the_tiny_deployment_runs_on_the_cpu_node_and_answers_through_the_openai
     assert answer.choices[0].finish_reason == "length"
     assert answer.usage.prompt_tokens > 0
 
-    with OpenAI(
-        base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30
-    ) as client:
+    with OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=30) as client:
         stream = client.chat.completions.create(
             model="tiny",
             messages=[{"role": "user", "content": "Tell me a story."}],
@@ -205,7 +204,8 @@ def test_a_killed_llama_server_is_restarted_and_answers_again(
     server, agent = serve_tiny(servers, agents, tmp_path, tiny_model)
     replica = wait_running(server)
     port = int(replica["status"]["port"])
-    assert chat(port).choices[0].message.content
+    key = engine_key(server.database_url, replica["name"])
+    assert chat(port, key).choices[0].message.content
     [engine] = agent.engines()
 
     killed_at = time.monotonic()
@@ -221,7 +221,7 @@ def test_a_killed_llama_server_is_restarted_and_answers_again(
     [restarted] = agent.engines()
     assert restarted.pid != engine.pid
     assert engine_identity(restarted) == (NODE, replica["name"])
-    answer = chat(int(again["status"]["port"]))
+    answer = chat(int(again["status"]["port"]), key)
     assert answer.choices[0].message.content and answer.usage is not None
 
 

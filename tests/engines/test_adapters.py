@@ -37,6 +37,7 @@ def launch(
     context: int | None = None,
     engine_args: tuple[str, ...] = (),
     peers: tuple[str, ...] = (),
+    engine_key: str | None = None,
 ) -> LaunchSpec:
     """The launch spec the engine's adapter builds for one shard of a replica of ``chat``."""
     replica = Replica(
@@ -70,6 +71,7 @@ def launch(
         port=PORT,
         context=context,
         peer_addresses=peers,
+        engine_key=engine_key,
     )
     return ENGINES[engine].adapter.launch(ctx)
 
@@ -306,3 +308,23 @@ def test_validation_refuses_engine_args_that_would_change_host_port_model_name_o
 )
 def test_validation_accepts_allowed_engine_args(engine, args):
     assert validate_deployment(deployment(engine, args), CLASSES) == []
+
+
+@pytest.mark.parametrize(
+    ("engine", "variant", "driver", "devices", "variable"),
+    [
+        pytest.param(
+            EngineKind.LLAMACPP, RuntimeVariant.CPU, Driver.CPU, (), "LLAMA_API_KEY", id="llama.cpp"
+        ),
+        pytest.param(EngineKind.VLLM, RuntimeVariant.CUDA, Driver.NVIDIA, (0, 1), "VLLM_API_KEY", id="vllm"),
+    ],
+)
+def test_the_replicas_engine_key_is_in_the_engines_environment_never_on_its_argv(
+    engine, variant, driver, devices, variable
+):
+    key = "replica-key-" + "x" * 31
+    spec = launch(engine, variant, driver, (devices,), engine_key=key)
+    assert spec.env[variable] == key
+    assert not [arg for arg in spec.argv if key in arg] and "--api-key" not in spec.argv
+    assert key not in repr(spec)
+    assert variable not in launch(engine, variant, driver, (devices,)).env  # placed before engine keys

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from builders import deployment
 from fleetserve.gateway.endpoints import EndpointTable
 from fleetserve.protocol import ReplicaStatus
-from fleetserve.routing import ReplicaEndpoint, routable
+from fleetserve.routing import ReplicaEndpoint, engine_auth, routable
 from fleetserve.spec.resources import Deployment, Replica, ReplicaState, Shard
 from fleetserve.store.deployments import StoredDeployment
 from fleetserve.store.protocols import RouteSource
@@ -86,3 +86,16 @@ def test_the_observer_and_the_gateway_read_the_same_rule():
         endpoint("a-1", "a", "cpu", "127.0.0.1", None),
     ]
     assert [(r.replica.name, r.url) for r in routable(endpoints)] == [("a-0", "http://[::1]:9000")]
+
+
+def test_each_endpoint_carries_its_replicas_engine_key_to_the_gateway_and_the_observer():
+    keyed = ReplicaEndpoint(
+        endpoint("k-0", "k", "cpu", "10.0.0.1", 8001).replica, "10.0.0.1", ReplicaStatus(port=8001), "key-0"
+    )
+    old = endpoint("k-1", "k", "cpu", "10.0.0.2", 8002)  # placed before engine keys
+    source = Routes(stored(deployment("k", 2, LLAMA_CPU)), [keyed, old])
+    served = {e.replica: e for e in EndpointTable(source).load()["k"].endpoints}
+    assert served["k-0"].engine_key == "key-0" and served["k-1"].engine_key is None
+    assert "key-0" not in repr(served["k-0"]) and "key-0" not in repr(keyed)
+    assert [r.engine_key for r in routable([keyed, old])] == ["key-0", None]
+    assert engine_auth("key-0") == {"Authorization": "Bearer key-0"} and engine_auth(None) == {}

@@ -12,7 +12,7 @@ import contextlib
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -59,6 +59,7 @@ class Behaviour:
     chunked: bool = False
     close: bool = False  # answer with Connection: close and close
     drop_reused: bool = False  # close a reused connection without answering (an expired keep-alive)
+    bearer: str | None = None  # answer 401 to a request without "Authorization: Bearer <bearer>"
 
 
 @dataclass
@@ -128,7 +129,7 @@ class EngineServer:
         try:
             while True:
                 try:
-                    await reader.readuntil(b"\r\n\r\n")
+                    head = await reader.readuntil(b"\r\n\r\n")
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return
                 on_this_connection += 1
@@ -143,7 +144,10 @@ class EngineServer:
                     self.in_service.down()
                 if self._closing.is_set():
                     return
-                writer.write(self._response(b))
+                refused = b.bearer is not None and f"\r\nauthorization: bearer {b.bearer}\r\n" not in (
+                    head.decode("latin-1").lower()
+                )
+                writer.write(self._response(replace(b, status=401) if refused else b))
                 await writer.drain()
                 if b.close:
                     return
@@ -316,6 +320,33 @@ def test_route_splits_a_url_into_origin_and_request() -> None:
         route("ftp://node-3/metrics")
 
 
+@pytest.mark.parametrize("fetcher", ["lean", "httpx"])
+def test_a_target_with_a_bearer_token_is_scraped_with_it_and_others_without(fetcher: str) -> None:
+    async def scenario() -> None:
+        fetch = HttpFetcher() if fetcher == "lean" else HttpxFetcher()
+        key = "k" * 43
+        async with (
+            engines(Behaviour(bearer=key), Behaviour(bearer=key)) as servers,
+            Scraper(fetch) as scraper,
+        ):
+            scraper.set_targets(
+                [Target("keyed", servers[0].url, bearer=key), Target("keyless", servers[1].url)]
+            )
+            await scraper.scrape_once()
+            snap = scraper.snapshot()
+            assert snap["keyed"].error is None and snap["keyed"].body == counter_body(1)
+            assert snap["keyless"].error == "bad status: HTTP 401" and snap["keyless"].body is None
+            assert "k" * 43 not in repr(scraper.targets())
+        await fetch.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_bearer_token_with_a_line_break_is_refused_before_any_request() -> None:
+    with pytest.raises(FetchFailed, match="line break"):
+        route("http://node-3/metrics", "k\r\nX-Injected: 1")
+
+
 def test_a_target_keeps_a_read_only_copy_of_its_labels() -> None:
     labels = {"replica": "r1"}
     target = Target("a", "http://x/metrics", labels)
@@ -332,7 +363,7 @@ def test_duplicate_target_keys_are_refused() -> None:
         scraper.set_targets([Target("a", "http://x/1"), Target("a", "http://x/2")])
 
 
-async def _never(url: str, timeout: float) -> bytes:
+async def _never(url: str, timeout: float, bearer: str | None = None) -> bytes:
     raise AssertionError("not called")
 
 
@@ -518,7 +549,7 @@ def test_oversized_bodies_are_that_targets_error() -> None:
 
 
 def test_a_fetcher_handed_in_is_held_to_the_size_limit_and_any_exception_is_recorded() -> None:
-    async def fetch(url: str, timeout: float) -> bytes:
+    async def fetch(url: str, timeout: float, bearer: str | None = None) -> bytes:
         if url.endswith("/big"):
             return b"x" * 101
         raise RuntimeError("boom")

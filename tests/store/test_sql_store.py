@@ -147,6 +147,31 @@ def test_replica_state_and_placement_epochs(store: SqlStore) -> None:
             operation()
 
 
+def test_every_replica_gets_its_own_engine_key_for_its_agent_gateway_and_observer_only(
+    store: SqlStore,
+) -> None:
+    store.register(node("n1"))
+    for name in ("chat-0", "chat-1"):
+        store.allocate(
+            Replica.model_validate(
+                {
+                    "name": name,
+                    "deployment": "chat",
+                    "profile": "cpu",
+                    "shards": [{"node": "n1", "cpuCores": 1}],
+                }
+            )
+        )
+    keys = store.engine_keys(["chat-0", "chat-1", "gone-0"])
+    assert set(keys) == {"chat-0", "chat-1"} and keys["chat-0"] != keys["chat-1"]
+    assert all(len(k) >= 43 for k in keys.values())
+    assert {e.replica.name: e.engine_key for e in store.replica_endpoints()} == keys
+    # The replica as the admin API shows it carries no key.
+    assert keys["chat-0"] not in store.get_replica("chat-0").model_dump_json()
+    store.release("chat-0")
+    assert store.engine_keys(["chat-0"]) == {}
+
+
 def test_drain_cordons_and_releases_in_one_transaction(store: SqlStore) -> None:
     for name in ("n1", "n2", "n3"):
         store.register(node(name))

@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import shutil
+import ssl
 import stat
 import threading
 import time
@@ -237,6 +238,7 @@ class ModelCache:
         attempts: int = 3,
         timeout: float = 30.0,
         space_margin: int = DEFAULT_SPACE_MARGIN,
+        control_plane_verify: ssl.SSLContext | bool = True,
     ) -> None:
         if max_bytes is not None and max_bytes < 0:
             raise ValueError(f"max_bytes must not be negative, got {max_bytes}")
@@ -245,6 +247,8 @@ class ModelCache:
         self.root = Path(root).absolute()
         self.max_bytes = max_bytes
         self.control_plane = control_plane
+        # How URLs on the control plane are verified (its pinned CA); others use the system's CAs.
+        self.control_plane_verify = control_plane_verify
         self.hf_mirror = hf_mirror
         self.attempts = attempts
         self.timeout = timeout
@@ -481,6 +485,7 @@ class ModelCache:
                     on_bytes=meter,
                     check_space=check_space,
                     timeout=self.timeout,
+                    verify=self._verify_for(url),
                 )
             case ControlPlaneSource(name):
                 if self.control_plane is None:
@@ -494,6 +499,7 @@ class ModelCache:
                         on_bytes=meter,
                         check_space=check_space,
                         timeout=self.timeout,
+                        verify=self._verify_for(url),
                     )
                 except TransferInterrupted:
                     raise
@@ -511,6 +517,12 @@ class ModelCache:
         if url.startswith(base.rstrip("/") + "/"):
             return {"Authorization": f"Bearer {token if isinstance(token, str) else token()}"}
         return {}
+
+    def _verify_for(self, url: str) -> ssl.SSLContext | bool:
+        """The control plane's verification for URLs on it; the system's CAs for any other."""
+        if self.control_plane is not None and url.startswith(self.control_plane[0].rstrip("/") + "/"):
+            return self.control_plane_verify
+        return True
 
     def _check_space(self, model: Model, needed: int) -> None:
         free = shutil.disk_usage(self.root).free

@@ -9,6 +9,7 @@ stored credential; if the server no longer knows it (the node was deleted), it e
 from __future__ import annotations
 
 import logging
+import ssl
 from typing import Any
 
 import httpx
@@ -39,7 +40,8 @@ class EnrolmentPending(AgentApiError):
 
 
 class AgentClient:
-    """HTTP client of the agents' API: the join token to enrol, the node's credential after."""
+    """HTTP client of the agents' API: the join token to enrol, the node's credential after;
+    ``verify`` is how it verifies the server's certificate (``fleetserve.tls.client_verify``)."""
 
     def __init__(
         self,
@@ -47,13 +49,17 @@ class AgentClient:
         join_token: str | None,
         credentials: CredentialFile | None = None,
         transport: httpx.BaseTransport | None = None,
+        verify: ssl.SSLContext | bool = True,
     ) -> None:
         self.server = server.rstrip("/")
         self.join_token = join_token
         self.credentials = credentials
         self.credential: str | None = None
         self._http = httpx.Client(
-            base_url=self.server, timeout=httpx.Timeout(10.0, read=45.0), transport=transport
+            base_url=self.server,
+            timeout=httpx.Timeout(10.0, read=45.0),
+            transport=transport,
+            verify=verify,
         )
 
     def close(self) -> None:

@@ -22,6 +22,7 @@ import json
 import os
 import re
 import secrets
+import ssl
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -233,6 +234,7 @@ def fetch(
     check_space: SpaceCheck | None = None,
     timeout: float = 30.0,
     client: httpx.Client | None = None,
+    verify: ssl.SSLContext | bool = True,
 ) -> Fetched:
     """Download ``url`` into ``part``, resuming a partial one left by an earlier attempt.
 
@@ -242,7 +244,7 @@ def fetch(
     keeps the part for the next attempt. The part is complete and fsynced when this returns.
     """
     if client is None:
-        with httpx.Client(timeout=httpx.Timeout(timeout), follow_redirects=True) as own:
+        with httpx.Client(timeout=httpx.Timeout(timeout), follow_redirects=True, verify=verify) as own:
             return fetch(url, part, headers=headers, on_bytes=on_bytes, check_space=check_space, client=own)
     request_headers = {"Accept-Encoding": "identity", **(headers or {})}
     authorized = any(k.lower() == "authorization" for k in request_headers)

@@ -156,6 +156,7 @@ class Agent:
             port=free_port(self.settings.engine_host),
             context=entry.context,
             peer_addresses=tuple(entry.peers),
+            engine_key=entry.engine_key,
         )
         with self._lock:
             if replica.name not in self._wanted:

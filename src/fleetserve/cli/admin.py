@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -15,6 +16,7 @@ from fleetserve.cli import views
 from fleetserve.cli.client import ApiClient, resolve, token_from_file, write_config
 from fleetserve.cli.output import Format, emit, fail
 from fleetserve.errors import FleetserveError
+from fleetserve.tls import ServerTrust
 
 ServerOpt = Annotated[
     str | None,
@@ -50,11 +52,14 @@ def call(server: str | None, token: str | None, method: str, path: str, **kwargs
         raise fail(err) from None
 
 
-def login(server: str, token: str, console: Console) -> None:
-    """Check the credentials against the server, then save them in the config file."""
-    with ApiClient(resolve(server, token)) as api:
+def login(server: str, token: str, console: Console, trust: ServerTrust | None = None) -> None:
+    """Check the credentials against the server (verified as ``trust`` says), then save them."""
+    target = resolve(server, token)
+    if trust is not None:
+        target = replace(target, trust=trust)
+    with ApiClient(target) as api:
         api.request("GET", "/classes")
-    path = write_config(server, token)
+    path = write_config(server, token, target.trust)
     console.print(f"logged in to {server}; saved to {path}", markup=False)
 
 
@@ -74,15 +79,27 @@ def register(app: typer.Typer) -> None:
         token: Annotated[
             str | None, typer.Option("--token", help="The admin token (visible in ps: prefer --token-file).")
         ] = None,
+        ca_hash: Annotated[
+            str | None,
+            typer.Option("--ca-hash", help="sha256:HEX, the pin of the server's CA that the server printed."),
+        ] = None,
+        ca_file: Annotated[
+            Path | None, typer.Option("--ca-file", help="Verify the server with this CA (PEM).")
+        ] = None,
+        insecure: Annotated[
+            bool, typer.Option("--insecure", help="Allow an http:// server on a non-loopback address.")
+        ] = False,
     ) -> None:
-        """Check an admin token against a server and save both in the config file (0600)."""
+        """Check an admin token against a server and save both in the config file (0600), with
+        how to verify the server (--ca-hash, --ca-file; else the environment's or the system's CAs)."""
         try:
             secret = token or (
                 token_from_file(token_file) if token_file else os.environ.get("FLEETSERVE_TOKEN")
             )
             if not secret:
                 raise typer.BadParameter("give --token-file (or set FLEETSERVE_TOKEN)")
-            login(server.rstrip("/"), secret, Console())
+            trust = ServerTrust.of(ca_file, ca_hash, insecure) if (ca_hash or ca_file or insecure) else None
+            login(server.rstrip("/"), secret, Console(), trust)
         except FleetserveError as err:
             raise fail(err) from None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import ssl
 import sys
 import threading
 from pathlib import Path
@@ -23,6 +24,9 @@ from fleetserve.engines.binaries import parse_overrides
 from fleetserve.errors import ConfigError, Problem
 from fleetserve.inventory.matching import FabricMap
 from fleetserve.secretfile import read_secret
+from fleetserve.tls import CaUnavailable, ServerTrust, client_verify
+
+log = logging.getLogger("fleetserve.agent")
 
 
 def parse_labels(items: list[str]) -> dict[str, str]:
@@ -83,6 +87,21 @@ def load_fabric_map(path: Path | None) -> FabricMap:
     return FabricMap.from_dict(raw, location=str(path))
 
 
+def server_verify(
+    server: str, trust: ServerTrust, stop: threading.Event, interval: float
+) -> ssl.SSLContext | bool | None:
+    """How the agent verifies the control plane (``fleetserve.tls.client_verify``), retrying while
+    the server cannot be reached; a refused plain address or a wrong pin ends the agent at once.
+    None if stopped first."""
+    while not stop.is_set():
+        try:
+            return client_verify(server, trust)
+        except CaUnavailable as exc:
+            log.warning("%s; retrying", exc)
+            stop.wait(interval)
+    return None
+
+
 def run_agent(
     server: str,
     token: str | None,
@@ -100,19 +119,12 @@ def run_agent(
     log_dir: Path,
     root: Path,
     log_level: str,
+    trust: ServerTrust | None = None,
 ) -> None:
     """Run the agent until SIGTERM or SIGINT; then stop every engine it started."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # One line per heartbeat and health probe would drown what matters.
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    settings = AgentSettings(
-        engine_host=engine_host, interval=interval, binaries=parse_overrides(engine_binaries)
-    )
-    describe = make_describe(name, labels, address, load_fabric_map(fabric_map), inventory_file, root)
-    client = AgentClient(server, token, CredentialFile(credential_file))
-    cache = ModelCache(cache_dir, max_bytes=cache_max, control_plane=(server, client.token))
-    supervisor = Supervisor(log_dir)
-    agent = Agent(client, describe, supervisor, cache, settings, gpu_reader=make_reader(root))
     stop = threading.Event()
 
     def _stop(signum: int, frame: object) -> None:
@@ -120,6 +132,19 @@ def run_agent(
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
+    verify = server_verify(server, trust or ServerTrust(), stop, interval)
+    if verify is None:
+        return
+    settings = AgentSettings(
+        engine_host=engine_host, interval=interval, binaries=parse_overrides(engine_binaries)
+    )
+    describe = make_describe(name, labels, address, load_fabric_map(fabric_map), inventory_file, root)
+    client = AgentClient(server, token, CredentialFile(credential_file), verify=verify)
+    cache = ModelCache(
+        cache_dir, max_bytes=cache_max, control_plane=(server, client.token), control_plane_verify=verify
+    )
+    supervisor = Supervisor(log_dir)
+    agent = Agent(client, describe, supervisor, cache, settings, gpu_reader=make_reader(root))
     try:
         agent.run(stop)
     finally:

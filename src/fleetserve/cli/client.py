@@ -5,12 +5,17 @@ Precedence: ``--server``/``--token`` flags, then ``FLEETSERVE_SERVER``/``FLEETSE
 ``FLEETSERVE_TOKEN_FILE`` (a file holding the admin token, or a tokens file with an ``admin`` key),
 then the config file (``$FLEETSERVE_CONFIG``, default ``~/.config/fleetserve/config.yaml``) with
 keys ``server`` and ``token``. No command needs a token on its command line.
+
+How the server is verified (``fleetserve.tls.ServerTrust``): ``FLEETSERVE_CA_HASH`` (the pin the
+server printed), ``FLEETSERVE_CA_FILE`` and ``FLEETSERVE_INSECURE=1`` when any is set, else the
+config file's ``ca_hash``, ``ca_file`` and ``insecure`` (saved by ``fleetserve login``) for the
+config file's server. Plain HTTP to a non-loopback server is refused unless insecure.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +24,7 @@ import yaml
 
 from fleetserve.errors import FleetserveError
 from fleetserve.secretfile import read_secret, write_secret
+from fleetserve.tls import ServerTrust, client_verify
 
 DEFAULT_SERVER = "http://127.0.0.1:8080"
 API = "/api/v1"
@@ -58,9 +64,18 @@ def read_config() -> dict[str, str]:
     return {str(k): str(v) for k, v in data.items()}
 
 
-def write_config(server: str, token: str) -> Path:
-    """Save server and token for later commands (mode 0600 from creation: the token is a secret)."""
-    return write_secret(config_path(), yaml.safe_dump({"server": server, "token": token}))
+def write_config(server: str, token: str, trust: ServerTrust | None = None) -> Path:
+    """Save server, token and how to verify the server for later commands (mode 0600 from
+    creation, written atomically: the token is a secret)."""
+    data: dict[str, object] = {"server": server, "token": token}
+    if trust is not None:
+        if trust.ca_hash is not None:
+            data["ca_hash"] = str(trust.ca_hash)
+        if trust.ca_file is not None:
+            data["ca_file"] = str(trust.ca_file.absolute())
+        if trust.insecure:
+            data["insecure"] = True
+    return write_secret(config_path(), yaml.safe_dump(data))
 
 
 def token_from_file(path: Path, key: str = "admin") -> str:
@@ -81,21 +96,40 @@ def token_from_file(path: Path, key: str = "admin") -> str:
     return text
 
 
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes")
+
+
+def trust_from(config: dict[str, str], server: str) -> ServerTrust:
+    """How to verify ``server``: the environment's settings if any is set, else the config file's
+    when ``server`` is the config file's server."""
+    env = {k: os.environ.get(f"FLEETSERVE_{k.upper()}") for k in ("ca_hash", "ca_file", "insecure")}
+    if any(env.values()):
+        source = env
+    elif config.get("server", "").rstrip("/") == server:
+        source = {k: config.get(k) for k in env}
+    else:
+        return ServerTrust()
+    return ServerTrust.of(source["ca_file"], source["ca_hash"], _truthy(source["insecure"]))
+
+
 @dataclass(frozen=True)
 class Target:
-    """The control plane to talk to, and the admin token to show it."""
+    """The control plane to talk to, the admin token to show it, and how to verify it."""
 
     server: str
     token: str | None
+    trust: ServerTrust = field(default_factory=ServerTrust)
 
 
 def resolve(server: str | None, token: str | None) -> Target:
     """Flags win over the environment, which wins over the config file."""
     config = read_config()
+    url = (server or os.environ.get("FLEETSERVE_SERVER") or config.get("server") or DEFAULT_SERVER).rstrip(
+        "/"
+    )
     return Target(
-        server=(
-            server or os.environ.get("FLEETSERVE_SERVER") or config.get("server") or DEFAULT_SERVER
-        ).rstrip("/"),
+        server=url,
         token=token
         or os.environ.get("FLEETSERVE_TOKEN")
         or (
@@ -104,17 +138,20 @@ def resolve(server: str | None, token: str | None) -> Target:
             else None
         )
         or config.get("token"),
+        trust=trust_from(config, url),
     )
 
 
 class ApiClient:
-    """A thin client of the admin API; every failure becomes a ClientError with the server's words."""
+    """A thin client of the admin API; every failure becomes a ClientError with the server's words.
+    The server is verified as ``target.trust`` says (a TlsError before any request otherwise)."""
 
     def __init__(self, target: Target, transport: httpx.BaseTransport | None = None, timeout: float = 30.0):
         headers = {"Authorization": f"Bearer {target.token}"} if target.token else {}
         self.target = target
+        verify = client_verify(target.server, target.trust) if transport is None else True
         self._http = httpx.Client(
-            base_url=target.server, headers=headers, timeout=timeout, transport=transport
+            base_url=target.server, headers=headers, timeout=timeout, transport=transport, verify=verify
         )
 
     def close(self) -> None:
@@ -138,6 +175,12 @@ class ApiClient:
         try:
             response = self._http.request(method, API + path, json=json, params=params, content=content)
         except httpx.HTTPError as exc:
+            if "CERTIFICATE_VERIFY_FAILED" in str(exc):
+                raise ClientError(
+                    f"the fleetserve server at {self.target.server} could not be verified: {exc}. "
+                    "Give the CA pin the server printed (FLEETSERVE_CA_HASH=sha256:..., or "
+                    "`fleetserve login --ca-hash`) or its CA file (FLEETSERVE_CA_FILE)."
+                ) from exc
             raise ClientError(
                 f"cannot reach the fleetserve server at {self.target.server}: {exc}. "
                 "Is `fleetserve server` running? Set --server or FLEETSERVE_SERVER."

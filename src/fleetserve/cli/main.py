@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -14,6 +14,9 @@ from fleetserve.cli.kube import kube
 from fleetserve.cli.output import fail
 from fleetserve.cli.plan import Output, run_plan
 from fleetserve.errors import ConfigError, FleetserveError
+
+if TYPE_CHECKING:
+    from fleetserve.tls import ServerTls
 
 app = typer.Typer(
     name="fleetserve",
@@ -102,6 +105,57 @@ def plan_command(
 
 # --- the control plane --------------------------------------------------------------------------
 
+TlsCertOpt = Annotated[
+    Path | None,
+    typer.Option("--tls-cert", help="Serve TLS with this certificate (PEM, chain after it); with --tls-key."),
+]
+TlsKeyOpt = Annotated[Path | None, typer.Option("--tls-key", help="The key of --tls-cert (PEM).")]
+TlsDirOpt = Annotated[
+    Path,
+    typer.Option(
+        "--tls-dir",
+        help="Where the generated CA (ca.crt, ca.key) and server certificates live; made on first start "
+        "when the listen address is not loopback and no --tls-cert is given, reused after.",
+    ),
+]
+TlsSanOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--tls-san",
+        help="A host name or address the generated certificate also names (the first names the "
+        "server in the printed join command); repeatable.",
+    ),
+]
+TlsForceOpt = Annotated[
+    bool, typer.Option("--tls", help="Serve TLS (a generated certificate) even on a loopback address.")
+]
+InsecureOpt = Annotated[
+    bool,
+    typer.Option(
+        "--insecure",
+        help="Serve plain HTTP on a non-loopback address (tokens and prompts in the clear). Without it, "
+        "a non-loopback address gets TLS.",
+    ),
+]
+
+
+def _listen_tls(
+    host: str,
+    cert: Path | None,
+    key: Path | None,
+    tls_dir: Path,
+    sans: list[str] | None,
+    force: bool,
+    insecure: bool,
+    role: str,
+) -> ServerTls | None:
+    """The listener's TLS from its flags (see ``fleetserve.tls.listen_tls``)."""
+    from fleetserve.tls import listen_tls
+
+    return listen_tls(
+        host, cert=cert, key=key, tls_dir=tls_dir, role=role, sans=sans or (), insecure=insecure, force=force
+    )  # fmt: skip
+
 
 @app.command("server")
 def server_command(
@@ -156,6 +210,12 @@ def server_command(
         Path, typer.Option(help="Where the server keeps model files it serves to agents (fleetserve://NAME).")
     ] = Path("fleetserve-models"),
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+    tls_cert: TlsCertOpt = None,
+    tls_key: TlsKeyOpt = None,
+    tls_dir: TlsDirOpt = Path("fleetserve-tls"),
+    tls_san: TlsSanOpt = None,
+    tls: TlsForceOpt = False,
+    insecure: InsecureOpt = False,
 ) -> None:
     """Run the control plane: admin REST API (OpenAPI at /docs), state store, reconciler.
 
@@ -164,6 +224,10 @@ def server_command(
     credential of their own; new names wait for `fleetserve nodes approve NAME` unless
     --approve-new-nodes. Several servers may share one PostgreSQL database: one of them (the
     holder of a lease in the database) reconciles at a time.
+
+    Off loopback it serves TLS: --tls-cert/--tls-key, or a CA and certificate it generates in
+    --tls-dir; it then prints the join command with the CA's pin (sha256:...). Plain HTTP off
+    loopback only with --insecure.
     """
     from fleetserve.server.enrolment import EnrolmentPolicy, parse_networks
     from fleetserve.server.process import ControlPlane, Listen, heartbeat_policy, run_server
@@ -178,7 +242,8 @@ def server_command(
         models_dir, reconcile_interval, heartbeat_policy(not_ready_after, lost_after), token_file, enrolment
     )
     try:
-        run_server(database_url, Listen(host, port, log_level), control)
+        served = _listen_tls(host, tls_cert, tls_key, tls_dir, tls_san, tls, insecure, "server")
+        run_server(database_url, Listen(host, port, log_level, served, tuple(tls_san or ())), control)
     except FleetserveError as err:
         raise fail(err) from None
 
@@ -249,6 +314,26 @@ def agent_command(
         Path, typer.Option(hidden=True, help="Read /sys and /proc under this root.")
     ] = Path("/"),
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+    ca_hash: Annotated[
+        str | None,
+        typer.Option(
+            "--ca-hash",
+            envvar="FLEETSERVE_CA_HASH",
+            help="sha256:HEX, the pin of the server's CA that `fleetserve server` printed: the agent "
+            "fetches the CA, checks it against the pin, then verifies the server with it.",
+        ),
+    ] = None,
+    ca_file: Annotated[
+        Path | None,
+        typer.Option("--ca-file", envvar="FLEETSERVE_CA_FILE", help="Verify the server with this CA (PEM)."),
+    ] = None,
+    insecure: Annotated[
+        bool,
+        typer.Option(
+            "--insecure",
+            help="Allow an http:// server on a non-loopback address (the join token in the clear).",
+        ),
+    ] = False,
 ) -> None:
     """Run the node agent: discover this machine's CPUs, GPUs and HCAs, enrol with the control
     plane (join token, once; the node's own credential is kept in --credential-file), report
@@ -257,21 +342,25 @@ def agent_command(
     A name enrolled already, or a new one on a server that approves new names by hand, waits for
     `fleetserve nodes approve NAME` (the agent says so and retries). Every registration gets a new
     epoch; replicas moved away while the agent was gone are stopped. SIGTERM or Ctrl-C stops
-    every engine the agent started.
+    every engine the agent started. An https:// server is verified against --ca-hash or --ca-file
+    (else the system's CAs); plain http:// only on loopback, or with --insecure.
     """
     from fleetserve.agent.describe import node_name
     from fleetserve.agent.runtime import default_cache_dir
     from fleetserve.cli.agent_cmd import join_token, parse_labels, run_agent
+    from fleetserve.tls import ServerTrust
     from fleetserve.units import parse_bytes
 
     try:
         cache = cache_dir or default_cache_dir()
         secret = join_token(token_file, token)
+        trust = ServerTrust.of(ca_file, ca_hash, insecure)
         run_agent(
             server, secret, credential_file or cache.parent / "node-credential",
             name or node_name(), parse_labels(label or []), address, engine_host or address,
             cache, parse_bytes(cache_max) if cache_max else None, inventory_file, fabric_map,
             engine_binary or [], interval, log_dir or cache.parent / "logs", sysfs_root, log_level,
+            trust,
         )  # fmt: skip
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
@@ -330,15 +419,23 @@ def gateway_command(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.", min=1, max=65535)] = 8081,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+    tls_cert: TlsCertOpt = None,
+    tls_key: TlsKeyOpt = None,
+    tls_dir: TlsDirOpt = Path("fleetserve-tls"),
+    tls_san: TlsSanOpt = None,
+    tls: TlsForceOpt = False,
+    insecure: InsecureOpt = False,
 ) -> None:
     """Run an extra OpenAI-compatible gateway process over the control plane's database.
 
     `fleetserve server` serves the same API under /v1 already; run more gateways (behind a load
     balancer) to scale out. Every gateway follows replica changes from the database, no restart.
+    Off loopback it serves TLS as `fleetserve server` does (the same --tls-dir shares its CA).
     """
     from fleetserve.server.process import Listen, run_gateway
 
     try:
-        run_gateway(database_url, Listen(host, port, log_level))
+        served = _listen_tls(host, tls_cert, tls_key, tls_dir, tls_san, tls, insecure, "gateway")
+        run_gateway(database_url, Listen(host, port, log_level, served, tuple(tls_san or ())))
     except FleetserveError as err:
         raise fail(err) from None

@@ -1,7 +1,8 @@
 """Launch specs: what an engine adapter turns (profile, model file, shard, port) into.
 
 A launch spec is data: the argv list (never a shell string), the environment (the driver
-table's visible-devices variables for the runtime variant), the health and metrics URLs. The
+table's visible-devices variables for the runtime variant, the engine's API key: a secret is
+never on an argv, which every user of the machine can read), the health and metrics URLs. The
 supervisor runs it; each engine row's adapter (``ENGINES[kind].adapter``) builds it.
 """
 
@@ -53,6 +54,8 @@ class LaunchContext:
     # How the engine names its model when not by ``model_path`` (e.g. a Hugging Face repo the
     # engine downloads itself, in a Kubernetes pod); empty means the file at ``model_path``.
     model_args: tuple[str, ...] = ()
+    # The API key the engine demands of every request (in its environment, never on its argv).
+    engine_key: str | None = field(default=None, repr=False)
 
     @property
     def devices(self) -> tuple[int, ...]:
@@ -68,7 +71,7 @@ class LaunchSpec:
     """One shard's processes: sidecars started first (e.g. a Ray worker), then the engine."""
 
     argv: tuple[str, ...]
-    env: Mapping[str, str]
+    env: Mapping[str, str] = field(repr=False)
     health_url: str | None
     metrics_url: str | None
     sidecars: tuple[tuple[str, ...], ...] = ()

@@ -1,7 +1,8 @@
 """llama.cpp, whole: ``llama-server`` for the cpu, cuda, vulkan and rocm variants.
 
 ``llama-server`` answers ``GET /health`` with 503 while loading and 200 when ready, serves the
-OpenAI API, and exposes ``/metrics`` with ``--metrics`` and per-slot state with ``--slots``. It
+OpenAI API, and exposes ``/metrics`` with ``--metrics`` and per-slot state with ``--slots``; with
+the replica's key in ``LLAMA_API_KEY`` it refuses every request but ``/health`` without it. It
 ignores the request's model name; fleetserve's gateway checks names itself. In a pod it downloads
 its model itself (``--hf-repo``/``--hf-file`` or ``--model-url``) into ``LLAMA_CACHE``.
 
@@ -29,6 +30,9 @@ DEFAULT_SLOTS = 4
 ALL_LAYERS = "999"
 HEALTH_PATH = "/health"
 METRICS_PATH = "/metrics"
+# llama-server's --api-key from its environment: every route but /health and the model list then
+# needs "Authorization: Bearer KEY" (/metrics and /slots included).
+API_KEY_ENV = "LLAMA_API_KEY"
 
 ALLOWED_ARGS = frozenset(
     {
@@ -102,9 +106,12 @@ class LlamaCppAdapter:
             argv += ["--threads", str(max(1, shard.cpu_cores)), "--n-gpu-layers", "0"]
         argv += list(ctx.profile.engine_args)
         base = f"http://{url_host(ctx.host)}:{ctx.port}"
+        env = dict(visible_devices_env(ctx.driver, ctx.variant, ctx.devices))
+        if ctx.engine_key:
+            env[API_KEY_ENV] = ctx.engine_key
         return LaunchSpec(
             argv=tuple(argv),
-            env=MappingProxyType(dict(visible_devices_env(ctx.driver, ctx.variant, ctx.devices))),
+            env=MappingProxyType(env),
             health_url=f"{base}{HEALTH_PATH}",
             metrics_url=f"{base}{METRICS_PATH}",
             served_name=served,

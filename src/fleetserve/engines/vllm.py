@@ -24,6 +24,9 @@ GPU_MEMORY_UTILIZATION = "0.90"
 RAY_PORT = 6379
 HEALTH_PATH = "/health"
 METRICS_PATH = "/metrics"
+# vllm serve's --api-key from its environment: the OpenAI routes (/v1/...) then need
+# "Authorization: Bearer KEY"; /health and /metrics stay open (the observer sends the key anyway).
+API_KEY_ENV = "VLLM_API_KEY"
 
 ALLOWED_ARGS = frozenset(
     {
@@ -97,6 +100,8 @@ class VllmAdapter:
             argv += ["--pipeline-parallel-size", str(nodes), "--distributed-executor-backend", "ray"]
             sidecars = ((ray, "start", "--block", "--head", f"--port={RAY_PORT}"),)
         argv += list(ctx.profile.engine_args)
+        if ctx.engine_key:
+            env[API_KEY_ENV] = ctx.engine_key
         base = f"http://{url_host(ctx.host)}:{ctx.port}"
         return LaunchSpec(
             argv=tuple(argv),

@@ -32,6 +32,7 @@ from fleetserve.gateway.endpoints import EndpointTable, Route
 from fleetserve.gateway.picker import Endpoint, Load, pick, prefix_key_for
 from fleetserve.gateway.ratelimit import Limits, RateLimiter
 from fleetserve.metrics.exposition import FleetMetrics
+from fleetserve.routing import engine_auth
 from fleetserve.store.credentials import ApiKey
 from fleetserve.store.protocols import GatewayStore
 
@@ -319,7 +320,11 @@ class Gateway:
             tried.add(endpoint.replica)
             self.in_flight[endpoint.replica] += 1
             upstream = http.build_request(
-                "POST", endpoint.url + path, content=body, headers={"content-type": "application/json"}
+                "POST",
+                endpoint.url + path,
+                content=body,
+                # The replica's own engine key: the engine refuses any request without it.
+                headers={"content-type": "application/json", **engine_auth(endpoint.engine_key)},
             )
             try:
                 response = await self._unless_gone(request, http.send(upstream, stream=True))

@@ -58,7 +58,7 @@ class EndpointTable:
             # Capacity across mixed hardware: a replica on more devices serves more at once.
             weight = float(max(1, sum(len(s.devices) for s in replica.shards)))
             endpoints.setdefault(replica.deployment, []).append(
-                Endpoint(replica=replica.name, url=served.url, weight=weight)
+                Endpoint(replica=replica.name, url=served.url, weight=weight, engine_key=served.engine_key)
             )
         return {
             name: Route(

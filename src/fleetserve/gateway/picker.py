@@ -25,7 +25,7 @@ import math
 import random
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 VNODES_PER_WEIGHT = 100
@@ -43,11 +43,13 @@ DEFAULT_BOUNDED_LOAD = 1.25
 
 @dataclass(frozen=True)
 class Endpoint:
-    """One Ready replica the gateway can send requests to, with its relative capacity."""
+    """One Ready replica the gateway can send requests to, with its relative capacity and its
+    engine's API key."""
 
     replica: str
     url: str
     weight: float = 1.0
+    engine_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.weight) and self.weight > 0):

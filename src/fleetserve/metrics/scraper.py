@@ -94,11 +94,13 @@ class FetchFailed(ScrapeError):
 
 @dataclass(frozen=True)
 class Target:
-    """One endpoint to scrape: a stable key, its metrics URL and the labels its samples get."""
+    """One endpoint to scrape: a stable key, its metrics URL, the labels its samples get, and the
+    bearer token the endpoint demands (an engine's API key), if any."""
 
     key: str
     url: str
     labels: Mapping[str, str] = field(default_factory=dict, hash=False)
+    bearer: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         # A read-only copy: the caller's dict may change later; this target must not.
@@ -134,9 +136,10 @@ class ScraperStats:
 
 
 class Fetcher(Protocol):
-    """Fetches one URL's body; raises (preferably a ``ScrapeError``) on any failure."""
+    """Fetches one URL's body, sending ``Authorization: Bearer`` with ``bearer`` when given; raises
+    (preferably a ``ScrapeError``) on any failure."""
 
-    async def __call__(self, url: str, timeout: float) -> bytes: ...
+    async def __call__(self, url: str, timeout: float, bearer: str | None = None) -> bytes: ...
 
 
 @dataclass(eq=False)
@@ -404,8 +407,9 @@ class _Route:
 
 
 @functools.lru_cache(maxsize=8192)
-def route(url: str) -> _Route:
-    """Split a scrape URL into its origin and the GET request to send (cached: URLs repeat)."""
+def route(url: str, bearer: str | None = None) -> _Route:
+    """Split a scrape URL into its origin and the GET request to send, with ``bearer`` as its
+    Authorization (cached: URLs repeat)."""
     try:
         parts = urlsplit(url)
         port = parts.port
@@ -417,9 +421,12 @@ def route(url: str) -> _Route:
     port = port if port is not None else (443 if tls else 80)
     authority = parts.netloc.rpartition("@")[2]
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    if bearer is not None and any(c in bearer for c in "\r\n"):
+        raise FetchFailed("a bearer token may not hold a line break")
+    authorization = f"Authorization: Bearer {bearer}\r\n" if bearer else ""
     request = (
         f"GET {target} HTTP/1.1\r\nHost: {authority}\r\nUser-Agent: fleetserve-scraper\r\n"
-        "Accept: text/plain\r\nAccept-Encoding: identity\r\n\r\n"
+        f"Accept: text/plain\r\nAccept-Encoding: identity\r\n{authorization}\r\n"
     ).encode("latin-1", "replace")
     return _Route((parts.scheme, parts.hostname, port), parts.hostname, port, tls, request)
 
@@ -531,8 +538,8 @@ class HttpFetcher:
         self._idle_count = 0
         self._open: set[_Connection] = set()
 
-    async def __call__(self, url: str, timeout: float) -> bytes:
-        where = route(url)
+    async def __call__(self, url: str, timeout: float, bearer: str | None = None) -> bytes:
+        where = route(url, bearer)
         try:
             async with asyncio.timeout(timeout):
                 conn = self._take_idle(where.origin)
@@ -684,9 +691,10 @@ class HttpxFetcher:
             trust_env=False,
         )
 
-    async def __call__(self, url: str, timeout: float) -> bytes:
+    async def __call__(self, url: str, timeout: float, bearer: str | None = None) -> bytes:
+        headers = {"Authorization": f"Bearer {bearer}"} if bearer else None
         try:
-            async with self._client.stream("GET", url, timeout=timeout) as response:
+            async with self._client.stream("GET", url, timeout=timeout, headers=headers) as response:
                 if response.status_code != 200:
                     raise BadStatus(response.status_code)
                 declared = _content_length(response)
@@ -865,7 +873,7 @@ class Scraper:
         error: str | None = None
         try:
             async with asyncio.timeout(self.timeout):
-                body = await self._fetch(state.target.url, self.timeout)
+                body = await self._fetch(state.target.url, self.timeout, bearer=state.target.bearer)
             too_large = body_error(len(body), None, self.max_body_bytes)
             if too_large is not None:
                 body, error = None, str(too_large)

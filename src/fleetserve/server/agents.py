@@ -68,9 +68,11 @@ def revision_of(assignments: list[Assignment]) -> str:
 
 def assignment_entries(store: SqlStore, replicas: list[Replica]) -> list[Assignment]:
     """What an agent needs to run each replica: the replica, its profile with the runtime variant
-    worked out, the model document, and the addresses of the replica's nodes (shard order)."""
+    worked out, the model document, the addresses of the replica's nodes (shard order) and its
+    engine's API key."""
     snapshot = store.snapshot()
     nodes = {n.name: n for n in snapshot.nodes}
+    keys = store.engine_keys([r.name for r in replicas])
     out = []
     for replica in replicas:
         try:
@@ -94,6 +96,7 @@ def assignment_entries(store: SqlStore, replicas: list[Replica]) -> list[Assignm
                 model=model,
                 context=profile.context,
                 peers=[nodes[s.node].address if s.node in nodes else "" for s in replica.shards],
+                engine_key=keys.get(replica.name),
             )
         )
     return out

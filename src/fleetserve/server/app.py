@@ -39,6 +39,7 @@ from fleetserve.spec.resources import Node, Replica
 from fleetserve.store.credentials import ApiKey, TokenKind, TokenRecord
 from fleetserve.store.identity import EnrolmentRecord
 from fleetserve.store.sql import SqlStore
+from fleetserve.tls import CA_PATH
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
@@ -370,9 +371,11 @@ class Serving:
         return cls(metrics, observer, gw)
 
 
-def _assemble(app: FastAPI, store: SqlStore, serving: Serving, *routers: APIRouter) -> None:
-    """What every serving process answers: health, ``/metrics``, its own ``routers`` and the
-    gateway's /v1 (if it has one)."""
+def _assemble(
+    app: FastAPI, store: SqlStore, serving: Serving, ca_pem: bytes | None, *routers: APIRouter
+) -> None:
+    """What every serving process answers: health, ``/metrics``, the CA it generated (if it did),
+    its own ``routers`` and the gateway's /v1 (if it has one)."""
     app.state.store = store
     app.state.metrics = serving.metrics
     app.state.observer = serving.observer
@@ -386,6 +389,12 @@ def _assemble(app: FastAPI, store: SqlStore, serving: Serving, *routers: APIRout
     def prometheus(request: Request) -> Response:
         body, content_type = serving.metrics.render(request.headers.get("accept", ""))
         return Response(body, media_type=content_type)
+
+    if ca_pem is not None:  # only a server that generated its CA has one to publish
+
+        @app.get(CA_PATH, tags=["health"], summary="The generated CA (PEM); no credentials: clients pin it")
+        def ca_certificate() -> Response:
+            return Response(ca_pem, media_type="application/x-pem-file")
 
     for router in routers:
         app.include_router(router)
@@ -423,13 +432,15 @@ def create_app(
     models_dir: Path | None = None,
     gateway: bool = True,
     serving: Serving | None = None,
+    ca_pem: bytes | None = None,
     enrolment: EnrolmentPolicy | None = None,
 ) -> FastAPI:
     """The control plane's ASGI app over ``store``: admin API, agents' API and, unless told not,
     the OpenAI-compatible gateway. ``lifespan`` runs background work with it; ``models_dir``
     holds the model files it serves to agents (default ./fleetserve-models); ``serving`` is the
     metrics, observer and gateway to use (default: built here, with a gateway if ``gateway``);
-    ``enrolment`` the policy for join-token enrolments (default: new names need an approval)."""
+    ``ca_pem`` the generated CA it publishes at ``CA_PATH``; ``enrolment`` the policy for
+    join-token enrolments (default: new names need an approval)."""
     files = ModelFiles(models_dir or Path("fleetserve-models"))
     if serving is None:
         serving = Serving.build(store, gateway)
@@ -439,7 +450,8 @@ def create_app(
         title="fleetserve control plane",
         version=__version__,
         description="Admin API: device classes, nodes, models, deployments, replicas and placement "
-        "explanations (`Authorization: Bearer <admin token>`). Agents' API (join token). The "
+        "explanations (`Authorization: Bearer <admin token>`). Agents' API (a node's credential; "
+        "the join token only enrols). The "
         "OpenAI-compatible API under /v1 (gateway API keys).",
     )
     problems.install(app)
@@ -449,6 +461,7 @@ def create_app(
         app,
         store,
         serving,
+        ca_pem,
         build_admin_router(store, files, gw.forget_keys if gw is not None else None),
         build_agent_router(store, files, enrolment or EnrolmentPolicy()),
     )
@@ -456,7 +469,10 @@ def create_app(
 
 
 def create_gateway_app(
-    store: SqlStore, lifespan: Lifespan | None = None, serving: Serving | None = None
+    store: SqlStore,
+    lifespan: Lifespan | None = None,
+    serving: Serving | None = None,
+    ca_pem: bytes | None = None,
 ) -> FastAPI:
     """A gateway process on its own (``fleetserve gateway``): the OpenAI API over a shared store,
     with the same observer, engine load and ``/metrics`` as the control plane's gateway."""
@@ -465,5 +481,5 @@ def create_gateway_app(
     app = FastAPI(
         lifespan=_serving_lifespan(serving, lifespan), title="fleetserve gateway", version=__version__
     )
-    _assemble(app, store, serving)
+    _assemble(app, store, serving, ca_pem)
     return app

@@ -86,7 +86,7 @@ class Observer:
                 "engine": profile.engine.value, "model": dep.model,
             }  # fmt: skip
             url = served.url + ENGINES[profile.engine].metrics_path
-            out.append(Target(key=replica.name, url=url, labels=labels))
+            out.append(Target(key=replica.name, url=url, labels=labels, bearer=served.engine_key))
         return out
 
     def collect(self) -> None:

@@ -37,6 +37,7 @@ from fleetserve.spec.resources import AutoscalePolicy, Deployment, Replica, Repl
 from fleetserve.store.credentials import TokenKind
 from fleetserve.store.protocols import Tokens
 from fleetserve.store.sql import SqlStore
+from fleetserve.tls import ServerTls, is_loopback, public_host, url_of
 
 # The exit status of a gateway whose app did not start (its lifespan failed), as ``uvicorn.run`` has it.
 STARTUP_FAILURE = 3
@@ -44,11 +45,21 @@ STARTUP_FAILURE = 3
 
 @dataclass(frozen=True)
 class Listen:
-    """Where a process listens, and how much it logs."""
+    """Where a process listens, with which TLS (None: plain HTTP), and how much it logs."""
 
     host: str
     port: int
     log_level: str
+    tls: ServerTls | None = None
+    # Extra names the certificate carries (``--tls-san``); the first names the server in joins.
+    sans: tuple[str, ...] = ()
+
+    @property
+    def url(self) -> str:
+        """The URL clients use: the listen address, or for a wildcard a name of the certificate."""
+        scheme = "https" if self.tls is not None else "http"
+        names = self.tls.names if self.tls is not None and self.tls.names else self.sans
+        return url_of(scheme, public_host(self.host, names), self.port)
 
 
 @dataclass(frozen=True)
@@ -156,21 +167,54 @@ def reconciling(store: SqlStore, control: ControlPlane, serving: Serving) -> Lif
     return lifespan
 
 
-def server_app(store: SqlStore, control: ControlPlane) -> FastAPI:
-    """The control plane's app: admin and agents' API, gateway, observer and reconciler."""
+def server_app(store: SqlStore, control: ControlPlane, ca_pem: bytes | None = None) -> FastAPI:
+    """The control plane's app: admin and agents' API, gateway, observer and reconciler; it
+    publishes ``ca_pem`` (a generated CA) for clients that pin it."""
     serving = Serving.build(store)
     return create_app(
         store,
         lifespan=reconciling(store, control, serving),
         models_dir=control.models_dir,
         serving=serving,
+        ca_pem=ca_pem,
         enrolment=control.enrolment,
     )
 
 
-def gateway_app(store: SqlStore) -> FastAPI:
+def gateway_app(store: SqlStore, ca_pem: bytes | None = None) -> FastAPI:
     """An extra gateway's app: the same gateway, observer and ``/metrics`` as the control plane's."""
-    return create_gateway_app(store, serving=Serving.build(store))
+    return create_gateway_app(store, serving=Serving.build(store), ca_pem=ca_pem)
+
+
+def print_tls(listen: Listen, console: Console, what: str) -> None:
+    """Say how clients verify this listener: the CA's file and pin, and the commands that use it."""
+    tls = listen.tls
+    if tls is None:
+        if not is_loopback(listen.host):
+            console.print(
+                "  [bold]warning:[/] plain HTTP on a non-loopback address (--insecure): tokens, "
+                "prompts and answers cross the network in the clear"
+            )
+        return
+    if tls.pin is None:
+        console.print(f"  TLS with {tls.cert_file}; clients verify it with --ca-file", markup=False)
+        return
+    ca_file = tls.ca_file
+    console.print(f"  TLS: generated CA {ca_file}, pin {tls.pin}", markup=False, highlight=False)
+    if what == "server":
+        console.print(
+            f"  join:  fleetserve agent --server {listen.url} --ca-hash {tls.pin}  "
+            "(join token in FLEETSERVE_JOIN_TOKEN)",
+            markup=False,
+            highlight=False,
+        )
+        console.print(
+            f"  admin: fleetserve login --server {listen.url} --ca-hash {tls.pin}",
+            markup=False,
+            highlight=False,
+        )
+    else:
+        console.print(f"  clients: trust {ca_file} (e.g. curl --cacert {ca_file})", markup=False)
 
 
 def serve(app: FastAPI, listen: Listen, access_log: bool) -> bool:
@@ -183,6 +227,8 @@ def serve(app: FastAPI, listen: Listen, access_log: bool) -> bool:
         log_level=listen.log_level.lower(),
         access_log=access_log,
         timeout_graceful_shutdown=3,
+        ssl_certfile=str(listen.tls.cert_file) if listen.tls else None,
+        ssl_keyfile=str(listen.tls.key_file) if listen.tls else None,
     )
     server = uvicorn.Server(config)
     server.run()
@@ -198,9 +244,9 @@ def run_server(database_url: str, listen: Listen, control: ControlPlane) -> None
     store = SqlStore.open(database_url)
     try:
         ensure_tokens(store, control.token_file, console)
-        app = server_app(store, control)
-        where = f"http://{listen.host}:{listen.port}"
-        console.print(f"fleetserve server: {where} (OpenAPI at /docs), state in {database_url}")
+        app = server_app(store, control, listen.tls.ca_pem if listen.tls else None)
+        console.print(f"fleetserve server: {listen.url} (OpenAPI at /docs), state in {database_url}")
+        print_tls(listen, console, "server")
         serve(app, listen, access_log=False)
     finally:
         store.close()
@@ -210,7 +256,10 @@ def run_gateway(database_url: str, listen: Listen) -> None:
     """Open the control plane's store, then serve the gateway over it until stopped."""
     store = SqlStore.open(database_url)
     try:
-        if not serve(gateway_app(store), listen, access_log=True):
+        console = Console(soft_wrap=True)
+        console.print(f"fleetserve gateway: {listen.url}/v1", markup=False)
+        print_tls(listen, console, "gateway")
+        if not serve(gateway_app(store, listen.tls.ca_pem if listen.tls else None), listen, access_log=True):
             raise SystemExit(STARTUP_FAILURE)
     finally:
         store.close()

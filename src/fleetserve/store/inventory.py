@@ -28,6 +28,7 @@ from fleetserve.errors import (
 from fleetserve.inventory.base import Registration
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.placement.state import WorkingState
+from fleetserve.routing import new_engine_key
 from fleetserve.snapshot import ClusterSnapshot, replica_ordinal
 from fleetserve.spec.resources import (
     Cordon,
@@ -153,6 +154,7 @@ class SqlInventory(SqlBase):
                         profile=replica.profile,
                         spec=doc(replica, exclude={"state"}),
                         state=replica.state.value,
+                        engine_key=new_engine_key(),
                     )
                 )
                 conn.execute(

@@ -139,6 +139,14 @@ class SqlReports(SqlBase):
             out = [NodeHeartbeat(name, NodeState(state), epoch, last) for name, state, epoch, last in rows]
         return sorted(out, key=lambda h: h.name)
 
+    def engine_keys(self, replicas: Sequence[str]) -> dict[str, str]:
+        """The engine API keys of ``replicas`` (those that have one): for their agents' assignments."""
+        with self._read("reading engine keys") as s:
+            rows = s.execute(
+                select(ReplicaRow.name, ReplicaRow.engine_key).where(ReplicaRow.name.in_(list(replicas)))
+            )
+            return {name: key for name, key in rows if key}
+
     def replica_endpoints(self) -> list[ReplicaEndpoint]:
         """Every replica with the address of its first shard's node and its reported status."""
         with self._read("listing replica endpoints") as s:
@@ -147,5 +155,6 @@ class SqlReports(SqlBase):
             for row in s.scalars(select(ReplicaRow)):
                 replica = replica_of(row.spec, row.state)
                 address = addresses.get(replica.shards[0].node, "")
-                out.append(ReplicaEndpoint(replica, address, ReplicaStatus.model_validate(row.status or {})))
+                status = ReplicaStatus.model_validate(row.status or {})
+                out.append(ReplicaEndpoint(replica, address, status, row.engine_key))
         return sorted(out, key=lambda e: e.replica.name)

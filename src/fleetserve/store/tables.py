@@ -135,6 +135,9 @@ class ReplicaRow(Base):
     state: Mapped[str] = mapped_column(String(16))
     # What the agent reported: a message, restarts, the last lines of the engine's stderr.
     status: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # The engine's API key, made at allocation: only the replica's agent (in its assignment), the
+    # gateway and the observer read it; the admin API never shows it. None: placed before keys.
+    engine_key: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class ReplicaShardRow(Base):
