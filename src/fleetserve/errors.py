@@ -15,8 +15,10 @@ Classes without a module are defined here.
     │   └── NotFound             no model, deployment or token of that identity is stored
     ├── CacheError               the node's model cache cannot provide a model (names model and source)
     │   ├── SourceError          the source cannot be read: missing file, HTTP error, refused token,
-    │   │   │                    not in the Hugging Face mirror
-    │   │   └── TransferInterrupted  the connection broke mid-transfer; the partial file is kept
+    │   │   │                    not in the Hugging Face mirror, gated or missing on the Hub
+    │   │   ├── TransferInterrupted  the connection broke mid-transfer; the partial file is kept
+    │   │   └── SourceRefused    the agent's policy forbids the source (outside --model-dir, a
+    │   │                        loopback, link-local or metadata address)
     │   ├── ChecksumMismatch     the bytes' sha256 is not the model's (expected, got, source); not kept
     │   ├── InsufficientSpace    too little free disk for a download (sizes, cache dir); nothing written
     │   └── ModelPinned          an explicit eviction of a model that running replicas use
@@ -135,6 +137,11 @@ class SourceError(CacheError):
 
 class TransferInterrupted(SourceError):
     """The connection broke mid-transfer; the partial file is kept and the next attempt resumes it."""
+
+
+class SourceRefused(SourceError):
+    """The agent's source policy forbids reading the source: a local file outside its model
+    directories, or a remote host at a loopback, link-local or metadata address."""
 
 
 class ChecksumMismatch(CacheError):

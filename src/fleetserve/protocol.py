@@ -79,6 +79,10 @@ class ReplicaStatus(BaseModel):
         default_factory=list, max_length=100, alias="stderrTail"
     )
     port: int | None = Field(default=None, ge=1, le=65535)
+    # Requests the engine is processing or holding (its own metrics), when the agent could read them.
+    in_flight: int | None = Field(default=None, ge=0, le=2**31 - 1, alias="inFlight")
+    # How old that count was when the report was sent, in seconds.
+    in_flight_age: float | None = Field(default=None, ge=0, le=1e6, alias="inFlightAge")
 
     def stored(self) -> dict[str, object]:
         """The JSON the store keeps: the fields the agent sent (an unreported status is ``{}``)."""
@@ -93,12 +97,17 @@ class ReplicaReport(ReplicaStatus):
     def status(self) -> ReplicaStatus:
         """The report without its state, every field set: what the store keeps of it."""
         return ReplicaStatus(
-            message=self.message, restarts=self.restarts, stderrTail=self.stderr_tail, port=self.port
+            message=self.message,
+            restarts=self.restarts,
+            stderrTail=self.stderr_tail,
+            port=self.port,
+            inFlight=self.in_flight,
+            inFlightAge=self.in_flight_age,
         )
 
 
 class Download(BaseModel):
-    """A model download in flight on the node."""
+    """A model in the node's cache: ready, downloading (bytes done of total, rate) or failed (why)."""
 
     model_config = ConfigDict(extra="forbid")
     model: str = Field(max_length=63, pattern=NAME_PATTERN)
@@ -106,6 +115,9 @@ class Download(BaseModel):
     done: int = Field(ge=0)
     total: int | None = Field(default=None, ge=0)
     rate: float = Field(default=0.0, ge=0)
+    # What is fetched, and why the last attempt failed (a failed download), for the node's status.
+    source: str = Field(default="", max_length=2000, pattern=TEXT_PATTERN)
+    error: str | None = Field(default=None, max_length=4000, pattern=TEXT_PATTERN)
 
 
 class GpuSample(BaseModel):
@@ -181,6 +193,9 @@ class AssignmentSet(BaseModel):
     epoch: int
     revision: str
     assignments: list[Assignment] = Field(default_factory=list)
+    # Replicas still the node's that it must keep running if it runs them, but never start: those
+    # of a deleted deployment, draining until the reconciler releases them.
+    keep: list[str] = Field(default_factory=list)
 
 
 class Registered(AssignmentSet):

@@ -1,7 +1,8 @@
 """One rule, one place: which replicas can be sent requests (and scraped), at which URL, with
 which key.
 
-A replica is routable when it is Running, its agent reported the port its engine listens on, and
+A replica is routable when it is Running (a Draining replica is not: that is how a drain takes it
+out of every gateway's routes), its agent reported the port its engine listens on, and
 its first shard's node has an address; its URL is ``http://ADDRESS:PORT`` with an IPv6 address in
 brackets (``url_host``). The gateway's endpoint table and the observer's scrape targets both ask
 ``routable``.
@@ -21,6 +22,9 @@ from dataclasses import dataclass, field
 from fleetserve.engines.launch import url_host
 from fleetserve.protocol import ReplicaStatus
 from fleetserve.spec.resources import Replica, ReplicaState
+
+# How often a gateway reads the routes from the store: a change reaches every gateway within it.
+ROUTE_REFRESH_SECONDS = 1.0
 
 
 def new_engine_key() -> str:

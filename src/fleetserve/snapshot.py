@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from types import MappingProxyType
 
 from fleetserve.drivers import Driver, host_driver, parse_driver
@@ -23,6 +24,20 @@ def replica_ordinal(deployment: str, replica: str) -> int | None:
 
 
 @dataclass(frozen=True)
+class ReplicaFacts:
+    """What the store knows of a replica beyond its document: its agent's last message and count
+    of in-flight requests, when that count was read, and since when the replica drains."""
+
+    message: str = ""
+    in_flight: int | None = None
+    reported_at: datetime | None = None
+    draining_since: datetime | None = None
+
+
+NO_FACTS = ReplicaFacts()
+
+
+@dataclass(frozen=True)
 class ClusterSnapshot:
     """Classes, nodes, fabrics, allocated replicas and model facts, frozen for one cycle."""
 
@@ -33,6 +48,12 @@ class ClusterSnapshot:
     models: Mapping[str, ModelFacts] = field(default_factory=_empty)  # type: ignore[arg-type]
     # Per deployment, the lowest replica ordinal never used: new replicas are named from it.
     next_ordinals: Mapping[str, int] = field(default_factory=_empty)  # type: ignore[arg-type]
+    # Per replica, what its agent reported and its drain (absent: nothing known).
+    replica_facts: Mapping[str, ReplicaFacts] = field(default_factory=_empty)  # type: ignore[arg-type]
+
+    def facts_of(self, replica: str) -> ReplicaFacts:
+        """What is known of a replica beyond its document (empty facts when nothing is)."""
+        return self.replica_facts.get(replica, NO_FACTS)
 
     def node_taints(self, node: Node) -> frozenset[str]:
         """The driver names whose pools the node is in: its devices' drivers, known or not.

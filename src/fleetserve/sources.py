@@ -3,7 +3,8 @@
 - a local path (``/abs/model.gguf``, ``./rel/model.gguf``, ``file:///abs/model.gguf``);
 - an ``http(s)://`` URL;
 - ``fleetserve://NAME``: the control plane's copy of a model;
-- ``hf://ORG/REPO/PATH/IN/REPO[@REVISION]``: a file of a Hugging Face repository.
+- ``hf://ORG/REPO/PATH/IN/REPO[@REVISION]``: a file of a Hugging Face repository;
+- ``hf://ORG/REPO[@REVISION]``: a whole Hugging Face repository (the files an engine needs).
 
 The agent's model cache (``fleetserve.agent.fetch``, ``fleetserve.agent.cache``) reads them, the
 model facts and the Kubernetes renderer ask the same rule; nothing here opens a file or a socket.
@@ -49,6 +50,14 @@ class HfSource:
 
 
 @dataclass(frozen=True)
+class HfRepoSource:
+    """A whole Hugging Face repository at a revision (None = main): cached as one directory."""
+
+    repo_id: str
+    revision: str | None = None
+
+
+@dataclass(frozen=True)
 class HfRepo:
     """A Hugging Face repository, or one file of it, at a revision (None = main), as an engine
     that downloads by itself names it."""
@@ -68,7 +77,7 @@ def parse_hf_repo(source: str) -> HfRepo:
     return HfRepo(f"{segments[0]}/{segments[1]}", "/".join(segments[2:]), revision or None)
 
 
-Source = LocalSource | HttpSource | ControlPlaneSource | HfSource
+Source = LocalSource | HttpSource | ControlPlaneSource | HfSource | HfRepoSource
 
 
 def parse_source(source: str) -> Source:
@@ -97,10 +106,13 @@ def parse_source(source: str) -> Source:
     if scheme == "hf":
         path, at, revision = rest.rpartition("@") if "@" in rest else (rest, "", "")
         segments = [s for s in path.split("/") if s]
-        if len(segments) < 3 or (at and not revision):
+        if len(segments) < 2 or (at and not revision) or any(s in (".", "..") for s in segments):
             raise SourceError(
-                f"{source}: expected hf://ORG/REPO/PATH/IN/REPO[@REVISION], e.g. hf://org/repo/model.gguf@main"
+                f"{source}: expected hf://ORG/REPO/PATH/IN/REPO[@REVISION] (one file, e.g. "
+                "hf://org/repo/model.gguf@main) or hf://ORG/REPO[@REVISION] (a whole repository)"
             )
+        if len(segments) == 2:
+            return HfRepoSource(f"{segments[0]}/{segments[1]}", revision or None)
         return HfSource(f"{segments[0]}/{segments[1]}", "/".join(segments[2:]), revision or None)
     raise SourceError(
         f"{source}: unsupported source scheme {scheme!r}; use a local path, file://, http(s)://, "
@@ -118,6 +130,6 @@ def source_file_name(source: Source) -> str | None:
             return name or None
         case HfSource(_, filename, _):
             return filename.rpartition("/")[2] or None
-        case ControlPlaneSource():
+        case ControlPlaneSource() | HfRepoSource():
             return None
     return None  # pragma: no cover - the match is exhaustive

@@ -56,6 +56,10 @@ class FileServer:
     files: dict[str, bytes] = field(default_factory=dict)
     cut_after: list[int] = field(default_factory=list)
     advertise: dict[str, int] = field(default_factory=dict)
+    # path → the X-Sha256 to announce instead of the body's (the control plane announces its digest).
+    announce: dict[str, str] = field(default_factory=dict)
+    # path → a URL to redirect to (302).
+    redirects: dict[str, str] = field(default_factory=dict)
     requests: list[Seen] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -139,6 +143,9 @@ class _Handler(BaseHTTPRequestHandler):
         if fs.token is not None and self.headers.get("Authorization") != f"Bearer {fs.token}":
             self._reply(401, b'{"error": "invalid join token"}', {"Content-Type": "application/json"})
             return
+        if self.path in fs.redirects:
+            self._reply(302, b"", {"Location": fs.redirects[self.path]})
+            return
         body = fs.files.get(self.path)
         if body is None:
             self._reply(404, b"not found")
@@ -164,6 +171,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Last-Modified", _LAST_MODIFIED)
         if fs.ranges:
             self.send_header("Accept-Ranges", "bytes")
+        self.send_header("X-Sha256", fs.announce.get(self.path, sha256(body)))
         if status == 206:
             self.send_header("Content-Range", f"bytes {start}-{len(body) - 1}/{len(body)}")
         self.end_headers()

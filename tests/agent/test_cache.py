@@ -16,7 +16,9 @@ import pytest
 from cache_support import FileServer, build_hf_mirror, payload, sha256
 from rich.console import Console
 
-from fleetserve.agent.cache import CacheState, ModelCache, rich_progress
+from fleetserve.agent.cache import CacheState, ModelCache
+from fleetserve.agent.hub import HubAccess
+from fleetserve.agent.progress import rich_progress
 from fleetserve.errors import (
     CacheError,
     ChecksumMismatch,
@@ -243,10 +245,11 @@ FAILURES = [
         cache_args=_hf,
     ),
     FailureCase(
-        "an hf:// source without a mirror configured",
+        "an hf:// source without a mirror asks the Hub, and a Hub that does not answer is a clear error",
         lambda w: "hf://org/repo/tiny.gguf",
         SourceError,
-        ["hf:// sources need a Hugging Face mirror directory"],
+        ["hf://org/repo/tiny.gguf", "cannot reach the Hub"],
+        cache_args=lambda w: {"hub_access": HubAccess(endpoint="http://127.0.0.1:9")},
     ),
     FailureCase(
         "a missing local file",
@@ -671,14 +674,16 @@ def test_the_rich_progress_helper_draws_a_bar_per_model(tmp_path: Path, server: 
 @pytest.mark.parametrize(
     ("source", "message"),
     [
-        ("hf://org/repo", "expected hf://ORG/REPO/PATH/IN/REPO[@REVISION]"),
+        ("hf://org", "or hf://ORG/REPO[@REVISION]"),
+        ("hf://org/../x.gguf", "expected hf://ORG/REPO/PATH/IN/REPO[@REVISION]"),
         ("hf://org/repo/file.gguf@", "expected hf://ORG/REPO/PATH/IN/REPO[@REVISION]"),
         ("fleetserve://a/b", "expected fleetserve://MODEL-NAME"),
         ("file://host/x.gguf", "file:// URLs must name a local file"),
         ("https:///x.gguf", "the URL has no host"),
     ],
     ids=[
-        "an hf source without a file",
+        "an hf source without a repository",
+        "an hf source with a dot-dot segment",
         "an hf source with an empty revision",
         "a fleetserve source with a path",
         "a remote file URL",

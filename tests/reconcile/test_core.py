@@ -2,22 +2,34 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
 from types import MappingProxyType
 
 from builders import deployment, gpu_host_8c_64g
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.reconcile.core import reconcile
-from fleetserve.snapshot import ClusterSnapshot
-from fleetserve.spec.resources import DeviceClass, Node, Replica, Shard
+from fleetserve.snapshot import ClusterSnapshot, ReplicaFacts
+from fleetserve.spec.resources import DeviceClass, Node, Replica, ReplicaState, Shard
 
 GiB = 1 << 30
 FACTS = MappingProxyType({"m": ModelFacts("m", 2 * GiB, 0, 4096)})
+T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 
 
 def snapshot(nodes: list[Node], replicas: list[Replica], driver: str = "gpu.nvidia.com") -> ClusterSnapshot:
     classes = {"h100": DeviceClass(name="h100", driver=driver, memory=80 * GiB)}
     return ClusterSnapshot(
         classes=MappingProxyType(classes), nodes=tuple(nodes), replicas=tuple(replicas), models=FACTS
+    )
+
+
+def with_facts(snap: ClusterSnapshot, facts: dict[str, ReplicaFacts]) -> ClusterSnapshot:
+    return ClusterSnapshot(
+        classes=snap.classes,
+        nodes=snap.nodes,
+        replicas=snap.replicas,
+        models=snap.models,
+        replica_facts=MappingProxyType(facts),
     )
 
 
@@ -62,17 +74,30 @@ def test_a_not_ready_node_keeps_its_replicas_until_it_is_lost():
     assert not plan.changes
 
 
-def test_scale_down_stops_the_newest_and_frees_room_for_others_in_the_same_cycle():
+def test_scale_down_drains_the_newest_and_its_room_serves_others_once_it_is_released():
     nodes = [gpu_host_8c_64g("a", "h100", 2)]
     running = [replica("d-0", "d", "a", 0), replica("d-1", "d", "a", 1)]
-    plan = reconcile([deployment("d", 1), deployment("e", 1)], snapshot(nodes, running))
+    plan = reconcile([deployment("d", 1), deployment("e", 1)], snapshot(nodes, running), now=T0)
+    # d-1 serves: it drains first (out of the routes); its device is still taken this cycle.
+    assert plan.drain == ("d-1",) and plan.release == ()
+    assert plan.allocate == ()
+
+    drained = [running[0], running[1].model_copy(update={"state": ReplicaState.DRAINING})]
+    quiet = ReplicaFacts(in_flight=0, reported_at=T0 + timedelta(seconds=3), draining_since=T0)
+    later = with_facts(snapshot(nodes, drained), {"d-1": quiet})
+    plan = reconcile([deployment("d", 1), deployment("e", 1)], later, now=T0 + timedelta(seconds=3))
     assert plan.release == ("d-1",)
     assert [(r.name, r.shards[0].devices) for r in plan.allocate] == [("e-0", (1,))]
 
 
-def test_replicas_of_a_deleted_deployment_are_stopped():
-    plan = reconcile([], snapshot([gpu_host_8c_64g("a", "h100")], [replica("old-0", "old", "a", 0)]))
-    assert plan.release == ("old-0",)
+def test_a_replica_that_serves_nothing_is_released_at_once_when_scaled_down():
+    nodes = [gpu_host_8c_64g("a", "h100", 2)]
+    starting = [
+        replica("d-0", "d", "a", 0),
+        replica("d-1", "d", "a", 1).model_copy(update={"state": ReplicaState.STARTING}),
+    ]
+    plan = reconcile([deployment("d", 1)], snapshot(nodes, starting), now=T0)
+    assert plan.release == ("d-1",) and plan.drain == ()
 
 
 def test_a_class_edited_to_an_unsupported_driver_keeps_its_running_replicas():

@@ -36,6 +36,7 @@ ADMIN_PATHS = {
     "/api/v1/deployments",
     "/api/v1/deployments/{name}",
     "/api/v1/deployments/{name}/explain",
+    "/api/v1/deployments/{name}/undo",
     "/api/v1/decisions",
     "/api/v1/replicas",
     "/api/v1/replicas/{name}",

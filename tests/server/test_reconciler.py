@@ -16,12 +16,14 @@ import pytest
 from builders import deployment as build_deployment
 from builders import gpu_host_32c_256g, safetensors_8gb
 from fleetserve.modelfacts import ModelFacts
+from fleetserve.protocol import ReplicaStatus
 from fleetserve.reconcile.core import reconcile
 from fleetserve.reconcile.health import HeartbeatPolicy
+from fleetserve.routing import routable
 from fleetserve.server.apply import apply_batch
 from fleetserve.server.reconciler import LEASE, CycleResult, Reconciler
 from fleetserve.snapshot import ClusterSnapshot
-from fleetserve.spec.resources import Deployment, DeviceClass, Node, NodeState, Replica
+from fleetserve.spec.resources import Deployment, DeviceClass, Node, NodeState, Replica, ReplicaState
 from fleetserve.store import SqlStore
 
 T0 = datetime(2025, 6, 1, 12, 0, tzinfo=UTC)
@@ -554,3 +556,85 @@ def test_a_plan_gone_stale_before_its_commit_is_refused_not_double_allocated(
     assert shared_devices(store) == []
     clock.advance(5)
     assert quiet(loop.run_once())
+
+
+# --- lifecycle: failures and drains through the SQL store ------------------------------------------
+
+
+def report(store: SqlStore, node: str, now: datetime, **replicas: tuple[ReplicaState, ReplicaStatus]) -> None:
+    """What the node's agent would report: replica states and statuses."""
+    store.report(node, store.epoch(node), now, {name.replace("_", "-"): v for name, v in replicas.items()})
+
+
+def held_devices(store: SqlStore) -> int:
+    return sum(len(s.devices) for r in store.replicas() for s in r.shards)
+
+
+def test_a_replica_failing_again_and_again_never_holds_more_than_its_one_allocation(
+    store: SqlStore, clock: FakeClock
+) -> None:
+    setup(store, [gpu_node("gpu-a")], [deployment("chat", replicas=1)])
+    loop = reconciler(store, clock)
+    names = set()
+    for _ in range(8):
+        loop.run_once()
+        [replica] = store.replicas("chat")
+        names.add(replica.name)
+        failed = ReplicaStatus(message="model source answered 404 Not Found")
+        store.report(
+            "gpu-a", store.epoch("gpu-a"), clock.now(), {replica.name: (ReplicaState.FAILED, failed)}
+        )
+        for _ in range(3):  # cycles within the backoff change nothing
+            clock.advance(1)
+            store.heartbeat("gpu-a", clock.now())
+            loop.run_once()
+            assert [r.name for r in store.replicas("chat")] == [replica.name]
+            assert held_devices(store) == 1, "capacity never leaks"
+        retry_at = store.get_deployment("chat").status["failures"]["retryAt"]
+        clock.advance((datetime.fromisoformat(retry_at) - clock.now()).total_seconds())
+        store.heartbeat("gpu-a", clock.now())
+    assert len(names) == 8, "each failed replica was replaced by a new identity"
+    failure = condition(store, "chat", "ReplicaFailure")
+    assert failure["status"] is True and "404 Not Found" in failure["message"]
+    assert store.get_deployment("chat").status["failures"]["count"] == 8
+    print(f"8 failures: {len(store.replicas())} replica held, {held_devices(store)} device(s) allocated")
+
+
+def test_a_scaled_down_replica_drains_until_its_agent_reports_no_request_then_is_released(
+    store: SqlStore, clock: FakeClock
+) -> None:
+    setup(
+        store, [gpu_host_32c_256g("gpu-a", "h100", 2, address="10.0.0.1")], [deployment("chat", replicas=2)]
+    )
+    loop = reconciler(store, clock)
+    loop.run_once()
+    serving = ReplicaStatus(port=8000, inFlight=1, inFlightAge=0)
+    report(
+        store,
+        "gpu-a",
+        clock.now(),
+        chat_0=(ReplicaState.RUNNING, serving),
+        chat_1=(ReplicaState.RUNNING, serving),
+    )
+    store.put_deployment(deployment("chat", replicas=1))
+
+    assert loop.run_once().draining == ["chat-1"]
+    assert store.get_replica("chat-1").state is ReplicaState.DRAINING
+    assert [e.replica.name for e in routable(store.replica_endpoints())] == ["chat-0"], "out of the routes"
+
+    clock.advance(1)
+    report(
+        store, "gpu-a", clock.now(), chat_1=(ReplicaState.RUNNING, ReplicaStatus(inFlight=0, inFlightAge=0))
+    )
+    assert loop.run_once().released == [], "read before every gateway refreshed its routes"
+    clock.advance(2)
+    report(
+        store, "gpu-a", clock.now(), chat_1=(ReplicaState.RUNNING, ReplicaStatus(inFlight=1, inFlightAge=0))
+    )
+    assert loop.run_once().released == [], "a request is still in flight"
+    clock.advance(1)
+    report(
+        store, "gpu-a", clock.now(), chat_1=(ReplicaState.RUNNING, ReplicaStatus(inFlight=0, inFlightAge=0))
+    )
+    assert loop.run_once().released == ["chat-1"]
+    assert [r.name for r in store.replicas()] == ["chat-0"]

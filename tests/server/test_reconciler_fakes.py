@@ -6,7 +6,7 @@ that ``Reconciler`` needs nothing but ``ReconcilerStore``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -14,7 +14,7 @@ from builders import deployment, gpu_host_32c_256g, safetensors_8gb
 from fleetserve.inventory.memory import InMemoryInventory
 from fleetserve.reconcile.health import HeartbeatPolicy
 from fleetserve.server.reconciler import Reconciler
-from fleetserve.spec.resources import DeviceClass, Model, NodeState
+from fleetserve.spec.resources import DeviceClass, Model, NodeState, ReplicaState
 from fleetserve.store.deployments import StoredDeployment
 from fleetserve.store.protocols import ReconcilerStore
 from fleetserve.store.reports import NodeHeartbeat
@@ -53,6 +53,15 @@ class FakeStore(InMemoryInventory):
         return [
             NodeHeartbeat(n.name, n.state, self.epoch(n.name), self.heard.get(n.name)) for n in self.nodes()
         ]
+
+    def start_draining(self, names: Sequence[str], now: datetime) -> list[str]:
+        out = []
+        for replica in self.replicas():
+            if replica.name in names and replica.state is not ReplicaState.DRAINING:
+                self.release(replica.name)
+                self.allocate(replica.model_copy(update={"state": ReplicaState.DRAINING}))
+                out.append(replica.name)
+        return out
 
     def try_acquire_leadership(self, name: str, holder: str, now: datetime, ttl: timedelta) -> bool:
         if self.lease_holder in (None, holder):

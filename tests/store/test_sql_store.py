@@ -18,6 +18,7 @@ from sqlalchemy import select, text
 from builders import cpu_8c_16g as node
 from builders import deployment as build_deployment
 from fleetserve.errors import ConfigError, NotFound, StoreError, UnknownNode, UnknownReplica
+from fleetserve.protocol import ReplicaStatus
 from fleetserve.spec.resources import Deployment, Model, NodeState, Replica, ReplicaState
 from fleetserve.store import SqlStore, TokenKind, make_engine, migrate
 from fleetserve.store.schema import MIGRATIONS
@@ -172,7 +173,7 @@ def test_every_replica_gets_its_own_engine_key_for_its_agent_gateway_and_observe
     assert store.engine_keys(["chat-0"]) == {}
 
 
-def test_drain_cordons_and_releases_in_one_transaction(store: SqlStore) -> None:
+def test_drain_cordons_drains_what_serves_and_releases_the_rest_in_one_transaction(store: SqlStore) -> None:
     for name in ("n1", "n2", "n3"):
         store.register(node(name))
     spread = {"deployment": "chat", "profile": "cpu", "state": "Running"}
@@ -183,6 +184,7 @@ def test_drain_cordons_and_releases_in_one_transaction(store: SqlStore) -> None:
         Replica.model_validate(
             {
                 **spread,
+                "state": "Starting",
                 "name": "chat-1",
                 "shards": [{"node": "n2", "cpuCores": 2}, {"node": "n1", "cpuCores": 2}],
             }
@@ -191,14 +193,37 @@ def test_drain_cordons_and_releases_in_one_transaction(store: SqlStore) -> None:
     store.allocate(
         Replica.model_validate({**spread, "name": "chat-2", "shards": [{"node": "n3", "cpuCores": 2}]})
     )
+    now = datetime(2026, 1, 1, tzinfo=UTC)
 
-    drained, released = store.drain("n1", "kernel update")
+    drained, released, draining = store.drain("n1", "kernel update", now=now)
 
     assert drained.cordon is not None and drained.cordon.reason == "kernel update"
-    assert [r.name for r in released] == ["chat-0", "chat-1"]
+    assert [r.name for r in released] == ["chat-1"], "a replica that serves nothing goes at once"
+    assert draining == ["chat-0"], "one that serves drains first"
     assert store.get_node("n1").cordon == drained.cordon
-    assert [r.name for r in store.replicas()] == ["chat-2"]
+    assert {r.name: r.state for r in store.replicas()} == {"chat-0": "Draining", "chat-2": "Running"}
     assert store.snapshot().nodes[0].cordon == drained.cordon
+    assert store.snapshot().facts_of("chat-0").draining_since == now
+    # Draining is the control plane's word: the agent's next report does not undo it.
+    epoch = store.epoch("n1")
+    store.report("n1", epoch, now, {"chat-0": (ReplicaState.RUNNING, ReplicaStatus(inFlight=1))})
+    assert store.get_replica("chat-0").state is ReplicaState.DRAINING
+    facts = store.snapshot().facts_of("chat-0")
+    assert (facts.in_flight, facts.reported_at) == (1, now)
+
+
+def test_a_deployments_previous_spec_is_kept_and_undo_swaps_it_back(store: SqlStore) -> None:
+    first = build_deployment("chat", 1, {"name": "cpu", "engine": "llama.cpp", "cpu": {"cores": 1}})
+    second = first.model_copy(update={"model": "other"})
+    store.put_deployment(first)
+    assert store.get_deployment("chat").previous is None
+    with pytest.raises(NotFound, match="no previous revision"):
+        store.undo_deployment("chat")
+    store.put_deployment(second)
+    store.put_deployment(second)  # re-applied unchanged: the previous spec stays
+    assert store.get_deployment("chat").previous == first
+    undone = store.undo_deployment("chat")
+    assert (undone.deployment, undone.previous, undone.generation) == (first, second, 3)
 
 
 def test_a_drain_that_fails_changes_nothing(store: SqlStore) -> None:

@@ -2,11 +2,17 @@
 
 Layout under the cache's root directory::
 
-    blobs/sha256/<hex>          the weights, named by their sha256, read-only, verified on the way in
-    refs/<model>.json           model name → digest, file name, format, size, source, last use
+    blobs/sha256/<hex>          the weights, named by their sha256, read-only (not world-readable),
+                                verified on the way in
+    refs/<model>.json           model name → digest, file name(s), format, size, source, last use
     models/<model>/<file>       a relative symlink to the blob: the path engines are given, with the
                                 source's file name (vLLM recognises GGUF by the ``.gguf`` suffix)
+    models/<model>/             for a whole repository (``hf://ORG/REPO``): one symlink per file, and
+                                the directory is what engines are given; it appears by one rename
     partial/<model>.part        a transfer in progress; ``partial/<model>.json`` makes it resumable
+    partial/<model>.d/<f>.part  the same, per file of a repository
+
+The cache's directories are 0700: only the agent's user reads the weights or the refs.
 
 Everything lands by rename from a temporary file in the same filesystem after an fsync, and the ref
 is written last: a model is resolvable only once its verified blob is in place, and a ``.part`` is
@@ -22,25 +28,26 @@ cache stays over it and says so (``over_cap``, and a log line) rather than fail 
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import json
 import logging
 import os
-import re
+import secrets
 import shutil
 import ssl
 import stat
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from fleetserve.agent import hub
+from fleetserve.agent.access import SourcePolicy
+from fleetserve.agent.cacheref import FILE_NAME, Entry, Ref, manifest_digest
 from fleetserve.agent.fetch import (
     Fetched,
     atomic_write,
@@ -50,6 +57,7 @@ from fleetserve.agent.fetch import (
     fetch,
     fsync_dir,
     hf_mirror_file,
+    hf_mirror_repo,
     sidecar_path,
 )
 from fleetserve.errors import (
@@ -58,10 +66,12 @@ from fleetserve.errors import (
     InsufficientSpace,
     ModelPinned,
     SourceError,
+    SourceRefused,
     TransferInterrupted,
 )
 from fleetserve.sources import (
     ControlPlaneSource,
+    HfRepoSource,
     HfSource,
     HttpSource,
     LocalSource,
@@ -73,7 +83,7 @@ from fleetserve.spec.resources import Model, ModelFormat
 from fleetserve.units import format_bytes
 
 if TYPE_CHECKING:
-    from rich.console import Console
+    pass
 
 log = logging.getLogger("fleetserve.agent.cache")
 
@@ -84,8 +94,9 @@ ProgressCallback = Callable[[Model, int, int | None, float], None]
 DEFAULT_SPACE_MARGIN = 64 * 2**20
 # Seconds between two progress reports of one transfer (the last one is always reported).
 PROGRESS_INTERVAL = 0.1
-_HEX64 = re.compile(r"[0-9a-f]{64}")
-_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+-]{0,199}")
+# Blobs: readable by the agent's user and group, never by others; folders: the agent's user only.
+BLOB_MODE = stat.S_IRUSR | stat.S_IRGRP
+DIR_MODE = stat.S_IRWXU
 _EXTENSIONS = {ModelFormat.GGUF: "gguf", ModelFormat.SAFETENSORS: "safetensors"}
 
 
@@ -110,6 +121,10 @@ class CachedModel:
     format: str
     source: str
     pinned: bool
+    # A whole repository: the file names in ``path`` (a directory); empty for a single file.
+    files: tuple[str, ...] = ()
+    # The source pinned to what it resolved to (hf://…@COMMIT), when it differs from ``source``.
+    resolved: str = ""
 
 
 @dataclass(frozen=True)
@@ -122,49 +137,8 @@ class ModelStatus:
     total: int | None
     rate: float
     error: str | None = None
-
-
-@dataclass(frozen=True)
-class _Ref:
-    name: str
-    digest: str
-    size: int
-    file_name: str
-    format: str
-    source: str
-    last_used: float
-
-    def dump(self) -> bytes:
-        doc = {
-            "name": self.name,
-            "digest": f"sha256:{self.digest}",
-            "size": self.size,
-            "file": self.file_name,
-            "format": self.format,
-            "source": self.source,
-            "lastUsed": self.last_used,
-        }
-        return json.dumps(doc, sort_keys=True, indent=1).encode()
-
-    @classmethod
-    def load(cls, path: Path) -> _Ref | None:
-        try:
-            doc: Any = json.loads(path.read_bytes())
-            algorithm, _, digest = str(doc["digest"]).partition(":")
-            ref = cls(
-                name=str(doc["name"]),
-                digest=digest,
-                size=int(doc["size"]),
-                file_name=str(doc["file"]),
-                format=str(doc["format"]),
-                source=str(doc["source"]),
-                last_used=float(doc["lastUsed"]),
-            )
-        except (OSError, ValueError, TypeError, KeyError, AttributeError):
-            return None
-        if algorithm != "sha256" or not _HEX64.fullmatch(digest) or not _FILE_NAME.fullmatch(ref.file_name):
-            return None
-        return ref if path.stem == ref.name else None
+    # What is being fetched (the source), for a status that names it.
+    source: str = ""
 
 
 @dataclass
@@ -198,7 +172,11 @@ class _Meter:
         self._last = (done, total)
         elapsed = now - self._start
         rate = (done - self._start_bytes) / elapsed if elapsed > 0 else 0.0
-        self._cache._set_status(ModelStatus(self._model.name, CacheState.DOWNLOADING, done, total, rate))
+        self._cache._set_status(
+            ModelStatus(
+                self._model.name, CacheState.DOWNLOADING, done, total, rate, source=self._model.source
+            )
+        )
         if now - self._last_report >= PROGRESS_INTERVAL:
             self._last_report = now
             self._report(done, total, rate)
@@ -224,8 +202,10 @@ class ModelCache:
 
     ``control_plane`` is ``(base URL, token)``, the token being the node's credential (or a function
     returning the current one): it serves ``fleetserve://NAME`` sources, and the token is sent with
-    any http(s) source under the same base URL, never elsewhere. ``hf_mirror`` is the local
-    hub-cache directory ``hf://`` sources are read from, offline. Thread-safe; one instance per root.
+    any http(s) source under the same base URL, never elsewhere. ``hf://`` sources download from
+    the Hub ``hub`` names (endpoint, token), or, when ``hf_mirror`` is set, are read from that local
+    hub-cache directory, offline. ``policy`` says which local directories and remote addresses may
+    be read (default: anything; the agent passes its own). Thread-safe; one instance per root.
     """
 
     def __init__(
@@ -235,6 +215,8 @@ class ModelCache:
         control_plane: tuple[str, str | Callable[[], str]] | None = None,
         hf_mirror: Path | None = None,
         *,
+        hub_access: hub.HubAccess | None = None,
+        policy: SourcePolicy | None = None,
         attempts: int = 3,
         timeout: float = 30.0,
         space_margin: int = DEFAULT_SPACE_MARGIN,
@@ -250,6 +232,8 @@ class ModelCache:
         # How URLs on the control plane are verified (its pinned CA); others use the system's CAs.
         self.control_plane_verify = control_plane_verify
         self.hf_mirror = hf_mirror
+        self.hub = hub_access or hub.HubAccess()
+        self.policy = policy or SourcePolicy()
         self.attempts = attempts
         self.timeout = timeout
         self.space_margin = space_margin
@@ -260,7 +244,7 @@ class ModelCache:
         self._models = self.root / "models"
         self._partial = self.root / "partial"
         self._lock = threading.RLock()
-        self._refs: dict[str, _Ref] = {}
+        self._refs: dict[str, Ref] = {}
         self._pins: Counter[str] = Counter()
         self._flights: dict[str, _Flight] = {}
         self._live: dict[str, ModelStatus] = {}
@@ -276,7 +260,7 @@ class ModelCache:
             if ref is None:
                 return None
             path = self._link(ref)
-            if not path.is_file():
+            if not self._intact(ref):
                 log.warning("model %s: its file %s vanished; forgetting it", name, path)
                 self._remove_locked(ref)
                 return None
@@ -386,7 +370,7 @@ class ModelCache:
                 live = self._live.get(model.name)
                 done, total = (live.done, live.total) if live else (0, model.size)
                 self._live[model.name] = ModelStatus(
-                    model.name, CacheState.FAILED, done, total, 0.0, str(exc)
+                    model.name, CacheState.FAILED, done, total, 0.0, str(exc), source=model.source
                 )
             raise
         else:
@@ -398,7 +382,7 @@ class ModelCache:
                 del self._flights[model.name]
             flight.done.set()
 
-    def _ready_locked(self, model: Model) -> _Ref | None:
+    def _ready_locked(self, model: Model) -> Ref | None:
         ref = self._refs.get(model.name)
         if ref is None:
             return None
@@ -406,12 +390,9 @@ class ModelCache:
             return None  # the model was redefined with other weights
         if model.sha256 is None and ref.source != model.source:
             return None  # nothing says the new source has the same bytes
+        if self._intact(ref):
+            return ref
         link = self._link(ref)
-        try:
-            if link.stat().st_size == ref.size:
-                return ref
-        except OSError:
-            pass
         log.warning("model %s: its file %s is missing or damaged; fetching it again", ref.name, link)
         self._remove_locked(ref)
         return None
@@ -441,7 +422,21 @@ class ModelCache:
             raise SourceError(f"model {model.name!r}: {exc}") from None
         part = self._partial / f"{model.name}.part"
         meter = _Meter(self, model, flight)
-        self._set_status(ModelStatus(model.name, CacheState.DOWNLOADING, 0, model.size, 0.0))
+        self._set_status(
+            ModelStatus(model.name, CacheState.DOWNLOADING, 0, model.size, 0.0, source=model.source)
+        )
+        if isinstance(source, HfSource | HfRepoSource) and self.hf_mirror is None:
+            try:
+                return self._download_hub(model, source, meter)
+            except TransferInterrupted:
+                raise
+            except SourceError as exc:
+                raise _prefixed(exc, f"model {model.name!r} from {shown}") from exc
+        if isinstance(source, HfRepoSource):
+            try:
+                return self._mirror_repo(model, source, meter)
+            except SourceError as exc:
+                raise _prefixed(exc, f"model {model.name!r} from {shown}") from exc
         for attempt in range(1, self.attempts + 1):
             try:
                 fetched = self._transfer(model, source, part, meter)
@@ -455,12 +450,132 @@ class ModelCache:
                     "model %s: %s; attempt %d of %d resumes", model.name, exc, attempt + 1, self.attempts
                 )
             except SourceError as exc:
-                raise SourceError(f"model {model.name!r} from {shown}: {exc}") from exc
+                raise _prefixed(exc, f"model {model.name!r} from {shown}") from exc
         if model.sha256 is not None and fetched.digest != model.sha256:
             discard_partial(part)
             raise ChecksumMismatch(model.name, shown, model.sha256, fetched.digest)
+        if isinstance(source, ControlPlaneSource) and fetched.digest != fetched.announced:
+            discard_partial(part)
+            if fetched.announced is None:
+                raise SourceError(
+                    f"model {model.name!r} from {shown}: the control plane sent no X-Sha256 digest to check "
+                    "the file against; the file was deleted"
+                )
+            raise ChecksumMismatch(model.name, shown, fetched.announced, fetched.digest)
         meter.finish(fetched.size)
         return self._commit(model, source, fetched)
+
+    # --- the Hugging Face Hub -----------------------------------------------------------------------
+
+    def _download_hub(self, model: Model, source: HfSource | HfRepoSource, meter: _Meter) -> Path:
+        """A file or a whole repository from the Hub, pinned to the commit its revision names now,
+        each file resumable and checked against the Hub's digest (and the model's sha256)."""
+        self.policy.check_url(self.hub.base())
+        filename = source.filename if isinstance(source, HfSource) else None
+        if filename is None and model.sha256 is not None:
+            raise SourceError(
+                "sha256 names the digest of one file; a whole repository is pinned by its commit "
+                "(hf://ORG/REPO@COMMIT) and checked against the Hub's digest of every file"
+            )
+        snapshot = hub.resolve(self.hub, source.repo_id, source.revision, filename)
+        sizes = [f.size for f in snapshot.files]
+        total = sum(s for s in sizes if s is not None) if None not in sizes else None
+        parts = [self._hub_part(model, filename, f) for f in snapshot.files]
+        if total is not None:
+            have = sum(p.stat().st_size for p in parts if p.is_file() and sidecar_path(p).is_file())
+            self._check_space(model, max(0, total - have))
+        fetched: list[Fetched] = []
+        base = 0
+        for file, part in zip(snapshot.files, parts, strict=True):
+            got = self._hub_file(model, snapshot, file, part, meter, base, total)
+            problem = file.verify(got.digest, got.path)
+            if problem is not None:
+                discard_partial(part)
+                expected = file.sha256 or f"git:{file.blob_id}"
+                raise ChecksumMismatch(model.name, snapshot.source(file.name), expected, got.digest)
+            fetched.append(got)
+            base += got.size
+        if filename is not None:
+            only = fetched[0]
+            if model.sha256 is not None and only.digest != model.sha256:
+                discard_partial(only.path)
+                raise ChecksumMismatch(model.name, snapshot.source(filename), model.sha256, only.digest)
+            meter.finish(only.size)
+            return self._commit(model, source, only, resolved=snapshot.source(filename))
+        meter.finish(base)
+        named = [(f.name, got) for f, got in zip(snapshot.files, fetched, strict=True)]
+        return self._commit_dir(model, named, resolved=snapshot.source())
+
+    def _hub_part(self, model: Model, filename: str | None, file: hub.HubFile) -> Path:
+        if filename is not None:
+            return self._partial / f"{model.name}.part"
+        folder = self._partial / f"{model.name}.d"
+        folder.mkdir(mode=DIR_MODE, exist_ok=True)
+        return folder / f"{file.name}.part"
+
+    def _hub_file(
+        self,
+        model: Model,
+        snapshot: hub.HubSnapshot,
+        file: hub.HubFile,
+        part: Path,
+        meter: _Meter,
+        base: int,
+        total: int | None,
+    ) -> Fetched:
+        def on_bytes(done: int, _total: int | None) -> None:
+            meter(base + done, total)
+
+        what = snapshot.source(file.name)
+        for attempt in range(1, self.attempts + 1):
+            url, headers = hub.locate(self.hub, snapshot, file)
+            try:
+                return fetch(
+                    url,
+                    part,
+                    headers=headers,
+                    on_bytes=on_bytes,
+                    timeout=self.timeout,
+                    identity=f"{what}#{file.sha256 or file.blob_id}",
+                    guard=self.policy.check_url,
+                )
+            except TransferInterrupted as exc:
+                if attempt == self.attempts:
+                    raise TransferInterrupted(
+                        f"model {model.name!r} from {what}: {exc} (gave up after {attempt} attempt(s))"
+                    ) from exc
+                log.warning(
+                    "model %s: %s; attempt %d of %d resumes", model.name, exc, attempt + 1, self.attempts
+                )
+            except SourceError as exc:
+                if "HTTP 401" in str(exc) or "HTTP 403" in str(exc):
+                    raise SourceError(f"{what}: the Hub refused the download: {hub.TOKEN_HELP}") from exc
+                raise
+        raise CacheError(f"model {model.name!r}: no download attempt was made")  # attempts >= 1
+
+    def _mirror_repo(self, model: Model, source: HfRepoSource, meter: _Meter) -> Path:
+        """A whole repository read from the offline mirror: its engine files, copied in as one unit."""
+        if self.hf_mirror is None:
+            raise SourceError("no Hugging Face mirror directory is configured")
+        folder = hf_mirror_repo(self.hf_mirror, source.repo_id, source.revision, hub.ALLOW_PATTERNS)
+        names = sorted(p.name for p in folder.iterdir() if hub.wanted(p.name) and p.is_file())
+        if not any(n.endswith(".safetensors") for n in names):
+            raise SourceError(f"the mirror's snapshot {folder} holds no safetensors weights")
+        parts_dir = self._partial / f"{model.name}.d"
+        parts_dir.mkdir(mode=DIR_MODE, exist_ok=True)
+        named: list[tuple[str, Fetched]] = []
+        base = 0
+        for name in names:
+            done_before = base
+
+            def on_bytes(done: int, total: int | None, done_before: int = done_before) -> None:
+                meter(done_before + done, None)
+
+            got = copy_file(folder / name, parts_dir / f"{name}.part", on_bytes=on_bytes)
+            named.append((name, got))
+            base += got.size
+        meter.finish(base)
+        return self._commit_dir(model, named, resolved=f"hf://{source.repo_id}@{folder.name}")
 
     def _transfer(self, model: Model, source: Source, part: Path, meter: _Meter) -> Fetched:
         def check_space(needed: int) -> None:
@@ -471,7 +586,7 @@ class ModelCache:
             check_space(max(0, model.size - have))
         match source:
             case LocalSource(path):
-                return copy_file(path, part, on_bytes=meter, check_space=check_space)
+                return copy_file(self.policy.local(path), part, on_bytes=meter, check_space=check_space)
             case HfSource():
                 if self.hf_mirror is None:
                     raise SourceError("hf:// sources need a Hugging Face mirror directory (hf_mirror)")
@@ -485,8 +600,11 @@ class ModelCache:
                     on_bytes=meter,
                     check_space=check_space,
                     timeout=self.timeout,
+                    guard=self.policy.check_url,
                     verify=self._verify_for(url),
                 )
+            case HfRepoSource():
+                raise SourceError("a whole repository is not one file")  # handled by _download_unguarded
             case ControlPlaneSource(name):
                 if self.control_plane is None:
                     raise SourceError("fleetserve:// sources need the control plane's URL and a credential")
@@ -537,18 +655,21 @@ class ModelCache:
                 cache_dir=str(self.root),
             )
 
-    def _commit(self, model: Model, source: Source, fetched: Fetched) -> Path:
+    def _store_blob_locked(self, fetched: Fetched) -> None:
+        blob = self._blobs / fetched.digest
+        if blob.is_file() and blob.stat().st_size == fetched.size:
+            fetched.path.unlink()
+        else:
+            os.chmod(fetched.path, BLOB_MODE)
+            os.replace(fetched.path, blob)
+            fsync_dir(self._blobs)
+        sidecar_path(fetched.path).unlink(missing_ok=True)
+
+    def _commit(self, model: Model, source: Source, fetched: Fetched, resolved: str = "") -> Path:
         """Move a verified part into the store and name it; under the lock, so eviction cannot interleave."""
         with self._lock:
-            blob = self._blobs / fetched.digest
-            if blob.is_file() and blob.stat().st_size == fetched.size:
-                fetched.path.unlink()
-            else:
-                os.chmod(fetched.path, stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
-                os.replace(fetched.path, blob)
-                fsync_dir(self._blobs)
-            sidecar_path(fetched.path).unlink(missing_ok=True)
-            ref = _Ref(
+            self._store_blob_locked(fetched)
+            ref = Ref(
                 name=model.name,
                 digest=fetched.digest,
                 size=fetched.size,
@@ -556,15 +677,42 @@ class ModelCache:
                 format=model.format.value,
                 source=model.source,
                 last_used=self._now(),
+                resolved=resolved,
             )
-            self._place_link(ref)
-            atomic_write(self._refs_dir / f"{ref.name}.json", ref.dump())
-            old = self._refs.get(ref.name)
-            self._refs[ref.name] = ref
-            if old is not None and old.digest != ref.digest:
-                self._drop_blob_if_unused(old.digest)
-            self._evict_to_cap_locked(keep=ref.name)
-            return self._link(ref)
+            return self._name_locked(ref)
+
+    def _commit_dir(self, model: Model, named: list[tuple[str, Fetched]], resolved: str) -> Path:
+        """Store a repository's verified parts and name them as one directory, which appears whole."""
+        with self._lock:
+            for _, fetched in named:
+                self._store_blob_locked(fetched)
+            entries = [Entry(name, f.digest, f.size) for name, f in named]
+            ref = Ref(
+                name=model.name,
+                digest=manifest_digest(entries),
+                size=sum(e.size for e in entries),
+                file_name="",
+                format=model.format.value,
+                source=model.source,
+                last_used=self._now(),
+                files=tuple(sorted(entries, key=lambda e: e.name)),
+                resolved=resolved,
+            )
+            path = self._name_locked(ref)
+        shutil.rmtree(self._partial / f"{model.name}.d", ignore_errors=True)
+        return path
+
+    def _name_locked(self, ref: Ref) -> Path:
+        """Link a stored model, write its ref last, drop what its previous definition alone used."""
+        self._place_link(ref)
+        atomic_write(self._refs_dir / f"{ref.name}.json", ref.dump())
+        old = self._refs.get(ref.name)
+        self._refs[ref.name] = ref
+        if old is not None:
+            for digest in set(old.blobs()) - set(ref.blobs()):
+                self._drop_blob_if_unused(digest)
+        self._evict_to_cap_locked(keep=ref.name)
+        return self._link(ref)
 
     # --- eviction -------------------------------------------------------------------------------
 
@@ -572,12 +720,15 @@ class ModelCache:
         if self.max_bytes is None:
             return
         while self._total_locked() > self.max_bytes:
-            protected = {r.digest for r in self._refs.values() if r.name == keep or self._pins[r.name]}
-            # A model whose blob a protected model shares frees nothing: evicting it only loses it.
+            protected: set[str] = set()
+            for r in self._refs.values():
+                if r.name == keep or self._pins[r.name]:
+                    protected.update(r.blobs())
+            # A model whose blobs protected models share frees nothing: evicting it only loses it.
             candidates = [
                 r
                 for r in self._refs.values()
-                if r.name != keep and not self._pins[r.name] and r.digest not in protected
+                if r.name != keep and not self._pins[r.name] and set(r.blobs()) - protected
             ]
             if not candidates:
                 break
@@ -604,19 +755,23 @@ class ModelCache:
         )
         log.warning("%s", self.over_cap)
 
-    def _remove_locked(self, ref: _Ref) -> None:
+    def _remove_locked(self, ref: Ref) -> None:
         (self._refs_dir / f"{ref.name}.json").unlink(missing_ok=True)
         fsync_dir(self._refs_dir)
         self._refs.pop(ref.name, None)
         shutil.rmtree(self._models / ref.name, ignore_errors=True)
-        self._drop_blob_if_unused(ref.digest)
+        for digest in ref.blobs():
+            self._drop_blob_if_unused(digest)
 
     def _drop_blob_if_unused(self, digest: str) -> None:
-        if all(r.digest != digest for r in self._refs.values()):
+        if all(digest not in r.blobs() for r in self._refs.values()):
             (self._blobs / digest).unlink(missing_ok=True)
 
     def _total_locked(self) -> int:
-        return sum({r.digest: r.size for r in self._refs.values()}.values())
+        sizes: dict[str, int] = {}
+        for r in self._refs.values():
+            sizes.update(r.blobs())
+        return sum(sizes.values())
 
     # --- bookkeeping ----------------------------------------------------------------------------
 
@@ -629,7 +784,7 @@ class ModelCache:
         self._clock = max(time.time(), self._clock + 1e-6)
         return self._clock
 
-    def _touch_locked(self, ref: _Ref) -> None:
+    def _touch_locked(self, ref: Ref) -> None:
         touched = replace(ref, last_used=self._now())
         self._refs[ref.name] = touched
         try:
@@ -637,10 +792,25 @@ class ModelCache:
         except OSError as exc:  # a use that cannot be recorded still serves the model
             log.warning("model %s: cannot record its use: %s", ref.name, exc)
 
-    def _link(self, ref: _Ref) -> Path:
+    def _link(self, ref: Ref) -> Path:
+        """What engines are given: the file's symlink, or a repository's directory."""
+        if ref.is_dir:
+            return self._models / ref.name
         return self._models / ref.name / ref.file_name
 
-    def _place_link(self, ref: _Ref) -> None:
+    def _intact(self, ref: Ref) -> bool:
+        """Whether every file engines would read is in place at its size."""
+        folder = self._models / ref.name
+        wanted = ref.files or (Entry(ref.file_name, ref.digest, ref.size),)
+        try:
+            return all((folder / e.name).stat().st_size == e.size for e in wanted)
+        except OSError:
+            return False
+
+    def _place_link(self, ref: Ref) -> None:
+        if ref.is_dir:
+            self._place_dir(ref)
+            return
         folder = self._models / ref.name
         folder.mkdir(parents=True, exist_ok=True)
         link = folder / ref.file_name
@@ -653,7 +823,25 @@ class ModelCache:
                 other.unlink(missing_ok=True)
         fsync_dir(folder)
 
-    def _describe(self, ref: _Ref) -> CachedModel:
+    def _place_dir(self, ref: Ref) -> None:
+        """A repository's directory of symlinks, built aside and renamed into place whole."""
+        tag = secrets.token_hex(4)
+        tmp = self._models / f".{ref.name}.{tag}.tmp"
+        tmp.mkdir(mode=DIR_MODE)
+        for entry in ref.files:
+            os.symlink(Path("..", "..", "blobs", "sha256", entry.digest), tmp / entry.name)
+        fsync_dir(tmp)
+        target = self._models / ref.name
+        old = self._models / f".{ref.name}.{tag}.old"
+        if target.is_symlink() or target.is_file():
+            target.unlink()
+        elif target.exists():
+            os.rename(target, old)
+        os.rename(tmp, target)
+        fsync_dir(self._models)
+        shutil.rmtree(old, ignore_errors=True)
+
+    def _describe(self, ref: Ref) -> CachedModel:
         return CachedModel(
             name=ref.name,
             digest=ref.digest,
@@ -664,25 +852,36 @@ class ModelCache:
             format=ref.format,
             source=ref.source,
             pinned=bool(self._pins[ref.name]),
+            files=tuple(e.name for e in ref.files),
+            resolved=ref.resolved,
         )
 
     def _recover(self) -> None:
         """Create the layout and sweep what a crash left half done (see the module's documentation)."""
-        for folder in (self._blobs, self._refs_dir, self._models, self._partial):
-            folder.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        for folder in (self._blobs.parent, self._blobs, self._refs_dir, self._models, self._partial):
+            folder.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        for folder in (
+            self.root,
+            self._blobs.parent,
+            self._blobs,
+            self._refs_dir,
+            self._models,
+            self._partial,
+        ):
+            os.chmod(folder, DIR_MODE)
         for folder in (self._blobs, self._refs_dir, self._partial):
             for tmp in folder.glob(".*.tmp"):
                 tmp.unlink(missing_ok=True)
         for path in sorted(self._refs_dir.glob("*.json")):
-            ref = _Ref.load(path)
-            blob = self._blobs / ref.digest if ref is not None else None
-            if ref is None or blob is None or not blob.is_file() or blob.stat().st_size != ref.size:
+            ref = Ref.load(path)
+            if ref is None or not self._blobs_present(ref):
                 log.warning("model cache: dropping the broken or orphaned ref %s", path)
                 path.unlink(missing_ok=True)
                 continue
             self._refs[ref.name] = ref
             self._clock = max(self._clock, ref.last_used)
-        named = {r.digest for r in self._refs.values()}
+        named = {d for r in self._refs.values() for d in r.blobs()}
         for blob in self._blobs.iterdir():
             if blob.name not in named:
                 blob.unlink(missing_ok=True)
@@ -693,57 +892,32 @@ class ModelCache:
                 else:
                     folder.unlink(missing_ok=True)
         for ref in self._refs.values():
-            if not self._link(ref).is_file():
+            if not self._intact(ref):
                 self._place_link(ref)
-        for part in self._partial.glob("*.part"):
+        for part in [*self._partial.glob("*.part"), *self._partial.glob("*.d/*.part")]:
             if not sidecar_path(part).is_file():
                 part.unlink(missing_ok=True)  # a copy, or a download that never got its headers
-        for side in self._partial.glob("*.json"):
+        for side in [*self._partial.glob("*.json"), *self._partial.glob("*.d/*.json")]:
             if not side.with_suffix(".part").is_file():
                 side.unlink(missing_ok=True)
+
+    def _blobs_present(self, ref: Ref) -> bool:
+        for digest, size in ref.blobs().items():
+            blob = self._blobs / digest
+            if not blob.is_file() or blob.stat().st_size != size:
+                return False
+        return True
+
+
+def _prefixed(exc: SourceError, prefix: str) -> SourceError:
+    """The same kind of error (a refusal stays a refusal), its message prefixed."""
+    kind = SourceRefused if isinstance(exc, SourceRefused) else SourceError
+    return kind(f"{prefix}: {exc}")
 
 
 def _file_name(model: Model, source: Source) -> str:
     """The name engines see: the source's file name when it is a plain one, else ``<model>.<ext>``."""
     suggested = source_file_name(source)
-    if suggested and _FILE_NAME.fullmatch(suggested):
+    if suggested and FILE_NAME.fullmatch(suggested):
         return suggested
     return f"{model.name}.{_EXTENSIONS.get(model.format, 'bin')}"
-
-
-@contextlib.contextmanager
-def rich_progress(console: Console | None = None) -> Iterator[ProgressCallback]:
-    """A progress callback drawing one ``rich`` bar per model, for the CLI::
-
-    with rich_progress() as on_progress:
-        cache.ensure(model, on_progress)
-    """
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TaskID,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
-    lock = threading.Lock()
-    tasks: dict[str, TaskID] = {}
-    with Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=console,
-    ) as progress:
-
-        def on_progress(model: Model, done: int, total: int | None, rate: float) -> None:
-            with lock:
-                task = tasks.get(model.name)
-                if task is None:
-                    task = tasks[model.name] = progress.add_task(model.name, total=total)
-                progress.update(task, completed=done, total=total)
-
-        yield on_progress

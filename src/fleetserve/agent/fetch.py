@@ -4,8 +4,9 @@
 - an ``http(s)://`` URL: streamed with httpx, resumable;
 - ``fleetserve://NAME``: the control plane's copy, fetched from ``{server}/api/v1/agent/models/NAME/file``
   with the agent's join token as a Bearer token;
-- ``hf://ORG/REPO/PATH/IN/REPO[@REVISION]``: a file of a Hugging Face repository, read OFFLINE from a
-  local mirror directory laid out as a hub cache (``models--ORG--REPO/{blobs,snapshots,refs}``).
+- ``hf://ORG/REPO/PATH/IN/REPO[@REVISION]`` and ``hf://ORG/REPO[@REVISION]``: downloaded from the Hub
+  over HTTP here, where ``fleetserve.agent.hub`` says the bytes are; or read OFFLINE from a local
+  mirror directory laid out as a hub cache (``models--ORG--REPO/{blobs,snapshots,refs}``).
 
 Every transfer writes to a ``.part`` file and hashes the bytes as they pass; committing the part into
 the store, and checking its digest against the model's, is ``fleetserve.agent.cache``'s job. An HTTP
@@ -42,6 +43,15 @@ CONTROL_PLANE_FILE_PATH = "/api/v1/agent/models/{name}/file"
 ByteCounter = Callable[[int, int | None], None]
 # Raise (InsufficientSpace) when this many more bytes will not fit; called before anything is written.
 SpaceCheck = Callable[[int], None]
+# Raise (SourceRefused) when a URL may not be requested; called for every request, redirects included.
+UrlGuard = Callable[[str], None]
+
+
+def _guard_hook(guard: UrlGuard) -> Callable[[httpx.Request], None]:
+    def hook(request: httpx.Request) -> None:
+        guard(str(request.url))
+
+    return hook
 
 
 def control_plane_url(base_url: str, name: str) -> str:
@@ -57,6 +67,8 @@ class Fetched:
     digest: str
     size: int
     resumed_from: int = 0
+    # The sha256 the server announced for the whole file (``X-Sha256``: the control plane's), if any.
+    announced: str | None = None
 
 
 def sidecar_path(part: Path) -> Path:
@@ -169,6 +181,27 @@ def hf_mirror_file(mirror: Path, source: HfSource) -> Path:
     return Path(found)
 
 
+def hf_mirror_repo(mirror: Path, repo_id: str, revision: str | None, allow: tuple[str, ...]) -> Path:
+    """The mirror's snapshot directory of a whole repository (the ``allow`` files), offline."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    shown = f"hf://{repo_id}" + (f"@{revision}" if revision else "")
+    if not mirror.is_dir():
+        raise SourceError(f"{shown}: the Hugging Face mirror directory {mirror} does not exist")
+    try:
+        found = snapshot_download(
+            repo_id, revision=revision, cache_dir=mirror, local_files_only=True, allow_patterns=list(allow)
+        )
+    except (OSError, ValueError, HFValidationError) as exc:
+        raise SourceError(
+            f"{shown}: not found in the Hugging Face mirror {mirror} (offline: nothing is downloaded; "
+            f"expected {mirror}/models--{repo_id.replace('/', '--')}/snapshots/<commit>/ with "
+            f"refs/{revision or 'main'} naming the commit): {exc}"
+        ) from exc
+    return Path(found)
+
+
 # --- HTTP -----------------------------------------------------------------------------------
 
 
@@ -178,6 +211,7 @@ class _Sidecar:
     etag: str | None
     last_modified: str | None
     size: int | None
+    sha256: str | None = None
 
     @property
     def validator(self) -> str | None:
@@ -187,7 +221,13 @@ class _Sidecar:
         return self.last_modified
 
     def dump(self) -> bytes:
-        doc = {"url": self.url, "etag": self.etag, "lastModified": self.last_modified, "size": self.size}
+        doc = {
+            "url": self.url,
+            "etag": self.etag,
+            "lastModified": self.last_modified,
+            "size": self.size,
+            "sha256": self.sha256,
+        }
         return json.dumps(doc, sort_keys=True).encode()
 
     @classmethod
@@ -200,6 +240,7 @@ class _Sidecar:
                 etag=doc.get("etag"),
                 last_modified=doc.get("lastModified"),
                 size=int(size) if size is not None else None,
+                sha256=doc.get("sha256"),
             )
         except (OSError, ValueError, TypeError, KeyError, AttributeError):
             return None
@@ -234,35 +275,52 @@ def fetch(
     check_space: SpaceCheck | None = None,
     timeout: float = 30.0,
     client: httpx.Client | None = None,
+    identity: str | None = None,
+    guard: UrlGuard | None = None,
     verify: ssl.SSLContext | bool = True,
 ) -> Fetched:
     """Download ``url`` into ``part``, resuming a partial one left by an earlier attempt.
 
-    A part with a sidecar for the same URL and a validator is resumed with ``Range: bytes=N-`` and
-    ``If-Range``; a 206 appends, a 200 restarts from zero. ``check_space`` is called with the bytes
-    still to come before anything is written. A broken connection raises TransferInterrupted and
-    keeps the part for the next attempt. The part is complete and fsynced when this returns.
+    A part with a sidecar for the same identity (``identity``, else the URL: a signed CDN URL
+    changes between attempts while the file does not) and a validator is resumed with
+    ``Range: bytes=N-`` and ``If-Range``; a 206 appends, a 200 restarts from zero. ``check_space``
+    is called with the bytes still to come before anything is written. ``guard`` is called with
+    every URL requested, redirects included, and raises to refuse one. A broken connection raises
+    TransferInterrupted and keeps the part for the next attempt. The part is complete and fsynced
+    when this returns.
     """
     if client is None:
-        with httpx.Client(timeout=httpx.Timeout(timeout), follow_redirects=True, verify=verify) as own:
-            return fetch(url, part, headers=headers, on_bytes=on_bytes, check_space=check_space, client=own)
+        hooks = {"request": [_guard_hook(guard)]} if guard is not None else {}
+        with httpx.Client(
+            timeout=httpx.Timeout(timeout), follow_redirects=True, event_hooks=hooks, verify=verify
+        ) as own:
+            return fetch(
+                url,
+                part,
+                headers=headers,
+                on_bytes=on_bytes,
+                check_space=check_space,
+                client=own,
+                identity=identity,
+            )
     request_headers = {"Accept-Encoding": "identity", **(headers or {})}
     authorized = any(k.lower() == "authorization" for k in request_headers)
     sidecar = _Sidecar.load(sidecar_path(part))
     have = part.stat().st_size if part.is_file() else 0
-    if sidecar is None or sidecar.url != url or sidecar.validator is None or have == 0:
+    key = identity or url
+    if sidecar is None or sidecar.url != key or sidecar.validator is None or have == 0:
         discard_partial(part)
         sidecar, have = None, 0
     for _ in range(2):
         with _stream(client, url, request_headers, sidecar, have) as response:
             if response.status_code == 416 and sidecar is not None:
                 if sidecar.size is not None and have == sidecar.size:
-                    return _hash_complete(part, have)
+                    return _hash_complete(part, have, sidecar.sha256)
                 # The range is past the server's end: the file changed. Start over.
                 discard_partial(part)
                 sidecar, have = None, 0
                 continue
-            return _receive(url, part, response, sidecar, have, on_bytes, check_space, authorized)
+            return _receive(url, key, part, response, sidecar, have, on_bytes, check_space, authorized)
     raise SourceError(f"{url}: the server refused every range request")  # pragma: no cover
 
 
@@ -283,16 +341,17 @@ def _stream(
         raise TransferInterrupted(f"{url}: the transfer broke off: {exc}") from exc
 
 
-def _hash_complete(part: Path, size: int) -> Fetched:
+def _hash_complete(part: Path, size: int, announced: str | None) -> Fetched:
     digest = hashlib.sha256()
     with open(part, "rb") as f:
         while chunk := f.read(CHUNK):
             digest.update(chunk)
-    return Fetched(part, digest.hexdigest(), size, resumed_from=size)
+    return Fetched(part, digest.hexdigest(), size, resumed_from=size, announced=announced)
 
 
 def _receive(
     url: str,
+    key: str,
     part: Path,
     response: httpx.Response,
     sidecar: _Sidecar | None,
@@ -326,10 +385,11 @@ def _receive(
         discard_partial(part)
         resumable = response.headers.get("content-encoding", "identity").lower() == "identity"
         new = _Sidecar(
-            url=url,
+            url=key,
             etag=response.headers.get("etag") if resumable else None,
             last_modified=response.headers.get("last-modified") if resumable else None,
             size=total,
+            sha256=_announced(response),
         )
         atomic_write(sidecar_path(part), new.dump())
     digest = hashlib.sha256()
@@ -364,4 +424,10 @@ def _receive(
         os.fsync(out.fileno())
     if total is not None and done != total:
         raise TransferInterrupted(f"{url}: the server sent {done} bytes of {total}; the partial file is kept")
-    return Fetched(part, digest.hexdigest(), done, resumed_from=offset)
+    announced = _announced(response) or (sidecar.sha256 if sidecar is not None else None)
+    return Fetched(part, digest.hexdigest(), done, resumed_from=offset, announced=announced)
+
+
+def _announced(response: httpx.Response) -> str | None:
+    value = response.headers.get("x-sha256", "").strip().lower()
+    return value if re.fullmatch(r"[0-9a-f]{64}", value) else None

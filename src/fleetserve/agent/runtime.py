@@ -17,11 +17,15 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from fleetserve.agent.cache import ModelCache
+import httpx
+
+from fleetserve.agent.cache import CacheState, ModelCache
 from fleetserve.agent.client import AgentApiError, AgentClient, EnrolmentPending
 from fleetserve.agent.supervisor import Supervisor
 from fleetserve.drivers import RuntimeVariant
@@ -29,9 +33,14 @@ from fleetserve.engines.binaries import resolve
 from fleetserve.engines.launch import LaunchContext
 from fleetserve.engines.registry import ENGINES
 from fleetserve.engines.spec import EngineKind
-from fleetserve.errors import FleetserveError, InternalError, StaleEpoch
+from fleetserve.errors import FleetserveError, InternalError, SourceError, StaleEpoch
+from fleetserve.metrics.engine import in_flight
+from fleetserve.metrics.mapping import MetricMapping
+from fleetserve.metrics.promtext import ExpositionError
 from fleetserve.protocol import Assignment, AssignmentSet, Download, GpuSample, ReplicaReport, StatusReport
+from fleetserve.routing import engine_auth
 from fleetserve.spec.resources import DeviceClass, Node, Replica, ReplicaState
+from fleetserve.units import format_bytes
 
 log = logging.getLogger("fleetserve.agent")
 
@@ -81,6 +90,13 @@ class Agent:
         self._wanted: dict[str, Assignment] = {}  # replica → its assignment
         self._preparing: set[str] = set()
         self._model_of: dict[str, str] = {}  # replica → the model it serves (one pin each)
+        # replica → its engine's metrics URL and metric names: the in-flight count a drain waits on
+        self._metrics_of: dict[str, tuple[str, MetricMapping, str | None]] = {}
+        # replica → its last in-flight reading and when (monotonic) it was taken
+        self._in_flight_seen: dict[str, tuple[int, float]] = {}
+        # A busy engine answers /metrics late: readings are taken off the report (heartbeat) path.
+        self._http = httpx.Client(timeout=10.0)
+        self._progress: dict[str, tuple[int, float]] = {}  # model → (bytes done, when that changed)
 
     # --- registration and fencing ----------------------------------------------------------------
 
@@ -103,7 +119,8 @@ class Agent:
         with self._lock:
             self.revision = assignments.revision
             self._wanted = wanted
-        for name in self.supervisor.names() - set(wanted):
+        # A replica kept (its deployment is gone; it drains) runs on until it is released.
+        for name in self.supervisor.names() - set(wanted) - set(assignments.keep):
             log.info("stopping %s: no longer assigned to this node", name)
             self._stop(name)
         running = self.supervisor.names()
@@ -140,6 +157,7 @@ class Agent:
         model, profile, variant, driver = entry.model, entry.profile, entry.runtime, entry.driver
         binary = resolve(profile.engine, variant, self.settings.binaries)
         path = self.cache.ensure(model)
+        check_model_path(profile.engine, model.source, path)
         self.cache.pin(model.name)
         with self._lock:
             self._model_of[replica.name] = model.name
@@ -161,7 +179,52 @@ class Agent:
         with self._lock:
             if replica.name not in self._wanted:
                 return  # unassigned while the model was fetched
-        self.supervisor.start(replica.name, ENGINES[profile.engine].adapter.launch(ctx))
+        spec = ENGINES[profile.engine].adapter.launch(ctx)
+        if spec.metrics_url is not None:
+            with self._lock:
+                engine = ENGINES[profile.engine]
+                self._metrics_of[replica.name] = (spec.metrics_url, engine.metrics, entry.engine_key)
+        self.supervisor.start(replica.name, spec)
+
+    def _in_flight(self, name: str) -> int | None:
+        """The requests a replica's engine is running or holding now, from its own metrics; None
+        when they cannot be read."""
+        with self._lock:
+            target = self._metrics_of.get(name)
+        if target is None:
+            return None
+        url, mapping, key = target
+        try:
+            # The engine's own key: its metrics are as closed as its API.
+            response = self._http.get(url, headers=engine_auth(key))
+            response.raise_for_status()
+            return in_flight(response.text, mapping)
+        except (httpx.HTTPError, ExpositionError):
+            return None
+
+    def sample_in_flight(self) -> None:
+        """Read every Running replica's in-flight count once (what a drain waits on)."""
+        running = {n for n, s in self.supervisor.status().items() if s.state is ReplicaState.RUNNING}
+        for name in running:
+            read_at = time.monotonic()
+            value = self._in_flight(name)
+            with self._lock:
+                if value is None:
+                    self._in_flight_seen.pop(name, None)
+                else:
+                    self._in_flight_seen[name] = (value, read_at)
+        with self._lock:
+            for name in set(self._in_flight_seen) - running:
+                del self._in_flight_seen[name]
+
+    def _in_flight_report(self, name: str) -> dict[str, Any]:
+        """The last in-flight reading of a replica and its age, as report fields (none if unread)."""
+        with self._lock:
+            seen = self._in_flight_seen.get(name)
+        if seen is None:
+            return {}
+        value, read_at = seen
+        return {"inFlight": value, "inFlightAge": round(max(0.0, time.monotonic() - read_at), 3)}
 
     # --- reporting --------------------------------------------------------------------------------
 
@@ -176,14 +239,24 @@ class Agent:
                 restarts=s.restarts,
                 stderrTail=[line[:2000] for line in s.stderr_tail],
                 port=s.port or None,
+                **self._in_flight_report(name),
             )
             for name, s in statuses.items()
         }
+        cache_status = self.cache.status()
         for name in self._preparing - set(statuses):
-            replicas[name] = ReplicaReport(state=ReplicaState.STARTING, message="fetching the model")
+            replicas[name] = ReplicaReport(state=ReplicaState.STARTING, message=self._fetching(name))
         downloads = [
-            Download(model=s.model, state=s.state.value, done=s.done, total=s.total, rate=s.rate)
-            for s in self.cache.status()
+            Download(
+                model=s.model,
+                state=s.state.value,
+                done=s.done,
+                total=s.total,
+                rate=s.rate,
+                source=s.source[:2000],
+                error=s.error[:4000] if s.error else None,
+            )
+            for s in cache_status
         ]
         report = StatusReport(
             node=node.name,
@@ -208,11 +281,30 @@ class Agent:
             log.info("stopping %s: the server says it is not this node's", name)
             self._stop(name)
 
+    def _fetching(self, replica: str) -> str:
+        """What a replica waiting for its model says: the download's source, progress, or stall."""
+        with self._lock:
+            entry = self._wanted.get(replica)
+        if entry is None:
+            return "fetching the model"
+        model = entry.model
+        status = next((s for s in self.cache.status() if s.model == model.name), None)
+        if status is None or status.state is not CacheState.DOWNLOADING:
+            return f"fetching model {model.name} from {model.source}"
+        now = time.monotonic()
+        last = self._progress.get(model.name)
+        if last is None or last[0] != status.done:
+            self._progress[model.name] = last = (status.done, now)
+        return download_message(
+            model.name, model.source, status.done, status.total, status.rate, now - last[1]
+        )
+
     def _stop(self, name: str) -> None:
         """Stop a replica and drop its pin on its model (pins are counted per replica)."""
         self.supervisor.stop(name)
         with self._lock:
             model = self._model_of.pop(name, None)
+            self._metrics_of.pop(name, None)
         if model is not None:
             self.cache.unpin(model)
 
@@ -224,6 +316,10 @@ class Agent:
                 self.report()
             except FleetserveError as exc:
                 log.warning("status report failed: %s", exc)
+
+    def _sample_loop(self, stop: threading.Event) -> None:
+        while not stop.wait(max(0.25, self.settings.interval / 2)):
+            self.sample_in_flight()
 
     def _watch_loop(self, stop: threading.Event) -> None:
         while not stop.is_set():
@@ -258,11 +354,36 @@ class Agent:
         threads = [
             threading.Thread(target=self._report_loop, args=(stop,), name="report", daemon=True),
             threading.Thread(target=self._watch_loop, args=(stop,), name="watch", daemon=True),
+            threading.Thread(target=self._sample_loop, args=(stop,), name="in-flight", daemon=True),
         ]
         for thread in threads:
             thread.start()
         stop.wait()
         self.supervisor.shutdown()
+
+
+def check_model_path(engine: EngineKind, source: str, path: Path) -> None:
+    """Refuse a whole repository (a directory) for an engine that loads one file."""
+    if path.is_dir() and not ENGINES[engine].serves_directory:
+        raise SourceError(
+            f"{source} is a whole repository, and {engine.value} loads one model file: name the file, "
+            "e.g. hf://ORG/REPO/FILE.gguf"
+        )
+
+
+# Seconds without a byte after which a download is reported stalled.
+STALL_SECONDS = 60.0
+
+
+def download_message(model: str, source: str, done: int, total: int | None, rate: float, idle: float) -> str:
+    """A replica's message while its model downloads: source, bytes, rate; or that it stalled."""
+    of = f" of {format_bytes(total)}" if total is not None else ""
+    if idle >= STALL_SECONDS:
+        return (
+            f"download of model {model} from {source} stalled: no bytes for {idle:.0f} s at "
+            f"{format_bytes(done)}{of} (the transfer resumes where it stopped)"
+        )
+    return f"downloading model {model} from {source}: {format_bytes(done)}{of} at {format_bytes(int(rate))}/s"
 
 
 def default_cache_dir() -> Path:

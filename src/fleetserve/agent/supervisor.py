@@ -20,14 +20,14 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
 import httpx
 
-from fleetserve.engines.launch import LaunchSpec, engine_environment
+from fleetserve.engines.launch import LaunchSpec
 from fleetserve.process import die_with_parent, group_alive
 from fleetserve.spec.resources import ReplicaState
 
@@ -173,7 +173,7 @@ class Supervisor:
 
     def _spawn(self, engine: _Engine) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        env = engine_environment(os.environ, engine.spec.env)
+        env = {**engine_environment(os.environ), **engine.spec.env}
         out = engine.log_path.open("ab")
         procs: list[subprocess.Popen[bytes]] = []
         try:
@@ -299,3 +299,15 @@ class Supervisor:
                 engine.backoff = BACKOFF_START
             elif engine.state is ReplicaState.RUNNING:
                 engine.state, engine.message = ReplicaState.STARTING, "health check failing"
+
+
+# The agent's own secrets: engines never see them (the agent downloads models; engines only read
+# them). Every FLEETSERVE_* setting goes too (tokens, token files, CA settings); a launch spec's own
+# ``env`` sets what an engine needs (its API key, visible devices).
+AGENT_SECRETS = frozenset({"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "FLEETSERVE_JOIN_TOKEN", "FLEETSERVE_TOKEN"})
+AGENT_PREFIXES = ("FLEETSERVE_",)
+
+
+def engine_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The agent's environment without its secrets: what an engine starts from."""
+    return {k: v for k, v in environ.items() if k not in AGENT_SECRETS and not k.startswith(AGENT_PREFIXES)}

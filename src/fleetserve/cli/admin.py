@@ -1,9 +1,11 @@
 """The admin commands, which talk to a running control plane over HTTP: login, apply, get,
-describe, explain, cordon, uncordon, drain, delete, upload, keys, tokens, nodes."""
+describe, explain, cordon, uncordon, drain, delete, upload, keys, tokens, nodes, rollout
+status|undo."""
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -193,6 +195,8 @@ def register(app: typer.Typer) -> None:
         console = Console(soft_wrap=True)
         data = call(server, token, "POST", f"/nodes/{node}/{action}", json=body)
         extra = f"; released {', '.join(data['released'])}" if data.get("released") else ""
+        if data.get("draining"):
+            extra += f"; draining {', '.join(data['draining'])}"
         past = {"cordon": "cordoned", "uncordon": "uncordoned", "drain": "drained"}[action]
         console.print(f"node/{node} {past}{extra}", markup=False)
 
@@ -224,7 +228,9 @@ def register(app: typer.Typer) -> None:
         server: ServerOpt = None,
         token: TokenOpt = None,
     ) -> None:
-        """Cordon a node and release its replicas, so the reconciler places them elsewhere."""
+        """Cordon a node and move its replicas away: serving ones drain (out of every route, stopped
+        once their requests are done or drainSeconds passed), others are released at once; the
+        reconciler places replacements elsewhere."""
         _node_action("drain", node, server, token, {"reason": reason})
 
     @app.command("delete")
@@ -289,6 +295,51 @@ def register(app: typer.Typer) -> None:
         except FleetserveError as err:
             raise fail(err) from None
         console.print(f"model/{model}: {data['size']} bytes, sha256 {data['sha256']}", markup=False)
+
+    rollout = typer.Typer(
+        help="Rolling updates of a deployment: follow one, or undo the last.", no_args_is_help=True
+    )
+    app.add_typer(rollout, name="rollout")
+
+    @rollout.command("status")
+    def rollout_status(
+        deployment: Annotated[str, typer.Argument(help="The deployment's name.")],
+        timeout: Annotated[
+            float, typer.Option(help="Give up (exit 1) after this many seconds.", min=0)
+        ] = 600.0,
+        watch: Annotated[bool, typer.Option(help="Wait until the rollout completes.")] = True,
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+    ) -> None:
+        """Print a deployment's rollout progress; wait until every replica runs its current revision."""
+        console = Console(soft_wrap=True)
+        deadline = time.monotonic() + timeout
+        last = ""
+        while True:
+            data = call(server, token, "GET", f"/deployments/{deployment}")
+            line, done = views.rollout_line(data)
+            if line != last:
+                console.print(line, markup=False)
+                last = line
+            if done:
+                return
+            if not watch or time.monotonic() >= deadline:
+                raise typer.Exit(1)
+            time.sleep(1.0)
+
+    @rollout.command("undo")
+    def rollout_undo(
+        deployment: Annotated[str, typer.Argument(help="The deployment's name.")],
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+    ) -> None:
+        """Apply the deployment's previous spec again: a rollout back to its previous revision."""
+        data = call(server, token, "POST", f"/deployments/{deployment}/undo")
+        Console(soft_wrap=True).print(
+            f"deployment/{deployment} rolled back to revision {data['revision']} "
+            f"(generation {data['generation']})",
+            markup=False,
+        )
 
     keys = typer.Typer(help="Gateway API keys: create (shown once), list, revoke.", no_args_is_help=True)
     app.add_typer(keys, name="keys")

@@ -8,19 +8,24 @@ import signal
 import ssl
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from fleetserve.agent.access import SourcePolicy
 from fleetserve.agent.cache import ModelCache
 from fleetserve.agent.client import AgentClient
 from fleetserve.agent.credential import CredentialFile
 from fleetserve.agent.describe import make_describe
 from fleetserve.agent.gpustats import make_reader
+from fleetserve.agent.hub import HubAccess
 from fleetserve.agent.runtime import Agent, AgentSettings
 from fleetserve.agent.supervisor import Supervisor
+from fleetserve.drivers import RuntimeVariant
 from fleetserve.engines.binaries import parse_overrides
+from fleetserve.engines.spec import EngineKind
 from fleetserve.errors import ConfigError, Problem
 from fleetserve.inventory.matching import FabricMap
 from fleetserve.secretfile import read_secret
@@ -87,6 +92,25 @@ def load_fabric_map(path: Path | None) -> FabricMap:
     return FabricMap.from_dict(raw, location=str(path))
 
 
+@dataclass(frozen=True)
+class SourceSettings:
+    """Where the agent may read models from, and how it reaches the Hugging Face Hub."""
+
+    model_dirs: tuple[Path, ...] = ()
+    allow_private: bool = False
+    hf_mirror: Path | None = None
+    hf_token_file: Path | None = None
+    llama_server: Path | None = None
+
+    def mirror(self) -> Path | None:
+        """The offline mirror: --hf-mirror, or the default Hugging Face cache under HF_HUB_OFFLINE."""
+        if self.hf_mirror is not None:
+            return self.hf_mirror
+        from huggingface_hub import constants
+
+        return Path(constants.HF_HUB_CACHE) if constants.is_offline_mode() else None
+
+
 def server_verify(
     server: str, trust: ServerTrust, stop: threading.Event, interval: float
 ) -> ssl.SSLContext | bool | None:
@@ -120,6 +144,7 @@ def run_agent(
     root: Path,
     log_level: str,
     trust: ServerTrust | None = None,
+    sources: SourceSettings | None = None,
 ) -> None:
     """Run the agent until SIGTERM or SIGINT; then stop every engine it started."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -135,13 +160,21 @@ def run_agent(
     verify = server_verify(server, trust or ServerTrust(), stop, interval)
     if verify is None:
         return
-    settings = AgentSettings(
-        engine_host=engine_host, interval=interval, binaries=parse_overrides(engine_binaries)
-    )
+    sources = sources or SourceSettings()
+    binaries = parse_overrides(engine_binaries)
+    if sources.llama_server is not None:
+        binaries.setdefault((EngineKind.LLAMACPP, RuntimeVariant.CPU), str(sources.llama_server))
+    settings = AgentSettings(engine_host=engine_host, interval=interval, binaries=binaries)
     describe = make_describe(name, labels, address, load_fabric_map(fabric_map), inventory_file, root)
     client = AgentClient(server, token, CredentialFile(credential_file), verify=verify)
     cache = ModelCache(
-        cache_dir, max_bytes=cache_max, control_plane=(server, client.token), control_plane_verify=verify
+        cache_dir,
+        max_bytes=cache_max,
+        control_plane=(server, client.token),
+        control_plane_verify=verify,
+        hf_mirror=sources.mirror(),
+        hub_access=HubAccess.from_environment(sources.hf_token_file),
+        policy=SourcePolicy.strict(sources.model_dirs, sources.allow_private),
     )
     supervisor = Supervisor(log_dir)
     agent = Agent(client, describe, supervisor, cache, settings, gpu_reader=make_reader(root))

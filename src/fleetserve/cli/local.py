@@ -1,13 +1,21 @@
-"""Commands that need no control plane, or drive one locally: ``dev tiny-model`` and ``up``."""
+"""Commands that need no control plane, or drive one locally: ``dev tiny-model`` and ``up``.
+
+``up --model X`` serves any GGUF: ``tiny`` (written at start), a local path, an https URL or an
+``hf://ORG/REPO/FILE.gguf``. A model that is not tiny is fetched first, with a progress bar, into
+the model cache the agent then uses (one copy, verified, resumable after Ctrl-C). Ctrl-C and SIGTERM
+both stop the agent (and its engines) and the server gracefully, and print no error.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +27,42 @@ from fleetserve.dev.tinymodel import write_tiny_model
 from fleetserve.errors import FleetserveError
 from fleetserve.process import die_with_parent
 from fleetserve.secretfile import private_dir, write_secret
+from fleetserve.sources import LocalSource, parse_source
+from fleetserve.spec.resources import Model, ModelFormat
 
 TINY_DEPLOYMENT = "tiny"
 
 
 class UpError(FleetserveError):
     """``fleetserve up`` could not bring the stack up."""
+
+
+@dataclass(frozen=True)
+class UpOptions:
+    """How ``up`` reaches models and engines (passed on to its agent)."""
+
+    allow_private_sources: bool = False
+    hf_mirror: Path | None = None
+    hf_token_file: Path | None = None
+    llama_server: Path | None = None
+
+    def agent_args(self) -> list[str]:
+        args = ["--allow-private-sources"] if self.allow_private_sources else []
+        for flag, value in (
+            ("--hf-mirror", self.hf_mirror),
+            ("--hf-token-file", self.hf_token_file),
+            ("--llama-server", self.llama_server),
+        ):
+            if value is not None:
+                args += [flag, str(value.absolute())]
+        return args
+
+
+def model_name(source: str) -> str:
+    """A deployment name from a model source: its file name without ``.gguf``, as a valid name."""
+    stem = re.sub(r"\.gguf$", "", source.rstrip("/").rpartition("/")[2].partition("@")[0], flags=re.I)
+    name = re.sub(r"[^a-z0-9.-]+", "-", stem.lower()).strip("-.")[:63].strip("-.")
+    return name or "model"
 
 
 def tiny_model(out: Path, console: Console) -> None:
@@ -65,20 +103,92 @@ def _wait(
     raise UpError(f"{what}: not done after {timeout:.0f} s (logs in {logs[0].parent})")
 
 
-def up(data_dir: Path, port: int, model: str | None, console: Console, ready_timeout: float) -> None:
-    """Server and agent over a SQLite file in ``data_dir``; with ``--model tiny``, serve the tiny model.
+def fetch_model(source: str, data_dir: Path, options: UpOptions, console: Console) -> Model:
+    """Fetch a GGUF into the cache the agent will use, with a progress bar; the Model to apply."""
+    from fleetserve.agent.access import SourcePolicy
+    from fleetserve.agent.cache import ModelCache
+    from fleetserve.agent.hub import HubAccess
+    from fleetserve.agent.progress import rich_progress
+
+    parsed = parse_source(source)
+    if isinstance(parsed, LocalSource):
+        source = str(parsed.path.absolute())
+    name = model_name(source)
+    cache = ModelCache(
+        data_dir / "cache",
+        hf_mirror=options.hf_mirror,
+        hub_access=HubAccess.from_environment(options.hf_token_file),
+        policy=SourcePolicy.strict(_model_dirs(source, data_dir), options.allow_private_sources),
+    )
+    model = Model(name=name, source=source, format=ModelFormat.GGUF)
+    console.print(f"model   {name}: fetching {source}", markup=False, highlight=False)
+    started = time.monotonic()
+    with rich_progress(console) as on_progress:
+        path = cache.ensure(model, on_progress)
+    if path.is_dir():
+        raise UpError(f"{source} is a whole repository; `up` serves one GGUF file (hf://ORG/REPO/FILE.gguf)")
+    size = path.stat().st_size
+    cached = next(m for m in cache.contents() if m.name == name)
+    console.print(
+        f"model   {name}: {size / 1e6:.1f} MB in the cache ({path}), sha256 {cached.digest[:16]}…, "
+        f"{time.monotonic() - started:.1f} s",
+        markup=False,
+        highlight=False,
+    )
+    return model.model_copy(update={"size": size})
+
+
+def _model_dirs(source: str, data_dir: Path) -> list[Path]:
+    parsed = parse_source(source)
+    dirs = [data_dir / "models"]
+    if isinstance(parsed, LocalSource):
+        dirs.append(parsed.path.absolute().parent)
+    return dirs
+
+
+def up(
+    data_dir: Path,
+    port: int,
+    model: str | None,
+    console: Console,
+    ready_timeout: float,
+    options: UpOptions | None = None,
+) -> None:
+    """Server and agent over a SQLite file in ``data_dir``; with ``--model``, serve that GGUF.
 
     ``data_dir`` is 0700; the tokens go to its tokens.yaml (0600), never into a log; the agent gets
     the join token in its environment, not on its command line, and enrols automatically (the
     server approves new names: it listens on loopback only)."""
+    options = options or UpOptions()
     # Every process and document gets absolute paths: none depends on another's working directory.
     data_dir = private_dir(data_dir.absolute())
+    # Ctrl-C, SIGTERM and a closed terminal (SIGHUP) all stop everything the same graceful way.
+    stops = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, _raise_stopped) for sig in stops}
+    try:
+        _up(data_dir, port, model, console, ready_timeout, options)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _raise_stopped(signum: int, frame: object) -> None:
+    # SIGTERM takes Ctrl-C's path: one graceful stop for both, never shown as an error.
+    raise KeyboardInterrupt
+
+
+def _up(
+    data_dir: Path, port: int, model: str | None, console: Console, ready_timeout: float, options: UpOptions
+) -> None:
     exe = str(Path(sys.executable).with_name("fleetserve"))
     server_url = f"http://127.0.0.1:{port}"
     token_file = data_dir / "tokens.yaml"
     logs = [data_dir / "server.log", data_dir / "agent.log"]
     procs: list[subprocess.Popen[bytes]] = []
     try:
+        served: Model | None = None
+        if model is not None and model != "tiny":
+            served = fetch_model(model, data_dir, options, console)
         procs.append(
             _spawn(
                 [exe, "server", "--database-url", str(data_dir / "fleetserve.db"), "--port", str(port),
@@ -109,7 +219,7 @@ def up(data_dir: Path, port: int, model: str | None, console: Console, ready_tim
             _spawn(
                 [exe, "agent", "--server", server_url, "--address", "127.0.0.1",
                  "--cache-dir", str(data_dir / "cache"), "--log-dir", str(data_dir / "engine-logs"),
-                 "--interval", "1"],
+                 "--interval", "1", *_agent_model_dirs(served, data_dir), *options.agent_args()],
                 logs[1],
                 env={**os.environ, "FLEETSERVE_JOIN_TOKEN": tokens["join"]},
             )
@@ -124,14 +234,17 @@ def up(data_dir: Path, port: int, model: str | None, console: Console, ready_tim
                 f"agent   node {node['name']}: {node['cpu']['cores']} cores registered", markup=False
             )
             if model is not None:
-                _serve_tiny(admin, data_dir, console, procs, logs, ready_timeout)
+                _serve(admin, data_dir, console, procs, logs, ready_timeout, served)
         console.print("Ctrl-C stops everything.")
         while all(p.poll() is None for p in procs):
             time.sleep(0.5)
         raise UpError("a process of the stack exited; see " + ", ".join(str(x) for x in logs))
     except KeyboardInterrupt:
-        console.print("\nstopping…")
+        console.print("\nstopping…", markup=False)
     finally:
+        # The rest of the shutdown must not be cut short by a second Ctrl-C.
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
         for proc in reversed(procs):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -141,36 +254,49 @@ def up(data_dir: Path, port: int, model: str | None, console: Console, ready_tim
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+    console.print("stopped: server and agent (and its engines) exited", markup=False)
 
 
-def _serve_tiny(
+def _agent_model_dirs(served: Model | None, data_dir: Path) -> list[str]:
+    dirs = [data_dir / "models"] + (_model_dirs(served.source, data_dir)[1:] if served else [])
+    return [arg for d in dirs for arg in ("--model-dir", str(d))]
+
+
+def _serve(
     admin: httpx.Client,
     data_dir: Path,
     console: Console,
     procs: list[subprocess.Popen[bytes]],
     logs: list[Path],
     ready_timeout: float,
+    served: Model | None,
 ) -> None:
-    path = write_tiny_model(data_dir / "models" / "tiny.gguf")
+    if served is None:
+        path = write_tiny_model(data_dir / "models" / "tiny.gguf")
+        model_doc: dict[str, Any] = {"kind": "Model", "name": "tiny", "source": str(path), "format": "gguf"}
+        name, shown, context, gibberish = TINY_DEPLOYMENT, f"tiny ({path})", 256, True
+    else:
+        model_doc = {"kind": "Model", **served.model_dump(mode="json", by_alias=True, exclude_none=True)}
+        name, shown, context, gibberish = served.name, f"{served.name} ({served.source})", 2048, False
     documents = [
-        {"kind": "Model", "name": "tiny", "source": str(path), "format": "gguf"},
+        model_doc,
         {
             "kind": "Deployment",
-            "name": TINY_DEPLOYMENT,
-            "model": "tiny",
+            "name": name,
+            "model": name,
             "replicas": 1,
-            "profiles": [{"name": "cpu", "engine": "llama.cpp", "cpu": {"cores": 2}, "context": 256}],
+            "profiles": [{"name": "cpu", "engine": "llama.cpp", "cpu": {"cores": 2}, "context": context}],
         },
     ]
     response = admin.post("/api/v1/apply", json={"documents": documents})
     if response.status_code != 200:
-        raise UpError(f"applying the tiny deployment failed: {response.text}")
+        raise UpError(f"applying the {name} deployment failed: {response.text}")
     console.print(
-        f"model   tiny ({path}) deployed with llama.cpp on the CPU; waiting for the engine…", markup=False
+        f"model   {shown} deployed with llama.cpp on the CPU; waiting for the engine…", markup=False
     )
 
     def running() -> dict[str, Any] | None:
-        for replica in admin.get("/api/v1/replicas", params={"deployment": TINY_DEPLOYMENT}).json():
+        for replica in admin.get("/api/v1/replicas", params={"deployment": name}).json():
             status = admin.get(f"/api/v1/replicas/{replica['name']}").json()
             if status["state"] == "Running" and status["status"].get("port"):
                 return dict(status)
@@ -191,7 +317,7 @@ def _serve_tiny(
     gateway = f"{admin.base_url}/v1/chat/completions".replace("//v1", "/v1")
     # One real request through the gateway, so the quickstart ends with an answer, not a promise.
     hello = [{"role": "user", "content": "Hello!"}]
-    request = {"model": TINY_DEPLOYMENT, "messages": hello, "max_tokens": 16}
+    request = {"model": name, "messages": hello, "max_tokens": 16}
 
     def answered() -> dict[str, Any] | None:
         reply = httpx.post(gateway, json=request, headers={"Authorization": f"Bearer {key}"}, timeout=60)
@@ -201,8 +327,8 @@ def _serve_tiny(
     usage = answer.get("usage", {})
     console.print(
         f"answer  {answer['choices'][0]['message']['content']!r} "
-        f"({usage.get('completion_tokens')} tokens from llama-server, through the gateway; the tiny model "
-        "speaks gibberish)",
+        f"({usage.get('completion_tokens')} tokens from llama-server, through the gateway"
+        + ("; the tiny model speaks gibberish)" if gibberish else ")"),
         markup=False,
     )
     console.print(f"try (API key in {key_file}):", markup=False)

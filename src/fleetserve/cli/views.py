@@ -58,6 +58,25 @@ def _devices(node: dict[str, Any]) -> str:
     return ", ".join(f"{n}x {c}" for c, n in counts.items()) or "-"
 
 
+def downloads(node: dict[str, Any]) -> str:
+    """The node's models in its agent's cache: ready ones counted, downloads with their progress,
+    failed ones with the start of their error (``describe node`` shows it whole)."""
+    items = node.get("status", {}).get("agent", {}).get("downloads", [])
+    ready = sum(1 for d in items if d.get("state") == "ready")
+    parts = [f"{ready} ready"] if ready else []
+    for item in items:
+        state, done, total = item.get("state"), int(item.get("done", 0)), item.get("total")
+        if state == "downloading":
+            of = f"/{format_bytes(int(total))} {100 * done / total:.0f}%" if total else ""
+            parts.append(
+                f"{item['model']} {format_bytes(done)}{of} at {format_bytes(int(item.get('rate', 0)))}/s"
+            )
+        elif state == "failed":
+            error = (item.get("error") or "").replace("\n", " ")
+            parts.append(f"{item['model']} failed: {error[:80]}{'…' if len(error) > 80 else ''}")
+    return "; ".join(parts) or "-"
+
+
 def _accepted(dep: dict[str, Any]) -> str:
     for cond in dep.get("status", {}).get("conditions", []):
         if cond["type"] == ConditionType.ACCEPTED:
@@ -85,6 +104,7 @@ COLUMNS: dict[Kind, Sequence[Column]] = {
         ("epoch", lambda n: n["status"]["epoch"]),
         ("heartbeat", lambda n: n["status"]["lastHeartbeat"] or "no agent"),
         ("replicas", lambda n: n["status"]["replicas"]),
+        ("models", downloads),
     ),
     Kind.CLASSES: (
         ("name", lambda c: c["name"]),
@@ -143,6 +163,37 @@ def read_documents(paths: Sequence[Path]) -> list[dict[str, Any]]:
     if not docs:
         raise ConfigError([Problem(", ".join(map(str, paths)), "", "no documents to apply")])
     return docs
+
+
+def rollout_line(data: dict[str, Any]) -> tuple[str, bool]:
+    """One line of a deployment's rollout progress (from ``GET /deployments/NAME``), and whether
+    the rollout is complete: the reconciler saw this generation and every replica runs its
+    current revision."""
+    name, status = data["name"], data.get("status", {})
+    progress = status.get("rollout") or {}
+    seen = status.get("observedGeneration") == data.get("generation")
+    current = progress.get("revision") == data.get("revision")
+    if not (seen and current):
+        return (
+            f"deployment/{name}: waiting for the reconciler to see generation {data.get('generation')}",
+            False,
+        )
+    failure = next(
+        (
+            c
+            for c in status.get("conditions", [])
+            if c["type"] == ConditionType.REPLICA_FAILURE and c["status"]
+        ),
+        None,
+    )
+    counts = (
+        f"{progress['updated']}/{progress['desired']} updated, {progress['ready']} ready, "
+        f"{progress['old']} old, {progress['draining']} draining"
+    )
+    if progress.get("complete") and not progress.get("draining"):
+        return f"deployment/{name} rolled out: revision {progress['revision']}, {counts}", True
+    extra = f" ({failure['message']})" if failure else ""
+    return f"deployment/{name}: rolling out revision {progress['revision']}: {counts}{extra}", False
 
 
 def print_decision(data: dict[str, Any], console: Console) -> None:

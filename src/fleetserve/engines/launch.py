@@ -18,22 +18,6 @@ from fleetserve.drivers import DRIVERS, Driver, RuntimeVariant
 from fleetserve.sources import HfRepo, HttpSource
 from fleetserve.spec.resources import ModelFormat, Profile, Replica
 
-# The agent's environment variables an engine never inherits: fleetserve's own secrets and
-# settings, and the Hugging Face token (the agent's cache downloads models; an engine reads a
-# local path). A launch spec's own ``env`` may still set any of them for an engine that needs it.
-SECRET_ENV_PREFIXES = ("FLEETSERVE_",)
-SECRET_ENV_NAMES = frozenset({"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"})
-
-
-def engine_environment(inherited: Mapping[str, str], spec_env: Mapping[str, str]) -> dict[str, str]:
-    """An engine's environment: the agent's, scrubbed of ``SECRET_ENV_*``, plus the spec's own."""
-    kept = {
-        k: v
-        for k, v in inherited.items()
-        if k not in SECRET_ENV_NAMES and not k.startswith(SECRET_ENV_PREFIXES)
-    }
-    return {**kept, **spec_env}
-
 
 @dataclass(frozen=True)
 class LaunchContext:

@@ -81,6 +81,9 @@ class EngineSpec:
     bundled_binary: Callable[[RuntimeVariant], str | None] = _none_bundled
     why_no_cpu: str = ""
     why_no_split: str = ""
+    # Whether the engine loads a model from a directory (a whole repository: weights, config,
+    # tokenizer), not only from one file.
+    serves_directory: bool = False
 
     def drivers(self) -> frozenset[Driver]:
         """Every driver this engine has a variant for."""

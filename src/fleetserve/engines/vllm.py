@@ -127,6 +127,7 @@ class VllmAdapter:
 
 VLLM = EngineSpec(
     kind=EngineKind.VLLM,
+    serves_directory=True,
     variants=MappingProxyType({RuntimeVariant.CUDA: Driver.NVIDIA, RuntimeVariant.ROCM: Driver.AMD}),
     default_variant=MappingProxyType({Driver.NVIDIA: RuntimeVariant.CUDA, Driver.AMD: RuntimeVariant.ROCM}),
     cpu_without_class=False,

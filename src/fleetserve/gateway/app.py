@@ -63,6 +63,19 @@ def openai_error(
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+def broken_stream_event(replica: str) -> bytes:
+    """The server-sent event that ends a stream whose upstream broke off mid-way."""
+    body = {
+        "error": {
+            "message": f"the upstream stream from replica {replica} broke off before it was complete",
+            "type": "upstream_error",
+            "param": None,
+            "code": "stream_broken",
+        }
+    }
+    return b"\n\ndata: " + json.dumps(body).encode() + b"\n\n"
+
+
 def _usage_tokens(data: Any) -> int:
     usage = data.get("usage") if isinstance(data, dict) else None
     if isinstance(usage, dict):
@@ -383,7 +396,10 @@ class Gateway:
                 tail = (tail + chunk)[-8192:]
                 yield chunk
         except httpx.TransportError as exc:
+            # Never end a broken stream as if it were complete: the client gets an error event
+            # (OpenAI clients raise on it) and no [DONE].
             log.warning("stream from %s broke off: %s", endpoint.replica, exc)
+            yield broken_stream_event(endpoint.replica)
         finally:
             await response.aclose()
             self.in_flight[endpoint.replica] -= 1

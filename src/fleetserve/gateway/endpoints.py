@@ -17,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 from fleetserve.engines.registry import ENGINES
 from fleetserve.errors import FleetserveError
 from fleetserve.gateway.picker import Endpoint
-from fleetserve.routing import routable
+from fleetserve.routing import ROUTE_REFRESH_SECONDS, routable
 from fleetserve.spec.resources import AdmissionPolicy, Deployment
 from fleetserve.store.protocols import RouteSource
 
@@ -42,7 +42,7 @@ class EndpointTable:
     """The routes, refreshed every ``refresh_seconds`` from the store."""
 
     store: RouteSource
-    refresh_seconds: float = 1.0
+    refresh_seconds: float = ROUTE_REFRESH_SECONDS
     routes: dict[str, Route] = field(default_factory=dict)
     on_change: Callable[[str], None] | None = None
     _task: asyncio.Task[None] | None = None

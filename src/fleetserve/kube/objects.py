@@ -61,7 +61,8 @@ def plain(model: Any) -> dict[str, Any]:
 
 def placement_annotation(replica: Replica) -> str:
     """The annotation value recording where a replica was placed (read back by ``running_replicas``)."""
-    data = replica.model_dump(by_alias=True, mode="json", exclude={"kind", "state"})
+    # The template revision is the reconciler's (rollouts); Kubernetes rolls its own objects.
+    data = replica.model_dump(by_alias=True, mode="json", exclude={"kind", "state", "revision"})
     return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
 

@@ -257,3 +257,20 @@ def kv_from_slots(slots_json: object) -> float | None:
                 return None
             used += min(held, n_ctx)
     return used / total
+
+
+def in_flight(body: str | Iterable[Sample], mapping: MetricMapping) -> int | None:
+    """Requests an engine is running or holding (its running plus waiting gauges), from one scrape;
+    None when the engine publishes neither (a drain then waits out its deadline)."""
+    effective = effective_mapping(mapping)
+    samples = samples_of(body)
+    found = False
+    total = 0.0
+    for signal in (Signal.RUNNING, Signal.WAITING):
+        for name in effective.names(signal):
+            values = _finite(series(samples, name))
+            if values:
+                found = True
+                total += sum(values)
+                break
+    return max(0, math.ceil(total)) if found else None

@@ -144,7 +144,9 @@ class Placer:
         self._served = snapshot.served_drivers()
         self._node_state = {n.name: n.state for n in snapshot.nodes}
 
-    def place_one(self, name: str, deployment: str, demands: Iterable[Demand]) -> Placement | Unplaced:
+    def place_one(
+        self, name: str, deployment: str, demands: Iterable[Demand], revision: str | None = None
+    ) -> Placement | Unplaced:
         """Place one replica: the first demand (profile) that fits wins; commit it."""
         reports: list[ProfileReport] = []
         for demand in demands:
@@ -160,6 +162,7 @@ class Placer:
                 shards=found.shards,
                 state=ReplicaState.PENDING,
                 fabric=found.fabric,
+                revision=revision,
             )
             self.search.commit(replica)
             return Placement(replica, found.scores, tuple(reports))
@@ -191,12 +194,24 @@ class Placer:
         if name in self.state.replicas:
             self.search.release(name)
 
-    def plan(self, dep: Deployment) -> DeploymentDecision:
-        """Decide placement for one deployment against the capacity left in this cycle."""
+    def plan(
+        self,
+        dep: Deployment,
+        existing: Existing | None = None,
+        place: int | None = None,
+        conditions: tuple[Condition, ...] = (),
+    ) -> DeploymentDecision:
+        """Decide placement for one deployment against the capacity left in this cycle.
+
+        The reconciler's lifecycle passes which replicas stay (``existing``), how many to add
+        (``place``) and its conditions; without them, replicas that run stay and the missing ones
+        are placed.
+        """
         result = gate(dep, self.snapshot.classes, self._served)
-        pre = self.preview(dep)
+        pre = existing or self.preview(dep)
         desired = dep.desired_replicas
         kept, lost, surplus = pre.kept, pre.lost, pre.surplus
+        missing = desired - len(kept) if place is None else place
         facts = self.snapshot.models.get(dep.model)
         extra: list[Condition] = []
         if facts is None:
@@ -208,7 +223,6 @@ class Placer:
                     f"model {dep.model} is not defined or its size is unknown",
                 )
             )
-        missing = desired - len(kept)
         placed: list[Placement] = []
         unplaced: list[Unplaced] = []
         if missing > 0:
@@ -224,7 +238,7 @@ class Placer:
                 self.snapshot.next_ordinals.get(dep.name, 0),
             )
             for _ in range(missing):
-                outcome = self.place_one(next(names), dep.name, demands)
+                outcome = self.place_one(next(names), dep.name, demands, dep.template_revision())
                 if isinstance(outcome, Placement):
                     placed.append(outcome)
                 else:
@@ -249,7 +263,7 @@ class Placer:
             unplaced=tuple(unplaced),
             lost=lost,
             surplus=surplus,
-            conditions=tuple(extra),
+            conditions=(*extra, *conditions),
         )
 
 

@@ -58,12 +58,21 @@ def _doc(resource: BaseModel) -> dict[str, Any]:
     return resource.model_dump(mode="json", by_alias=True)
 
 
-def revision_of(assignments: list[Assignment]) -> str:
+def revision_of(assignments: list[Assignment], keep: list[str] | None = None) -> str:
     """A short digest of an assignment set: it changes exactly when the set or a spec changes
     (not when a replica's state does)."""
     entries = [_doc(a) for a in assignments]
     stable = [{**e, "replica": {**e["replica"], "state": None}} for e in entries]
+    if keep:
+        stable.append({"keep": sorted(keep)})
     return hashlib.sha256(json.dumps(stable, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def kept(replicas: list[Replica], entries: list[Assignment]) -> list[str]:
+    """The node's replicas with no assignment entry (their deployment is gone): kept while they
+    drain, never started."""
+    built = {e.replica.name for e in entries}
+    return sorted(r.name for r in replicas if r.name not in built)
 
 
 def assignment_entries(store: SqlStore, replicas: list[Replica]) -> list[Assignment]:
@@ -195,13 +204,16 @@ def build_agent_router(store: SqlStore, files: ModelFiles, policy: EnrolmentPoli
                 raise refusal(outcome)
             registration, credential = outcome.registration, outcome.credential
         store.heartbeat(node.name, datetime.now(UTC))
-        entries = assignment_entries(store, store.assignments(node.name))
+        assigned = store.assignments(node.name)
+        entries = assignment_entries(store, assigned)
+        keep = kept(assigned, entries)
         return Registered(
             node=registration.node,
             epoch=registration.epoch,
             created=registration.created,
             assignments=entries,
-            revision=revision_of(entries),
+            keep=keep,
+            revision=revision_of(entries, keep),
             credential=credential,
         )
 
@@ -242,9 +254,17 @@ def build_agent_router(store: SqlStore, files: ModelFiles, policy: EnrolmentPoli
                 await run_in_threadpool(store.heartbeat, node, datetime.now(UTC), epoch)
             assigned = await run_in_threadpool(store.assignments, node)
             entries = await run_in_threadpool(assignment_entries, store, assigned)
-            revision = revision_of(entries)
-            if revision != since or time.monotonic() >= deadline or await request.is_disconnected():
-                return AssignmentSet(revision=revision, epoch=current, assignments=entries)
+            keep = kept(assigned, entries)
+            revision = revision_of(entries, keep)
+            # A server shutting down answers at once: a held poll would hold its shutdown.
+            stopping = bool(getattr(request.app.state, "stopping", False))
+            if (
+                revision != since
+                or time.monotonic() >= deadline
+                or stopping
+                or await request.is_disconnected()
+            ):
+                return AssignmentSet(revision=revision, epoch=current, assignments=entries, keep=keep)
             await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
     @api.post("/status", summary="Report replica states, cache contents, downloads and GPU samples")

@@ -245,9 +245,10 @@ def build_admin_router(
 
     @api.post("/nodes/{name}/drain", tags=["nodes"], summary="Cordon a node and move its replicas away")
     def drain(name: NameParam, body: CordonRequest) -> dict[str, Any]:
-        # One transaction; the reconciler places replacements elsewhere.
-        node, released = store.drain(name, body.reason)
-        return {**_doc(node), "released": [r.name for r in released]}
+        # One transaction: serving replicas turn Draining (out of every route, released once their
+        # requests are done), the others are released; the reconciler places replacements elsewhere.
+        node, released, draining = store.drain(name, body.reason)
+        return {**_doc(node), "released": [r.name for r in released], "draining": draining}
 
     @api.delete("/nodes/{name}", tags=["nodes"], summary="Forget a node that holds no replica")
     def delete_node(name: NameParam) -> dict[str, str]:
@@ -287,8 +288,22 @@ def build_admin_router(
         return {
             **_doc(d.deployment),
             "generation": d.generation,
+            "revision": d.deployment.template_revision(),
             "status": dict(d.status),
             "replicas": replicas,
+        }
+
+    @api.post(
+        "/deployments/{name}/undo",
+        tags=["deployments"],
+        summary="Apply the deployment's previous spec again (a rollout back to the previous revision)",
+    )
+    def undo_deployment(name: NameParam) -> dict[str, Any]:
+        d = store.undo_deployment(name)
+        return {
+            **_doc(d.deployment),
+            "generation": d.generation,
+            "revision": d.deployment.template_revision(),
         }
 
     @api.delete("/deployments/{name}", tags=["deployments"], summary="Delete; its replicas are stopped")

@@ -11,12 +11,14 @@ reads the same observer and gateway. The CLI parses flags and calls ``run_server
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from types import FrameType
 
 import uvicorn
 import yaml
@@ -53,6 +55,8 @@ class Listen:
     tls: ServerTls | None = None
     # Extra names the certificate carries (``--tls-san``); the first names the server in joins.
     sans: tuple[str, ...] = ()
+    # On SIGTERM: how long in-flight requests may take to finish before the process exits.
+    grace_seconds: float = 30.0
 
     @property
     def url(self) -> str:
@@ -217,20 +221,37 @@ def print_tls(listen: Listen, console: Console, what: str) -> None:
         console.print(f"  clients: trust {ca_file} (e.g. curl --cacert {ca_file})", markup=False)
 
 
+class _DrainingServer(uvicorn.Server):
+    """A uvicorn server that, on SIGTERM or SIGINT, also marks the app as stopping
+    (``app.state.stopping``): long-polls answer at once instead of holding the shutdown."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
+        super().__init__(config)
+        self.app = app
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.app.state.stopping = True
+        super().handle_exit(sig, frame)
+
+
 def serve(app: FastAPI, listen: Listen, access_log: bool) -> bool:
-    """Serve ``app`` until stopped (SIGINT or SIGTERM); whether it started at all."""
-    # Long-polling agents and streams hold requests open; do not let them delay a shutdown for long.
+    """Serve ``app`` until stopped (SIGINT or SIGTERM); whether it started at all.
+
+    On the signal uvicorn stops accepting connections, lets in-flight requests (streams too)
+    finish for up to ``listen.grace_seconds``, then exits.
+    """
+    app.state.stopping = False
     config = uvicorn.Config(
         app,
         host=listen.host,
         port=listen.port,
         log_level=listen.log_level.lower(),
         access_log=access_log,
-        timeout_graceful_shutdown=3,
+        timeout_graceful_shutdown=max(1, math.ceil(listen.grace_seconds)),
         ssl_certfile=str(listen.tls.cert_file) if listen.tls else None,
         ssl_keyfile=str(listen.tls.key_file) if listen.tls else None,
     )
-    server = uvicorn.Server(config)
+    server = _DrainingServer(config, app)
     server.run()
     return server.started
 

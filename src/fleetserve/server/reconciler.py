@@ -26,6 +26,7 @@ from fleetserve.metrics.exposition import FleetMetrics
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.reconcile.core import reconcile
 from fleetserve.reconcile.health import HeartbeatPolicy, transitions
+from fleetserve.reconcile.lifecycle import FailureHistory
 from fleetserve.spec.resources import Deployment, Model, Replica
 from fleetserve.store.protocols import ReconcilerStore
 
@@ -50,6 +51,7 @@ class CycleResult:
     transitions: list[tuple[str, str, str]] = field(default_factory=list)
     allocated: list[str] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
+    draining: list[str] = field(default_factory=list)
     conflicts: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -108,10 +110,15 @@ class Reconciler:
         stored = self.store.list_deployments()
         snapshot = self.store.snapshot(self._model_facts(self.store.list_models()))
         deployments = [self._autoscale(d.deployment, snapshot.replicas) for d in stored]
+        failures = {d.deployment.name: FailureHistory.from_status(d.status.get("failures")) for d in stored}
         placing = time.perf_counter()
-        plan = reconcile(deployments, snapshot)
+        plan = reconcile(deployments, snapshot, now, failures)
         if self.metrics is not None:
             self.metrics.observe_placement(time.perf_counter() - placing)
+        if plan.drain:
+            result.draining = self.store.start_draining(plan.drain, now)
+            for name in result.draining:
+                log.info("replica %s: draining (out of the routes until its requests are done)", name)
         for name in plan.release:
             try:
                 self.store.release(name)
@@ -130,9 +137,15 @@ class Reconciler:
                 result.conflicts.append(replica.name)
                 log.error("could not store replica %s: %s", replica.name, exc)
         generations = {d.deployment.name: d.generation for d in stored}
+        previous = {d.deployment.name: d.previous for d in stored}
         for decision in plan.decisions:
             data = decision.to_dict()
+            life = plan.lifecycles.get(decision.deployment)
+            before = previous.get(decision.deployment)
             status = {
+                "failures": life.failures.to_dict() if life is not None else {},
+                "rollout": life.progress.to_dict() if life is not None and life.progress else {},
+                "previousRevision": before.template_revision() if before is not None else None,
                 "autoscaler": list(self.scale_log.entries(decision.deployment)),
                 "observedGeneration": generations.get(decision.deployment),
                 "conditions": data["conditions"],
@@ -184,10 +197,11 @@ class Reconciler:
         while not stop.is_set():
             try:
                 result = self.run_once()
-                if result.allocated or result.released or result.transitions:
+                if result.allocated or result.released or result.draining or result.transitions:
                     log.info(
-                        "cycle: allocated %s, released %s, %d conflicts, %.1f ms",
+                        "cycle: allocated %s, draining %s, released %s, %d conflicts, %.1f ms",
                         result.allocated,
+                        result.draining,
                         result.released,
                         len(result.conflicts),
                         result.seconds * 1000,

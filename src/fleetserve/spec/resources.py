@@ -7,6 +7,8 @@ its runtime matches the class's driver) live in ``fleetserve.validation``.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from enum import StrEnum
 from typing import Annotated, Any, Literal
@@ -44,6 +46,8 @@ Name = Annotated[str, BeforeValidator(lambda v: _check_name(v) if isinstance(v, 
 MAX_BYTES = 2**62
 MAX_CORES = 1 << 20
 MAX_REPLICAS = 10_000
+# How long a stopping replica waits for its in-flight requests unless its deployment says otherwise.
+DEFAULT_DRAIN_SECONDS = 30.0
 Bytes = Annotated[int, BeforeValidator(parse_bytes), Field(ge=0, le=MAX_BYTES)]
 
 
@@ -373,6 +377,23 @@ class AdmissionPolicy(Spec):
     max_wait_seconds: float = Field(default=30.0, gt=0)
 
 
+class RolloutPolicy(Spec):
+    """How a changed deployment replaces its replicas: new ones Ready before old ones drain."""
+
+    # Replicas beyond the desired count while a rollout or a failure replacement runs.
+    max_surge: int = Field(default=1, ge=0, le=MAX_REPLICAS)
+    # Desired replicas that may be not Ready while old ones drain.
+    max_unavailable: int = Field(default=0, ge=0, le=MAX_REPLICAS)
+
+    @model_validator(mode="after")
+    def _can_progress(self) -> RolloutPolicy:
+        if self.max_surge == 0 and self.max_unavailable == 0:
+            raise ValueError(
+                "rollout.maxSurge and rollout.maxUnavailable cannot both be 0: nothing could move"
+            )
+        return self
+
+
 LoadMetric = Literal["in_flight", "waiting", "outstanding"]
 """Which per-replica number the autoscaler compares with its target: running, waiting, or both."""
 
@@ -405,6 +426,9 @@ class Deployment(Spec):
     admission: AdmissionPolicy = AdmissionPolicy()
     # Only with ``replicas: {min, max}``; a range without it follows the default policy.
     autoscale: AutoscalePolicy | None = None
+    rollout: RolloutPolicy = RolloutPolicy()
+    # The longest a stopping replica waits for its in-flight requests before its engine stops.
+    drain_seconds: float = Field(default=DEFAULT_DRAIN_SECONDS, ge=0, le=86_400)
 
     @field_validator("replicas")
     @classmethod
@@ -432,6 +456,12 @@ class Deployment(Spec):
         """Replicas to place now: the fixed count, or the autoscaler's minimum."""
         return self.replicas if isinstance(self.replicas, int) else self.replicas.min
 
+    def template_revision(self) -> str:
+        """A short digest of what a replica runs (the model and the profiles): it changes exactly
+        when a change must replace the replicas (a rollout), not with the replica count or policy."""
+        spec = self.model_dump(mode="json", by_alias=True, include={"model", "profiles"})
+        return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
+
     def profiles_by_priority(self) -> tuple[Profile, ...]:
         """Profiles in the order placement tries them: higher priority first, then as written."""
         order = sorted(enumerate(self.profiles), key=lambda ip: (-ip[1].priority, ip[0]))
@@ -456,6 +486,9 @@ class ReplicaState(StrEnum):
     RUNNING = "Running"
     CRASH_LOOP = "CrashLoop"  # the engine keeps exiting; restarts back off
     FAILED = "Failed"
+    # Set by the control plane, never by an agent: out of every route, finishing its in-flight
+    # requests; released (and its engine stopped) when they are done or drainSeconds passed.
+    DRAINING = "Draining"
 
 
 class Replica(Spec):
@@ -469,3 +502,5 @@ class Replica(Spec):
     shards: tuple[Shard, ...] = Field(min_length=1)
     state: ReplicaState = ReplicaState.RUNNING
     fabric: str | None = None
+    # The deployment's template revision the replica was placed for (None: placed before rollouts).
+    revision: str | None = None

@@ -36,6 +36,8 @@ class StoredDeployment:
     deployment: Deployment
     generation: int
     status: Mapping[str, Any]
+    # The spec before the last change (what ``rollout undo`` applies again); None before any.
+    previous: Deployment | None = None
 
 
 @dataclass(frozen=True)
@@ -49,8 +51,9 @@ class Decision:
 
 
 def _stored_deployment(row: DeploymentRow) -> StoredDeployment:
+    previous = Deployment.model_validate(row.previous_spec) if row.previous_spec else None
     return StoredDeployment(
-        Deployment.model_validate(row.spec), row.generation, MappingProxyType(dict(row.status))
+        Deployment.model_validate(row.spec), row.generation, MappingProxyType(dict(row.status)), previous
     )
 
 
@@ -92,9 +95,26 @@ class SqlDeployments(SqlBase):
         ).one()
         if row.spec == spec:
             return row.generation, "unchanged"
+        row.previous_spec = row.spec
         row.spec = spec
         row.generation += 1
         return row.generation, "configured"
+
+    def undo_deployment(self, name: str) -> StoredDeployment:
+        """Apply a deployment's previous spec again (the current one becomes the previous, so a
+        second undo redoes); raises NotFound for a deployment with no previous spec."""
+        with self._write(f"undoing the last change of deployment {name}") as s:
+            row = s.scalars(
+                select(DeploymentRow).where(DeploymentRow.name == name).with_for_update()
+            ).one_or_none()
+            if row is None:
+                raise NotFound(f"no deployment named {name!r} is stored")
+            if not row.previous_spec:
+                raise NotFound(f"deployment {name!r} has no previous revision to go back to")
+            row.spec, row.previous_spec = row.previous_spec, row.spec
+            row.generation += 1
+            s.flush()
+            return _stored_deployment(row)
 
     def get_deployment(self, name: str) -> StoredDeployment:
         with self._read(f"reading deployment {name}") as s:

@@ -10,6 +10,7 @@ were wrong. ``drain`` cordons a node and releases its replicas in one transactio
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime, timedelta
 from types import MappingProxyType
 
 from pydantic import ValidationError as PydanticValidationError
@@ -28,8 +29,9 @@ from fleetserve.errors import (
 from fleetserve.inventory.base import Registration
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.placement.state import WorkingState
+from fleetserve.protocol import ReplicaStatus
 from fleetserve.routing import new_engine_key
-from fleetserve.snapshot import ClusterSnapshot, replica_ordinal
+from fleetserve.snapshot import ClusterSnapshot, ReplicaFacts, replica_ordinal
 from fleetserve.spec.resources import (
     Cordon,
     DeviceClass,
@@ -50,7 +52,21 @@ from fleetserve.store.tables import (
     ReplicaOrdinalRow,
     ReplicaRow,
     ReplicaShardRow,
+    stamp,
 )
+
+
+def _facts(row: ReplicaRow) -> ReplicaFacts:
+    status = ReplicaStatus.model_validate(row.status or {})
+    read_at = row.reported_at
+    if read_at is not None and status.in_flight_age is not None:
+        read_at -= timedelta(seconds=status.in_flight_age)  # when the agent read the count
+    return ReplicaFacts(
+        message=status.message,
+        in_flight=status.in_flight,
+        reported_at=read_at,
+        draining_since=row.draining_since,
+    )
 
 
 class SqlInventory(SqlBase):
@@ -255,9 +271,9 @@ class SqlInventory(SqlBase):
             classes = {r.name: DeviceClass.model_validate(r.spec) for r in s.scalars(select(DeviceClassRow))}
             fabrics = {r.name: Fabric.model_validate(r.spec) for r in s.scalars(select(FabricRow))}
             nodes = sorted((node_of(r) for r in s.scalars(select(NodeRow))), key=lambda n: n.name)
-            replicas = sorted(
-                (replica_of(r.spec, r.state) for r in s.scalars(select(ReplicaRow))), key=lambda r: r.name
-            )
+            rows = list(s.scalars(select(ReplicaRow)))
+            replicas = sorted((replica_of(r.spec, r.state) for r in rows), key=lambda r: r.name)
+            facts = {r.name: _facts(r) for r in rows}
             ordinal_rows = s.execute(select(ReplicaOrdinalRow.deployment, ReplicaOrdinalRow.next_ordinal))
             ordinals = {name: n for name, n in ordinal_rows}
         return ClusterSnapshot(
@@ -267,6 +283,7 @@ class SqlInventory(SqlBase):
             replicas=tuple(replicas),
             models=MappingProxyType(dict(models or {})),
             next_ordinals=MappingProxyType(ordinals),
+            replica_facts=MappingProxyType(facts),
         )
 
     def delete_class(self, name: str) -> None:
@@ -320,16 +337,51 @@ class SqlInventory(SqlBase):
             )
             return {node: epoch for node, epoch in rows}
 
-    def drain(self, name: str, reason: str, by: str = "operator") -> tuple[Node, list[Replica]]:
-        """Cordon ``name`` and release every replica with a shard on it, in ONE transaction: the
-        node and its replicas are never seen half drained. The node, and the released replicas."""
+    def start_draining(self, names: Sequence[str], now: datetime) -> list[str]:
+        """Turn replicas Draining (out of every route) from ``now``, in one transaction; the names
+        that were allocated and not already draining."""
+        when = stamp(now)
+        with self._write("draining replicas") as s:
+            return self._start_draining(s, names, when)
+
+    @staticmethod
+    def _start_draining(s: Session, names: Sequence[str], when: datetime) -> list[str]:
+        rows = s.scalars(
+            select(ReplicaRow)
+            .where(ReplicaRow.name.in_(list(names)), ReplicaRow.state != ReplicaState.DRAINING.value)
+            .with_for_update()
+        ).all()
+        for row in rows:
+            row.state, row.draining_since = ReplicaState.DRAINING.value, when
+        s.flush()  # before any Core statement of the same transaction reads the states
+        return sorted(row.name for row in rows)
+
+    def drain(
+        self, name: str, reason: str, by: str = "operator", now: datetime | None = None
+    ) -> tuple[Node, list[Replica], list[str]]:
+        """Cordon ``name`` and move every replica with a shard on it away, in ONE transaction: the
+        node and its replicas are never seen half drained. A Running replica turns Draining (out of
+        the routes; the reconciler places its replacement and releases it once its requests are
+        done); one that serves nothing is released at once. The node, the released replicas, and
+        the names of those now draining."""
         cordon = self._cordon(name, reason, by)
+        when = stamp(now or datetime.now(UTC))
         with self._write(f"draining node {name}") as s:
             row = self._locked_node(s, name)
             row.cordon_reason, row.cordon_by = cordon.reason, cordon.by
             held = select(ReplicaShardRow.replica).where(ReplicaShardRow.node == name)
+            serving = list(
+                s.scalars(
+                    select(ReplicaRow.name).where(
+                        ReplicaRow.name.in_(held), ReplicaRow.state == ReplicaState.RUNNING.value
+                    )
+                )
+            )
+            draining = self._start_draining(s, serving, when)
             # Shards and device rows go with each replica (ON DELETE CASCADE).
-            gone = delete(ReplicaRow).where(ReplicaRow.name.in_(held))
+            gone = delete(ReplicaRow).where(
+                ReplicaRow.name.in_(held), ReplicaRow.state != ReplicaState.DRAINING.value
+            )
             released = s.connection().execute(gone.returning(ReplicaRow.spec, ReplicaRow.state))
             replicas = sorted((replica_of(r.spec, r.state) for r in released), key=lambda r: r.name)
-            return node_of(row), replicas
+            return node_of(row), replicas, draining

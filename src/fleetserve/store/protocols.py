@@ -12,12 +12,13 @@ the observer both read routes); each is small enough to fake in a few lines.
     Deployments      the reconciler                   models, deployments, status, decisions
     Heartbeats       the reconciler                   when each node was last heard from
     Lease            the reconciler                   one leader among servers
-    ReconcilerStore  the reconciler                   Inventory + the three above
+    Drains           the reconciler                   turn replicas Draining (out of the routes)
+    ReconcilerStore  the reconciler                   Inventory + the four above
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -97,7 +98,13 @@ class Lease(Protocol):
     def release_leadership(self, name: str, holder: str) -> bool: ...
 
 
-class ReconcilerStore(Inventory, Deployments, Heartbeats, Lease, Protocol):
+class Drains(Protocol):
+    """Taking replicas out of every route before they are released (a drain)."""
+
+    def start_draining(self, names: Sequence[str], now: datetime) -> list[str]: ...
+
+
+class ReconcilerStore(Inventory, Deployments, Heartbeats, Lease, Drains, Protocol):
     """Everything the reconciler reads and writes."""
 
 

@@ -106,7 +106,13 @@ class SqlReports(SqlBase):
                     s.connection().execute(
                         update(ReplicaRow)
                         .where(ReplicaRow.name == name)
-                        .values(state=ReplicaState(state).value, status=status.stored())
+                        .values(status=status.stored(), reported_at=when)
+                    )
+                    # Draining is the control plane's word: an agent's report never undoes it.
+                    s.connection().execute(
+                        update(ReplicaRow)
+                        .where(ReplicaRow.name == name, ReplicaRow.state != ReplicaState.DRAINING.value)
+                        .values(state=ReplicaState(state).value)
                     )
             return sorted(set(replicas) - mine)
 

@@ -112,6 +112,8 @@ class DeploymentRow(Base):
     # Bumped when the spec changes, not when it is re-applied unchanged.
     generation: Mapped[int] = mapped_column(Integer)
     status: Mapped[dict[str, Any]]
+    # The spec before the last change (``rollout undo`` applies it again); None before any change.
+    previous_spec: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
 
 class ReplicaOrdinalRow(Base):
@@ -135,6 +137,10 @@ class ReplicaRow(Base):
     state: Mapped[str] = mapped_column(String(16))
     # What the agent reported: a message, restarts, the last lines of the engine's stderr.
     status: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # When the agent last reported the replica (its in-flight count is as of then).
+    reported_at: Mapped[datetime | None]
+    # When the replica turned Draining (out of the routes); None while it is not draining.
+    draining_since: Mapped[datetime | None]
     # The engine's API key, made at allocation: only the replica's agent (in its assignment), the
     # gateway and the observer read it; the admin API never shows it. None: placed before keys.
     engine_key: Mapped[str | None] = mapped_column(String(64), nullable=True)

@@ -2,7 +2,7 @@
 operator approvals), and an expiry for tokens.
 
 Revision ID: 0002
-Revises: 0003 (main's head when this branch merged; the coordinator may re-chain)
+Revises: 0005 (main's head when this branch merged; the coordinator may re-chain)
 Create Date: 2026-12-03
 """
 
@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0002"
-down_revision: str | Sequence[str] | None = "0003"
+down_revision: str | Sequence[str] | None = "0005"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -1,0 +1,60 @@
+"""The node table's models column: cache downloads in progress and failures, from the agent's report."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from fleetserve.agent.runtime import STALL_SECONDS, download_message
+from fleetserve.cli.views import downloads
+
+
+def node(*items: dict[str, Any]) -> dict[str, Any]:
+    return {"status": {"agent": {"downloads": list(items)}}}
+
+
+@pytest.mark.parametrize(
+    ("items", "shown"),
+    [
+        ((), "-"),
+        (({"model": "a", "state": "ready", "done": 5, "total": 5},), "1 ready"),
+        (
+            (
+                {
+                    "model": "big",
+                    "state": "downloading",
+                    "done": 3 * 2**30,
+                    "total": 12 * 2**30,
+                    "rate": 50 * 2**20,
+                },
+            ),
+            "big 3.0GiB/12.0GiB 25% at 50.0MiB/s",
+        ),
+        (
+            (
+                {"model": "a", "state": "ready", "done": 5, "total": 5},
+                {
+                    "model": "g",
+                    "state": "failed",
+                    "done": 0,
+                    "total": 9,
+                    "error": "hf://org/g: org/g is gated",
+                },
+            ),
+            "1 ready; g failed: hf://org/g: org/g is gated",
+        ),
+    ],
+    ids=["nothing reported", "a ready model", "a download in progress", "a failed download with its error"],
+)
+def test_the_models_column_shows_progress_and_the_last_error(
+    items: tuple[dict[str, Any], ...], shown: str
+) -> None:
+    assert downloads(node(*items)) == shown
+
+
+def test_a_download_without_bytes_for_a_minute_is_called_stalled_with_its_source() -> None:
+    moving = download_message("m", "hf://org/m/m.gguf", 2**20, 2**21, 2**19, idle=1.0)
+    assert moving == "downloading model m from hf://org/m/m.gguf: 1.0MiB of 2.0MiB at 512.0KiB/s"
+    stalled = download_message("m", "hf://org/m/m.gguf", 2**20, 2**21, 0.0, idle=STALL_SECONDS + 15)
+    assert stalled.startswith("download of model m from hf://org/m/m.gguf stalled: no bytes for 75 s")
