@@ -60,3 +60,110 @@ def run_replica_on(store: SqlStore, port: int, model_path: Path) -> None:
     shard = Shard(node="c1", cpu_cores=1, memory=1 << 30)
     store.allocate(Replica(name=REPLICA, deployment="tiny", profile="cpu", shards=(shard,)))
     store.report("c1", epoch, datetime.now(UTC), {REPLICA: (ReplicaState.RUNNING, ReplicaStatus(port=port))})
+
+
+# --- a gateway in this process, in front of fake OpenAI engines -----------------------------------
+
+
+class ServedGateway:
+    """A gateway app served by uvicorn (uvloop, httptools) on 127.0.0.1 in a thread of its own, in
+    front of fake OpenAI engines (fleetserve.dev.fake_openai) in the same event loop."""
+
+    def __init__(self, store: SqlStore, engines: int = 1, redis_url: str | None = None, namespace: str = "t"):
+        import asyncio
+
+        import uvicorn
+        import uvloop
+
+        from fleetserve.dev.fake_openai import FakeEngine
+        from fleetserve.server.app import Serving, create_gateway_app
+
+        self.store = store
+        self.engines = [FakeEngine() for _ in range(engines)]
+        self.app = create_gateway_app(
+            store, serving=Serving.build(store, redis_url=redis_url, redis_namespace=namespace)
+        )
+        self.loop = uvloop.new_event_loop()
+        self._ready = threading.Event()
+        self._server: uvicorn.Server | None = None
+        self.port = 0
+
+        async def main() -> None:
+            for engine in self.engines:
+                await engine.start()
+            config = uvicorn.Config(
+                self.app, host="127.0.0.1", port=0, http="httptools", log_level="warning", lifespan="on"
+            )
+            self._server = uvicorn.Server(config)
+            serving = asyncio.ensure_future(self._server.serve())
+            while not self._server.started and not serving.done():
+                await asyncio.sleep(0.01)
+            if self._server.started:
+                self.port = self._server.servers[0].sockets[0].getsockname()[1]
+            self._ready.set()
+            await serving
+            for engine in self.engines:
+                await engine.stop()
+
+        self._thread = threading.Thread(target=self.loop.run_until_complete, args=(main(),), daemon=True)
+
+    @property
+    def gateway(self):  # the Gateway object, for tests that look inside
+        return self.app.state.gateway
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> ServedGateway:
+        self._thread.start()
+        if not self._ready.wait(30) or not self.port:
+            raise AssertionError("the gateway did not start")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        self._thread.join(20)
+
+
+def engines_on(store: SqlStore, ports: list[int], model_path: Path, **fields: object) -> list[str]:
+    """Record llama.cpp replicas of deployment ``tiny`` Running on node c1 (127.0.0.1), one per port."""
+    store.put_model(Model.model_validate({"name": "tiny", "source": str(model_path), "format": "gguf"}))
+    profile = {"name": "cpu", "engine": "llama.cpp", "cpu": {"cores": 1}}
+    store.put_deployment(deployment("tiny", len(ports), profile, model="tiny", **fields))
+    epoch = store.register(node("c1", 8, "8GiB", address="127.0.0.1")).epoch
+    names = [f"tiny-{i}" for i in range(len(ports))]
+    for name in names:
+        shard = Shard(node="c1", cpu_cores=1, memory=1 << 30)
+        store.allocate(Replica(name=name, deployment="tiny", profile="cpu", shards=(shard,)))
+    store.report(
+        "c1",
+        epoch,
+        datetime.now(UTC),
+        {n: (ReplicaState.RUNNING, ReplicaStatus(port=p)) for n, p in zip(names, ports, strict=True)},
+    )
+    return names
+
+
+@contextmanager
+def fake_openai_engine() -> Iterator[int]:
+    """A fake OpenAI engine (fleetserve.dev.fake_openai) on 127.0.0.1 in a thread; yields its port."""
+    import asyncio
+
+    import uvloop
+
+    from fleetserve.dev.fake_openai import FakeEngine
+
+    loop = uvloop.new_event_loop()
+    engine = FakeEngine()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    port = asyncio.run_coroutine_threadsafe(engine.start(), loop).result(10)
+    try:
+        yield port
+    finally:
+        asyncio.run_coroutine_threadsafe(engine.stop(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()

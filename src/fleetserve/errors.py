@@ -30,6 +30,10 @@ Classes without a module are defined here.
     │   ├── BadStatus            an answer with a status other than 200
     │   ├── BodyTooLarge         a body over the size limit
     │   └── FetchFailed          the connection failed or the answer was not HTTP (cause chained)
+    ├── UpstreamError            (fleetserve.httpclient) a request to an upstream (an engine) failed
+    │   ├── ConnectFailed        no connection could be opened: nothing was sent
+    │   ├── UpstreamTimeout      no answer within the timeout
+    │   └── UpstreamBroke        the connection closed or the answer was not HTTP, mid-answer
     │       └── _NoAnswer        closed before any byte: a reused connection may have expired
     ├── GatewayRejection         (fleetserve.gateway.admission) the gateway refuses a request; carries
     │   │                        an HTTP status and a Retry-After

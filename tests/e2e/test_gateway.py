@@ -334,10 +334,12 @@ def test_keys_models_and_revocation_are_enforced(fleet: Fleet) -> None:
 
     with fleet.openai(busy_key) as client:
         assert [m.id for m in client.models.list().data] == ["busy"]
-        with pytest.raises(openai.PermissionDeniedError) as denied:
+        # A model the key may not use gets the same 404 as one that does not exist: the key
+        # learns nothing about models beyond its own.
+        with pytest.raises(openai.NotFoundError) as denied:
             client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
-        assert denied.value.status_code == 403
-        assert denied.value.code == "model_not_allowed" and denied.value.param == "model"
+        assert denied.value.status_code == 404
+        assert denied.value.code == "model_not_found" and denied.value.param == "model"
         assert denied.value.type == "invalid_request_error" and "tiny" in denied.value.message
 
         with pytest.raises(openai.NotFoundError) as missing:

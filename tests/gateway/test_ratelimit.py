@@ -236,3 +236,38 @@ def test_retry_after_is_exactly_when_the_window_frees(events, rpm, tpm, now):
         if decision.retry_after > 0.25:
             assert not limiter.check("k", limits, now + decision.retry_after - 0.25).allowed
         assert limiter.check("k", limits, now + decision.retry_after).allowed
+
+
+def test_a_reservation_counts_at_once_and_is_settled_in_place() -> None:
+    limiter = RateLimiter()
+    limits = Limits(tpm=100)
+    decision, held = limiter.admit("k", limits, 0.0, reserve=80)
+    assert decision.allowed and held is not None
+    assert limiter.check("k", limits, 1.0).allowed  # 80 < 100
+    _, second = limiter.admit("k", limits, 1.0, reserve=30)  # 110 counted: the next is refused
+    refused = limiter.check("k", limits, 2.0)
+    assert not refused.allowed and refused.which is LimitKind.TOKENS
+    limiter.settle(held, 10, 3.0)  # the first used 10, not 80: 40 counted now
+    assert limiter.check("k", limits, 3.0).allowed
+    # Settled in place, at the time of the request: the 10 leave the window at 60, not at 63.
+    assert second is not None
+    limiter.settle(second, 100, 4.0)
+    assert not limiter.check("k", limits, 59.0).allowed
+    assert not limiter.check("k", limits, 60.5).allowed  # the second's 100 remain until 61
+    assert limiter.check("k", limits, 61.0).allowed
+
+
+def test_a_reservation_settled_after_its_window_counts_the_tokens_then() -> None:
+    limiter = RateLimiter()
+    limits = Limits(tpm=50)
+    _, held = limiter.admit("k", limits, 0.0, reserve=10)
+    assert held is not None
+    limiter.settle(held, 70, 100.0)  # a request that ran past the window
+    assert not limiter.check("k", limits, 100.0).allowed
+    assert limiter.check("k", limits, 160.0).allowed
+
+
+def test_a_key_without_a_token_limit_reserves_nothing() -> None:
+    limiter = RateLimiter()
+    decision, held = limiter.admit("k", Limits(rpm=5), 0.0, reserve=100)
+    assert decision.allowed and held is None

@@ -204,14 +204,21 @@ def test_forgetting_a_deployment_removes_its_own_series() -> None:
     m = FleetMetrics()
     for dep in ("chat", "embed"):
         m.gateway_request(dep, 200, 0.1)
+        m.gateway_answer(dep, 429, 0.1)
+        m.gateway_stream(dep, f"{dep}-0", "vllm", 0.05, 0.01)
+        m.gateway_key_request("team-a", dep, 0.1, 10, 20)
         m.gateway_rejection(dep, "QueueFull")
         m.set_queue_depth(dep, 2)
         m.engine_restart(dep, f"{dep}-0")
     m.forget_deployment("chat")
     left = {
-        dict(labels).get("deployment") for name, labels in samples(m) if name.startswith("fleetserve_gateway")
+        dict(labels).get("deployment", dict(labels).get("model"))
+        for name, labels in samples(m)
+        if name.startswith("fleetserve_gateway")
     }
     assert left == {"embed"}
+    models = {dict(labels).get("model") for name, labels in samples(m) if "key" in dict(labels)}
+    assert models == {"embed"}
     assert value(m, "fleetserve_engine_restarts_total", {"deployment": "chat", "replica": "chat-0"}) is None
     assert value(m, "fleetserve_engine_restarts_total", {"deployment": "embed", "replica": "embed-0"}) == 1
     m.forget_deployment("chat")  # twice is harmless
@@ -278,6 +285,9 @@ def test_a_full_render_exposes_exactly_the_declared_names() -> None:
     m.engine_restart("chat", "chat-0")
     m.observe_placement(0.1)
     m.observe_reconcile(0.1)
+    m.gateway_stream("chat", "chat-0", "vllm", 0.05, 0.01)
+    m.gateway_key_request("team-a", "chat", 0.1, 10, 20)
+    m.set_ratelimit_shared(False)
     assert names(m) == exposed_series_names()
     for name, d in METRICS.items():
         assert name.startswith("fleetserve_")

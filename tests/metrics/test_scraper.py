@@ -23,7 +23,6 @@ from fleetserve.metrics.scraper import (
     FetchFailed,
     HttpFetcher,
     HttpxFetcher,
-    ResponseParser,
     Scraper,
     ScraperCollector,
     ScrapeTimeout,
@@ -252,8 +251,40 @@ def test_a_target_never_attempted_has_no_view_and_is_stale_since_it_was_added() 
 CHUNKED = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5;ext=1\r\nhello\r\n6\r\n world\r\n0\r\nX-Trailer: 1\r\n\r\n"
 
 
+@contextlib.asynccontextmanager
+async def answering(*responses: bytes, piecewise: bool = False) -> AsyncIterator[tuple[str, list[int]]]:
+    """A server on 127.0.0.1 answering its n-th request with ``responses[n]`` (the last one again
+    after that), byte by byte if ``piecewise``; yields its URL and the connections it accepted."""
+    served = 0
+    connections: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal served
+        connections.append(1)
+        try:
+            while await reader.readuntil(b"\r\n\r\n"):
+                answer = responses[min(served, len(responses) - 1)]
+                served += 1
+                for piece in [answer[i : i + 1] for i in range(len(answer))] if piecewise else [answer]:
+                    writer.write(piece)
+                    await writer.drain()
+                if b"Connection: close" in answer or (b"HTTP/1.0" in answer and b"keep-alive" not in answer):
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}/metrics", connections
+    finally:
+        server.close()
+
+
 @pytest.mark.parametrize(
-    ("response", "body", "keep_alive"),
+    ("response", "body", "reused"),
     [
         (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello", b"hello", True),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", b"", True),
@@ -264,51 +295,62 @@ CHUNKED = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5;ext=1\r\nhell
     ],
 )
 @pytest.mark.parametrize("piecewise", [False, True], ids=["whole", "byte-by-byte"])
-def test_response_parser_reads_each_framing(
-    response: bytes, body: bytes, keep_alive: bool, piecewise: bool
+def test_the_fetcher_reads_each_framing_and_reuses_what_may_be(
+    response: bytes, body: bytes, reused: bool, piecewise: bool
 ) -> None:
-    parser = ResponseParser(max_body=1024)
-    pieces = [response[i : i + 1] for i in range(len(response))] if piecewise else [response]
-    done = [parser.feed(p) for p in pieces]
-    assert done[-1] and parser.done
-    assert (parser.body(), parser.keep_alive) == (body, keep_alive)
+    async def scenario() -> None:
+        fetch = HttpFetcher()
+        async with answering(response, piecewise=piecewise) as (url, connections):
+            assert await fetch(url, 5) == body
+            assert await fetch(url, 5) == body
+            assert len(connections) == (1 if reused else 2)
+        await fetch.aclose()
+
+    asyncio.run(scenario())
 
 
-def test_response_parser_marks_a_connection_with_bytes_after_the_response_not_reusable() -> None:
-    parser = ResponseParser(max_body=1024)
-    assert parser.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhelloEXTRA")
-    assert (parser.body(), parser.keep_alive) == (b"hello", False)
+def test_the_fetcher_reads_a_close_delimited_body() -> None:
+    async def scenario() -> None:
+        fetch = HttpFetcher()
+        async with answering(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nhello") as (url, _):
+            assert await fetch(url, 5) == b"hello"
+        await fetch.aclose()
 
-
-def test_response_parser_reads_a_close_delimited_body_at_eof() -> None:
-    parser = ResponseParser(max_body=1024)
-    assert not parser.feed(b"HTTP/1.1 200 OK\r\n\r\nhel")
-    assert not parser.feed(b"lo")
-    assert parser.feed_eof()
-    assert (parser.body(), parser.keep_alive) == (b"hello", False)
+    asyncio.run(scenario())
 
 
 @pytest.mark.parametrize(
     ("response", "error", "text"),
     [
         (b"HTTP/1.1 503 Busy\r\nContent-Length: 0\r\n\r\n", BadStatus, "bad status: HTTP 503"),
-        (b"SPDY/9 200 OK\r\n\r\n", FetchFailed, "malformed response: status line"),
-        (b"HTTP/1.1 200 OK\r\nno colon\r\n\r\n", FetchFailed, "malformed response: header line"),
+        (b"SPDY/9 200 OK\r\n\r\n", FetchFailed, "malformed"),
+        (b"HTTP/1.1 200 OK\r\nno colon\r\n\r\n", FetchFailed, "malformed"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 65\r\n\r\n", BodyTooLarge, "body too large: 65 bytes"),
-        (b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", FetchFailed, "Content-Length"),
-        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n41\r\n", BodyTooLarge, "65 bytes"),
-        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", FetchFailed, "chunk size"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", FetchFailed, "malformed"),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n41\r\n" + b"x" * 65,
+            BodyTooLarge,
+            "65 bytes",
+        ),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", FetchFailed, "malformed"),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n", FetchFailed, "Transfer-Encoding"),
-        (b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\n\r\n", FetchFailed, "Content-Encoding"),
-        (b"HTTP/1.1 200 OK\r\n\r\n" + b"x" * 65, BodyTooLarge, "65 bytes"),
+        (
+            b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: 1\r\n\r\nx",
+            FetchFailed,
+            "Content-Encoding",
+        ),
+        (b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + b"x" * 65, BodyTooLarge, "65 bytes"),
     ],
 )
-def test_response_parser_rejects_what_it_cannot_keep(
-    response: bytes, error: type[Exception], text: str
-) -> None:
-    parser = ResponseParser(max_body=64)
-    with pytest.raises(error, match=text):
-        parser.feed(response)
+def test_the_fetcher_refuses_what_it_cannot_keep(response: bytes, error: type[Exception], text: str) -> None:
+    async def scenario() -> None:
+        fetch = HttpFetcher(max_body_bytes=64)
+        async with answering(response) as (url, _):
+            with pytest.raises(error, match=text):
+                await fetch(url, 5)
+        await fetch.aclose()
+
+    asyncio.run(scenario())
 
 
 def test_route_splits_a_url_into_origin_and_request() -> None:

@@ -45,6 +45,11 @@ class UpOptions:
     hf_mirror: Path | None = None
     hf_token_file: Path | None = None
     llama_server: Path | None = None
+    # The server's gateway keeps its rate-limit windows in this Redis (--redis-url).
+    redis_url: str | None = None
+
+    def server_args(self) -> list[str]:
+        return ["--redis-url", self.redis_url] if self.redis_url else []
 
     def agent_args(self) -> list[str]:
         args = ["--allow-private-sources"] if self.allow_private_sources else []
@@ -193,7 +198,7 @@ def _up(
             _spawn(
                 [exe, "server", "--database-url", str(data_dir / "fleetserve.db"), "--port", str(port),
                  "--token-file", str(token_file), "--models-dir", str(data_dir / "server-models"),
-                 "--reconcile-interval", "0.5", "--approve-new-nodes"],
+                 "--reconcile-interval", "0.5", "--approve-new-nodes", *options.server_args()],
                 logs[0],
             )
         )  # fmt: skip

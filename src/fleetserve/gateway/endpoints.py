@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from starlette.concurrency import run_in_threadpool
@@ -35,6 +35,8 @@ class Route:
     prefix_affinity: bool = False
     concurrency_per_replica: int = 8
     created: int = 0
+    # replica → its engine's name, for metrics labels
+    engines: Mapping[str, str] = field(default_factory=dict, compare=False)
 
 
 @dataclass
@@ -53,8 +55,13 @@ class EndpointTable:
             d.deployment.name: d.deployment for d in self.store.list_deployments()
         }
         endpoints: dict[str, list[Endpoint]] = {name: [] for name in deployments}
+        engines: dict[str, dict[str, str]] = {name: {} for name in deployments}
         for served in routable(self.store.replica_endpoints()):
             replica = served.replica
+            dep = deployments.get(replica.deployment)
+            profile = next((p for p in dep.profiles if p.name == replica.profile), None) if dep else None
+            if profile is not None:
+                engines[replica.deployment][replica.name] = profile.engine.value
             # Capacity across mixed hardware: a replica on more devices serves more at once.
             weight = float(max(1, sum(len(s.devices) for s in replica.shards)))
             endpoints.setdefault(replica.deployment, []).append(
@@ -68,6 +75,7 @@ class EndpointTable:
                 scales_from_zero=not isinstance(dep.replicas, int) and dep.replicas.min == 0,
                 prefix_affinity=dep.routing.prefix_affinity,
                 concurrency_per_replica=min(ENGINES[p.engine].concurrency_per_replica for p in dep.profiles),
+                engines=engines.get(name, {}),
             )
             for name, dep in deployments.items()
         }

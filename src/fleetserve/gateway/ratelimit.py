@@ -6,8 +6,12 @@ hold less than the limit" exactly, which is what ``Retry-After`` should say. An 
 counts while ``now < t + 60``; at ``t + 60`` exactly it no longer does.
 
 - A request is denied while the requests admitted in the last 60 s are ``>= rpm``.
-- Tokens are known only from a response's ``usage``, after the response, so the token limit bites
-  on the *next* request: a request is denied while the tokens used in the last 60 s are ``>= tpm``.
+- A request is denied while the tokens counted in the last 60 s are ``>= tpm``. An admitted request
+  reserves its expected tokens at once (``admit(..., reserve=N)``: its ``max_tokens`` and an
+  estimate of its prompt), so parallel requests see each other's reservations; when the answer's
+  ``usage`` arrives, ``settle`` replaces the reservation with the real count, in place (at the
+  time of the request). A reservation already out of the window when it is settled counts the
+  real tokens at the time of settling.
 
 Memory is bounded: a key's log holds only the last 60 s of events, and a key with none is
 dropped; a sweep over every key runs at most once per 60 s of the passed-in clock, and
@@ -73,22 +77,42 @@ ALLOWED = Decision(allowed=True)
 _MIN_RETRY_AFTER = 1e-6
 
 
+class _Event:
+    """One counted amount at one time; ``live`` until it leaves the window."""
+
+    __slots__ = ("amount", "at", "live")
+
+    def __init__(self, at: float, amount: int) -> None:
+        self.at = at
+        self.amount = amount
+        self.live = True
+
+
 class _Log:
     """The events of one kind for one key within the window, oldest first, with their sum."""
 
     __slots__ = ("events", "total")
 
     def __init__(self) -> None:
-        self.events: deque[tuple[float, int]] = deque()
+        self.events: deque[_Event] = deque()
         self.total = 0
 
     def prune(self, now: float) -> None:
-        while self.events and self.events[0][0] + WINDOW_SECONDS <= now:
-            self.total -= self.events.popleft()[1]
+        while self.events and self.events[0].at + WINDOW_SECONDS <= now:
+            gone = self.events.popleft()
+            gone.live = False
+            self.total -= gone.amount
 
-    def add(self, now: float, amount: int) -> None:
-        self.events.append((now, amount))
+    def add(self, now: float, amount: int) -> _Event:
+        event = _Event(now, amount)
+        self.events.append(event)
         self.total += amount
+        return event
+
+    def adjust(self, event: _Event, amount: int) -> None:
+        """Set a live event's amount (settling a reservation)."""
+        self.total += amount - event.amount
+        event.amount = amount
 
     def wait(self, limit: int, now: float) -> float | None:
         """Seconds until the window's sum drops below ``limit``; None if it already is."""
@@ -98,10 +122,10 @@ class _Log:
             # Nothing ever frees: tell the client to come back after a whole window.
             return WINDOW_SECONDS
         remaining = self.total
-        for at, amount in self.events:
-            remaining -= amount
+        for event in self.events:
+            remaining -= event.amount
             if remaining < limit:
-                return max(at + WINDOW_SECONDS - now, _MIN_RETRY_AFTER)
+                return max(event.at + WINDOW_SECONDS - now, _MIN_RETRY_AFTER)
         raise AssertionError("an empty window sums to 0, below any positive limit")  # pragma: no cover
 
 
@@ -177,6 +201,31 @@ class RateLimiter:
             self.record_request(key, now)
         return decision
 
+    def admit(
+        self, key: str, limits: Limits, now: float, reserve: int = 0
+    ) -> tuple[Decision, Reservation | None]:
+        """``acquire``, and when allowed and the key has a token limit, reserve ``reserve`` tokens.
+
+        The reservation is settled with ``settle`` once the real count is known.
+        """
+        decision = self.acquire(key, limits, now)
+        if not decision.allowed or limits.tpm is None:
+            return decision, None
+        state = self._existing_or_new(key, now)
+        return decision, Reservation(key, reserve, state.tokens, state.tokens.add(now, reserve))
+
+    def settle(self, reservation: Reservation, tokens: int, now: float) -> None:
+        """Replace a reservation with the ``tokens`` really used."""
+        if tokens < 0:
+            raise ValueError(f"tokens must not be negative, got {tokens}")
+        event = reservation.event
+        if event.live and now < event.at + WINDOW_SECONDS:
+            reservation.log.adjust(event, tokens)
+            return
+        if event.live:  # out of the window but not pruned yet: it no longer counts either way
+            reservation.log.adjust(event, 0)
+        self.record_tokens(reservation.key, tokens, now)
+
     def prune(self, now: float) -> int:
         """Drop expired events of every key and the keys left with none; how many keys went."""
         self._swept_at = now
@@ -205,3 +254,13 @@ class RateLimiter:
         if state is None:
             state = self._keys[key] = _KeyState()
         return state
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Tokens counted for an admitted request before its answer, settled from its real usage."""
+
+    key: str
+    reserved: int
+    log: _Log
+    event: _Event

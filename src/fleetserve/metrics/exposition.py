@@ -57,6 +57,12 @@ GPU_LABELS = ("node", "device", "driver", "class")
 # Placement and reconcile cycles: sub-millisecond on a homelab, seconds on a large fleet.
 CYCLE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 # Whole gateway requests: generation runs for seconds to minutes.
+# Time to an engine's first token: a loaded GPU answers in tens of milliseconds, a queue in seconds.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Time between tokens of one stream: a fast GPU 5-20 ms, a CPU replica 50 ms and more.
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
+UNKNOWN_MODEL = "unknown"
+"""The model label of a request for a model no deployment serves: never the client's string."""
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
@@ -131,6 +137,42 @@ _DEFS = (
         Kind.COUNTER,
         ("deployment", "reason"),
         "Requests the gateway refused, by reason.",
+    ),
+    _own(
+        "fleetserve_gateway_ttft_seconds",
+        Kind.HISTOGRAM,
+        ("deployment", "replica", "engine"),
+        "Time from sending a streamed request to the engine to its first token, as the gateway saw it.",
+    ),
+    _own(
+        "fleetserve_gateway_inter_token_seconds",
+        Kind.HISTOGRAM,
+        ("deployment", "replica", "engine"),
+        "Mean time between the tokens of one stream after the first, one sample per stream.",
+    ),
+    _own(
+        "fleetserve_gateway_key_request_seconds",
+        Kind.HISTOGRAM,
+        ("key", "model"),
+        "Gateway request duration by API key name and model (unknown models as 'unknown').",
+    ),
+    _own(
+        "fleetserve_gateway_tokens_total",
+        Kind.COUNTER,
+        ("key", "model", "kind"),
+        "Tokens of answered requests by API key name, model and kind (prompt or completion).",
+    ),
+    _own(
+        "fleetserve_ratelimit_shared",
+        Kind.GAUGE,
+        (),
+        "1 while the rate-limit windows are shared in Redis, 0 while this gateway keeps its own.",
+    ),
+    _own(
+        "fleetserve_ratelimit_fallbacks_total",
+        Kind.COUNTER,
+        (),
+        "Times this gateway lost Redis and fell back to its own rate-limit windows.",
     ),
     _own(
         "fleetserve_engine_restarts_total",
@@ -271,6 +313,15 @@ class FleetMetrics:
         self.gateway_queue_depth = gauge("fleetserve_gateway_queue_depth")
         self.gateway_rejections = counter("fleetserve_gateway_rejections_total")
         self.engine_restarts = counter("fleetserve_engine_restarts_total")
+        self.gateway_ttft = histogram("fleetserve_gateway_ttft_seconds", TTFT_BUCKETS)
+        self.gateway_itl = histogram("fleetserve_gateway_inter_token_seconds", ITL_BUCKETS)
+        self.gateway_key_seconds = histogram("fleetserve_gateway_key_request_seconds", REQUEST_BUCKETS)
+        self.gateway_tokens = counter("fleetserve_gateway_tokens_total")
+        self.ratelimit_shared = gauge("fleetserve_ratelimit_shared")
+        self.ratelimit_fallbacks = counter("fleetserve_ratelimit_fallbacks_total")
+        # The gateway's labelled children, looked up once per label set (its hot path).
+        self._hot: dict[tuple[str, ...], tuple[Counter, Histogram]] = {}
+        self._hot_keys: dict[tuple[str, str], tuple[Histogram, Counter, Counter]] = {}
         # Label values this object created, per labelled metric, so a deleted deployment's series
         # can be removed without reaching into prometheus_client's internals.
         self._children_lock = threading.Lock()
@@ -307,6 +358,55 @@ class FleetMetrics:
         self._child("fleetserve_gateway_request_seconds", deployment)
         self.gateway_request_seconds.labels(deployment).observe(seconds)
 
+    def gateway_answer(self, deployment: str, code: int, seconds: float) -> None:
+        """``gateway_request`` for the data path: the label children looked up once."""
+        hot = self._hot.get((deployment, str(code)))
+        if hot is None:
+            self._child("fleetserve_gateway_requests_total", deployment, str(code))
+            self._child("fleetserve_gateway_request_seconds", deployment)
+            hot = (
+                self.gateway_requests.labels(deployment, str(code)),
+                self.gateway_request_seconds.labels(deployment),
+            )
+            self._hot[(deployment, str(code))] = hot
+        hot[0].inc()
+        hot[1].observe(seconds)
+
+    def gateway_key_request(self, key: str, model: str, seconds: float, prompt: int, completion: int) -> None:
+        """One answered request of API key ``key`` (its stored name) for ``model``: duration, tokens."""
+        hot = self._hot_keys.get((key, model))
+        if hot is None:
+            for labels in ((key, model, "prompt"), (key, model, "completion")):
+                self._child("fleetserve_gateway_tokens_total", *labels)
+            self._child("fleetserve_gateway_key_request_seconds", key, model)
+            hot = (
+                self.gateway_key_seconds.labels(key, model),
+                self.gateway_tokens.labels(key, model, "prompt"),
+                self.gateway_tokens.labels(key, model, "completion"),
+            )
+            self._hot_keys[(key, model)] = hot
+        hot[0].observe(seconds)
+        if prompt:
+            hot[1].inc(prompt)
+        if completion:
+            hot[2].inc(completion)
+
+    def gateway_stream(
+        self, deployment: str, replica: str, engine: str, ttft: float, itl: float | None
+    ) -> None:
+        """One stream's time to first token and (with two tokens or more) mean inter-token time."""
+        self._child("fleetserve_gateway_ttft_seconds", deployment, replica, engine)
+        self.gateway_ttft.labels(deployment, replica, engine).observe(ttft)
+        if itl is not None:
+            self._child("fleetserve_gateway_inter_token_seconds", deployment, replica, engine)
+            self.gateway_itl.labels(deployment, replica, engine).observe(itl)
+
+    def set_ratelimit_shared(self, shared: bool) -> None:
+        """Whether the rate-limit windows are in Redis now; a change to False counts a fallback."""
+        if not shared:
+            self.ratelimit_fallbacks.inc()
+        self.ratelimit_shared.set(1 if shared else 0)
+
     def set_queue_depth(self, deployment: str, depth: int) -> None:
         self._child("fleetserve_gateway_queue_depth", deployment)
         self.gateway_queue_depth.labels(deployment).set(depth)
@@ -328,8 +428,22 @@ class FleetMetrics:
             "fleetserve_gateway_queue_depth": self.gateway_queue_depth,
             "fleetserve_gateway_rejections_total": self.gateway_rejections,
             "fleetserve_engine_restarts_total": self.engine_restarts,
+            "fleetserve_gateway_ttft_seconds": self.gateway_ttft,
+            "fleetserve_gateway_inter_token_seconds": self.gateway_itl,
         }
+        by_model = {
+            "fleetserve_gateway_key_request_seconds": self.gateway_key_seconds,
+            "fleetserve_gateway_tokens_total": self.gateway_tokens,
+        }
+        self._hot.clear()
+        self._hot_keys.clear()
         with self._children_lock:
+            for name, metric in by_model.items():
+                children = self._children.get(name, set())
+                gone = {labels for labels in children if labels[1] == deployment}
+                for labels in gone:
+                    metric.remove(*labels)
+                children -= gone
             for name, metric in metrics.items():
                 children = self._children.get(name, set())
                 gone = {labels for labels in children if labels[0] == deployment}

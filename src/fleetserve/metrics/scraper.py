@@ -15,7 +15,8 @@ raises from this hierarchy, and any other exception a hand-made fetcher raises i
         ├── ScrapeTimeout     no complete answer within the timeout
         ├── BadStatus         the target answered with a status other than 200
         ├── BodyTooLarge      the body is over max_body_bytes (declared or read)
-        └── FetchFailed       connection refused or reset, malformed HTTP (the cause is chained)
+        └── FetchFailed       connection refused or reset, malformed HTTP (the cause is chained:
+                              a ``fleetserve.httpclient.UpstreamError``)
 
 Freshness is decided by pure functions (``view``, ``staleness``, ``next_tick``) from the stored
 state and a ``now``; the ``Scraper`` class only does the I/O and the bookkeeping.
@@ -32,7 +33,6 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from enum import Enum, auto
 from types import MappingProxyType, TracebackType
 from typing import Protocol, TypeVar
 from urllib.parse import urlsplit
@@ -41,7 +41,8 @@ import httpx
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from fleetserve.errors import FleetserveError, InternalError
+from fleetserve.errors import FleetserveError
+from fleetserve.httpclient import ConnectFailed, HttpClient, Origin, UpstreamError
 
 log = logging.getLogger("fleetserve.metrics")
 
@@ -207,192 +208,7 @@ def describe(exc: BaseException, timeout: float) -> str:
     return text[:MAX_ERROR_CHARS]
 
 
-# ---- the default fetcher: lean HTTP/1.1 over asyncio -----------------------------------------
-
-MAX_HEAD_BYTES = 64 * 1024
-"""The largest response head (status line and headers) accepted."""
-
-
-class _Phase(Enum):
-    """Where a ``ResponseParser`` is in the response."""
-
-    HEAD = auto()  # status line and headers
-    LENGTH = auto()  # a body of Content-Length bytes
-    UNTIL_EOF = auto()  # a body delimited by the connection's close
-    CHUNK_SIZE = auto()  # a chunk's size line
-    CHUNK_DATA = auto()  # a chunk's bytes
-    CHUNK_END = auto()  # the CRLF after a chunk
-    TRAILER = auto()  # trailer fields after the last chunk
-    DONE = auto()
-
-
-class ResponseParser:
-    """Incremental parser of one HTTP/1.x response to a GET: 200 only, identity coding, body capped.
-
-    Fed bytes as they arrive, it says when the response is complete; it raises ``BadStatus`` at a
-    status other than 200, ``BodyTooLarge`` as soon as the declared or decoded size passes
-    ``max_body`` and ``FetchFailed`` at malformed HTTP. Content-Length, chunked and
-    close-delimited bodies are read; ``keep_alive`` says whether the connection may be reused.
-    """
-
-    def __init__(self, max_body: int) -> None:
-        self.max_body = max_body
-        self.keep_alive = False
-        self.received = 0
-        self._state = _Phase.HEAD
-        self._buf = bytearray()
-        self._parts: list[bytes] = []
-        self._size = 0
-        self._remaining = 0
-
-    @property
-    def done(self) -> bool:
-        """Whether the whole response has been read."""
-        return self._state == _Phase.DONE
-
-    def body(self) -> bytes:
-        """The decoded body of a complete response."""
-        return self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
-
-    def feed(self, data: bytes) -> bool:
-        """Take the next bytes; true once the response is complete."""
-        self.received += len(data)
-        if self._state == _Phase.HEAD:
-            self._buf += data
-            end = self._buf.find(b"\r\n\r\n")
-            if end < 0:
-                if len(self._buf) > MAX_HEAD_BYTES:
-                    raise FetchFailed("malformed response: head over 64 KiB")
-                return False
-            head = bytes(self._buf[:end])
-            data = bytes(self._buf[end + 4 :])
-            self._buf = bytearray()
-            self._head(head)
-            if self.done and data:
-                self.keep_alive = False  # bytes after an empty body: this connection is out of step
-        if self._state == _Phase.LENGTH:
-            if len(data) >= self._remaining:
-                if len(data) > self._remaining:
-                    self.keep_alive = False  # bytes after the response: this connection is out of step
-                self._take(data[: self._remaining] if len(data) > self._remaining else data)
-                self._state = _Phase.DONE
-            else:
-                self._take(data)
-                self._remaining -= len(data)
-        elif self._state == _Phase.UNTIL_EOF:
-            self._take(data)
-        elif self._state != _Phase.DONE:
-            self._buf += data
-            self._chunks()
-        return self._state == _Phase.DONE
-
-    def feed_eof(self) -> bool:
-        """The peer closed; true if that completed the response (a body delimited by the close)."""
-        if self._state == _Phase.UNTIL_EOF:
-            self._state = _Phase.DONE
-        return self._state == _Phase.DONE
-
-    def _take(self, data: bytes) -> None:
-        self._size += len(data)
-        if self._size > self.max_body:
-            raise BodyTooLarge(self.max_body, self._size)
-        if data:
-            self._parts.append(data)
-
-    def _head(self, head: bytes) -> None:
-        lines = head.decode("latin-1").split("\r\n")
-        version, _, rest = lines[0].partition(" ")
-        code = rest[:3]
-        if not version.startswith("HTTP/1.") or len(code) != 3 or not code.isdigit():
-            raise FetchFailed(f"malformed response: status line {lines[0][:80]!r}")
-        if code != "200":
-            raise BadStatus(int(code))
-        length: str | None = None
-        chunked = False
-        connection = ""
-        for line in lines[1:]:
-            name, sep, value = line.partition(":")
-            if not sep:
-                raise FetchFailed(f"malformed response: header line {line[:80]!r}")
-            name = name.strip().lower()
-            value = value.strip()
-            if name == "content-length":
-                if length is not None and value != length:
-                    raise FetchFailed("malformed response: conflicting Content-Length")
-                length = value
-            elif name == "transfer-encoding":
-                if value.lower().rsplit(",", 1)[-1].strip() != "chunked":
-                    raise FetchFailed(f"unsupported Transfer-Encoding {value[:40]!r}")
-                chunked = True
-            elif name == "connection":
-                connection = value.lower()
-            elif name == "content-encoding" and value.lower() not in ("", "identity"):
-                raise FetchFailed(f"unsupported Content-Encoding {value[:40]!r} (identity was asked)")
-        tokens = {t.strip() for t in connection.split(",")}
-        self.keep_alive = "keep-alive" in tokens if version == "HTTP/1.0" else "close" not in tokens
-        if chunked:  # chunked wins over Content-Length (RFC 9112 §6.3)
-            self._state = _Phase.CHUNK_SIZE
-        elif length is not None:
-            if not length.isdigit():
-                raise FetchFailed(f"malformed response: Content-Length {length[:40]!r}")
-            self._remaining = int(length)
-            if self._remaining > self.max_body:
-                raise BodyTooLarge(self.max_body, self._remaining)
-            self._state = _Phase.LENGTH if self._remaining else _Phase.DONE
-        else:
-            self._state = _Phase.UNTIL_EOF
-            self.keep_alive = False
-
-    def _chunks(self) -> None:
-        buf, pos = self._buf, 0
-        while True:
-            if self._state in (_Phase.CHUNK_SIZE, _Phase.TRAILER):
-                end = buf.find(b"\r\n", pos)
-                if end < 0:
-                    if len(buf) - pos > MAX_HEAD_BYTES:
-                        raise FetchFailed("malformed response: chunk line over 64 KiB")
-                    break
-                line = bytes(buf[pos:end])
-                pos = end + 2
-                if self._state == _Phase.TRAILER:
-                    if not line:
-                        self._state = _Phase.DONE
-                        if pos < len(buf):
-                            self.keep_alive = False
-                        break
-                    continue  # a trailer field: ignored
-                size_text = line.split(b";", 1)[0].strip()
-                if not size_text or any(c not in b"0123456789abcdefABCDEF" for c in size_text):
-                    raise FetchFailed(f"malformed response: chunk size {size_text[:20]!r}")
-                size = int(size_text, 16)
-                if size == 0:
-                    self._state = _Phase.TRAILER
-                elif self._size + size > self.max_body:
-                    raise BodyTooLarge(self.max_body, self._size + size)
-                else:
-                    self._remaining, self._state = size, _Phase.CHUNK_DATA
-            elif self._state == _Phase.CHUNK_DATA:
-                take = min(len(buf) - pos, self._remaining)
-                if take <= 0:
-                    break
-                self._take(bytes(buf[pos : pos + take]))
-                pos += take
-                self._remaining -= take
-                if self._remaining:
-                    break
-                self._state = _Phase.CHUNK_END
-            else:  # _Phase.CHUNK_END: the CRLF after a chunk's data
-                if len(buf) - pos < 2:
-                    break
-                if buf[pos : pos + 2] != b"\r\n":
-                    raise FetchFailed("malformed response: chunk not followed by CRLF")
-                pos += 2
-                self._state = _Phase.CHUNK_SIZE
-        del buf[:pos]
-
-
-class _NoAnswer(FetchFailed):
-    """The connection closed before any byte of the answer: a reused one may just have expired."""
+# ---- the default fetcher: fleetserve.httpclient's keep-alive connections --------------------------
 
 
 @dataclass(frozen=True)
@@ -404,6 +220,11 @@ class _Route:
     port: int
     tls: bool
     request: bytes
+
+    @property
+    def target(self) -> Origin:
+        """Where ``fleetserve.httpclient`` connects."""
+        return Origin(self.host, self.port, self.tls)
 
 
 @functools.lru_cache(maxsize=8192)
@@ -431,91 +252,9 @@ def route(url: str, bearer: str | None = None) -> _Route:
     return _Route((parts.scheme, parts.hostname, port), parts.hostname, port, tls, request)
 
 
-class _Connection(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection to one origin, one request at a time."""
-
-    def __init__(self, pool: HttpFetcher, origin: tuple[str, str, int]) -> None:
-        self._pool = pool
-        self.origin = origin
-        self._transport: asyncio.Transport | None = None
-        self._parser: ResponseParser | None = None
-        self._answer: asyncio.Future[bytes] | None = None
-        self.closed = False
-        self.keep_alive = False
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        if not isinstance(transport, asyncio.Transport):
-            raise InternalError(
-                f"a stream connection got a {type(transport).__name__}, not a stream transport"
-            )
-        self._transport = transport
-        self._pool._open.add(self)
-
-    def exchange(self, request: bytes, max_body: int) -> asyncio.Future[bytes]:
-        """Send ``request``; the future is the body of the answer."""
-        if self._transport is None or self.closed:
-            raise InternalError(f"a request on a connection to {self.origin} that is not open")
-        self._parser = ResponseParser(max_body)
-        self._answer = asyncio.get_running_loop().create_future()
-        self._transport.write(request)
-        return self._answer
-
-    def data_received(self, data: bytes) -> None:
-        parser, answer = self._parser, self._answer
-        if parser is None or answer is None or answer.done():
-            self.abort()  # bytes nobody asked for: the connection is out of step
-            return
-        try:
-            done = parser.feed(data)
-        except ScrapeError as exc:
-            self._finish(exc)
-            return
-        if done:
-            self.keep_alive = parser.keep_alive
-            self._finish(parser.body())
-
-    def eof_received(self) -> bool | None:
-        self.keep_alive = False
-        return None  # let the transport close itself
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        self._pool._lost(self)
-        parser = self._parser
-        if parser is not None and parser.feed_eof() and not self._answer_done():
-            self._finish(parser.body())
-        elif parser is not None and parser.received == 0:
-            self._finish(_NoAnswer(f"connection closed before the answer{_because(exc)}"))
-        else:
-            self._finish(FetchFailed(f"connection closed in the middle of the answer{_because(exc)}"))
-
-    def _answer_done(self) -> bool:
-        return self._answer is None or self._answer.done()
-
-    def _finish(self, outcome: bytes | ScrapeError) -> None:
-        answer = self._answer
-        self._parser = None
-        if answer is None or answer.done():
-            return
-        if isinstance(outcome, bytes):
-            answer.set_result(outcome)
-        else:
-            self.keep_alive = False
-            answer.set_exception(outcome)
-
-    def abort(self) -> None:
-        """Drop the connection at once (no lingering close)."""
-        self.closed = True
-        if self._transport is not None:
-            self._transport.abort()
-
-
-def _because(exc: Exception | None) -> str:
-    return f": {exc}" if exc is not None else ""
-
-
 class HttpFetcher:
-    """The default fetcher: lean HTTP/1.1 on asyncio, one reused keep-alive connection per origin.
+    """The default fetcher: lean HTTP/1.1 (``fleetserve.httpclient``, the gateway's upstream
+    client), a reused keep-alive connection per origin, bodies capped at ``max_body_bytes``.
 
     Measured (bench/scrape.py) at a fraction of httpx's CPU per scrape. Idle connections are kept
     per origin (at most ``per_origin``) and in all (at most ``max_idle``, least recent closed); a
@@ -531,106 +270,69 @@ class HttpFetcher:
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.max_body_bytes = max_body_bytes
-        self._max_idle = max_idle
-        self._per_origin = per_origin
-        self._ssl = ssl_context
-        self._idle: OrderedDict[tuple[str, str, int], list[_Connection]] = OrderedDict()
-        self._idle_count = 0
-        self._open: set[_Connection] = set()
+        self._client = HttpClient(max_idle_per_origin=per_origin, max_idle=max_idle, ssl_context=ssl_context)
 
     async def __call__(self, url: str, timeout: float, bearer: str | None = None) -> bytes:
         where = route(url, bearer)
         try:
             async with asyncio.timeout(timeout):
-                conn = self._take_idle(where.origin)
-                if conn is not None:
-                    with contextlib.suppress(_NoAnswer):
-                        return await self._exchange(conn, where)
-                return await self._exchange(await self._connect(where), where)
+                return await self._fetch(where)
         except TimeoutError as exc:
             raise ScrapeTimeout(timeout) from exc
 
-    async def _connect(self, where: _Route) -> _Connection:
-        loop = asyncio.get_running_loop()
-        context = None
-        if where.tls:
-            if self._ssl is None:
-                self._ssl = ssl.create_default_context()
-            context = self._ssl
+    async def _fetch(self, where: _Route) -> bytes:
         try:
-            _, conn = await loop.create_connection(
-                lambda: _Connection(self, where.origin),
-                where.host,
-                where.port,
-                ssl=context,
-                server_hostname=where.host if context is not None else None,
-            )
-        except OSError as exc:
-            if isinstance(exc, TimeoutError):
-                raise
-            raise FetchFailed(f"connect failed: {exc}") from exc
-        return conn
-
-    async def _exchange(self, conn: _Connection, where: _Route) -> bytes:
+            response = await self._client.request(where.target, where.request)
+        except ConnectFailed as exc:
+            raise FetchFailed(f"connect failed: {exc.__cause__ or exc}") from exc
+        except UpstreamError as exc:
+            raise FetchFailed(f"fetch failed: {exc}") from exc
         try:
-            body = await conn.exchange(where.request, self.max_body_bytes)
-        except BaseException:
-            conn.abort()  # cancelled or failed halfway: the connection's state is unknown
-            raise
-        if conn.keep_alive and not conn.closed:
-            self._put_idle(where.origin, conn)
-        else:
-            conn.abort()
-        return body
-
-    def _take_idle(self, origin: tuple[str, str, int]) -> _Connection | None:
-        conns = self._idle.get(origin)
-        while conns:
-            conn = conns.pop()
-            self._idle_count -= 1
-            if not conns:
-                del self._idle[origin]
-            if not conn.closed:
-                return conn
-        return None
-
-    def _put_idle(self, origin: tuple[str, str, int], conn: _Connection) -> None:
-        conns = self._idle.setdefault(origin, [])
-        self._idle.move_to_end(origin)
-        if len(conns) >= self._per_origin:
-            conn.abort()
-            return
-        conns.append(conn)
-        self._idle_count += 1
-        while self._idle_count > self._max_idle:
-            _, oldest = next(iter(self._idle.items()))
-            oldest.pop(0).abort()
-            self._idle_count -= 1
-            if not oldest:
-                self._idle.popitem(last=False)
+            problem = check_head(response.status, response.headers, self.max_body_bytes)
+            if problem is not None:
+                raise problem
+            parts: list[bytes] = []
+            size = 0
+            while piece := await response.next_piece():
+                size += len(piece)
+                if size > self.max_body_bytes:
+                    raise BodyTooLarge(self.max_body_bytes, size)
+                parts.append(piece)
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+        except UpstreamError as exc:
+            raise FetchFailed(f"fetch failed: {exc}") from exc
+        finally:
+            response.close()  # a complete answer's connection is back in the pool already
 
     @property
     def idle_connections(self) -> int:
         """Open connections waiting in the pool for their origin's next scrape."""
-        return self._idle_count
-
-    def _lost(self, conn: _Connection) -> None:
-        # An idle connection the server closed (its keep-alive timeout) leaves the pool at once.
-        self._open.discard(conn)
-        conns = self._idle.get(conn.origin)
-        if conns is not None and conn in conns:
-            conns.remove(conn)
-            self._idle_count -= 1
-            if not conns:
-                del self._idle[conn.origin]
+        return self._client.idle_connections
 
     async def aclose(self) -> None:
         """Close every connection, idle or not."""
-        self._idle.clear()
-        self._idle_count = 0
-        for conn in list(self._open):
-            conn.abort()
-        await asyncio.sleep(0)  # let the transports run connection_lost
+        await self._client.aclose()
+
+
+def check_head(status: int, headers: list[tuple[bytes, bytes]], limit: int) -> ScrapeError | None:
+    """What is wrong with an answer's head for a scrape: a status other than 200, a body coding
+    other than identity (identity was asked for), a declared body over ``limit``; None if nothing."""
+    if status != 200:
+        return BadStatus(status)
+    for raw_name, raw_value in headers:
+        name = raw_name.lower()
+        value = raw_value.decode("latin-1").strip()
+        if name == b"content-length":
+            if not value.isdigit():
+                return FetchFailed(f"malformed response: Content-Length {value[:40]!r}")
+            too_large = body_error(0, int(value), limit)
+            if too_large is not None:
+                return too_large
+        elif name == b"transfer-encoding" and value.lower().rsplit(",", 1)[-1].strip() != "chunked":
+            return FetchFailed(f"unsupported Transfer-Encoding {value[:40]!r}")
+        elif name == b"content-encoding" and value.lower() not in ("", "identity"):
+            return FetchFailed(f"unsupported Content-Encoding {value[:40]!r} (identity was asked)")
+    return None
 
 
 # ---- an httpx fetcher -----------------------------------------------------------------------
@@ -975,7 +677,6 @@ __all__ = [
     "Fetcher",
     "HttpFetcher",
     "HttpxFetcher",
-    "ResponseParser",
     "Scrape",
     "ScrapeError",
     "ScrapeTimeout",

@@ -25,7 +25,9 @@ from starlette.concurrency import run_in_threadpool
 
 from fleetserve import __version__
 from fleetserve.errors import ConfigError, NotFound, Problem
-from fleetserve.gateway.app import Gateway, build_gateway_router
+from fleetserve.gateway.app import Gateway
+from fleetserve.gateway.asgi import OpenAIApi, ServingApp
+from fleetserve.gateway.windows import RedisWindows, Windows
 from fleetserve.metrics.exposition import FleetMetrics
 from fleetserve.server import auth, limits, problems
 from fleetserve.server.agents import build_agent_router
@@ -373,8 +375,15 @@ class Serving:
     gateway: Gateway | None
 
     @classmethod
-    def build(cls, store: SqlStore, gateway: bool = True) -> Serving:
-        """Metrics, an observer over ``store`` and, unless told not, a gateway fed by the observer."""
+    def build(
+        cls,
+        store: SqlStore,
+        gateway: bool = True,
+        redis_url: str | None = None,
+        redis_namespace: str = "fleetserve",
+    ) -> Serving:
+        """Metrics, an observer over ``store`` and, unless told not, a gateway fed by the observer;
+        with ``redis_url``, its rate-limit windows are shared in that Redis."""
         metrics = FleetMetrics()
         observer = Observer(store, metrics)
 
@@ -382,12 +391,21 @@ class Serving:
             load = observer.loads.get(replica)
             return None if load is None else (load.waiting, time.monotonic() - load.at)
 
-        gw = Gateway(store, metrics=metrics, engine_waiting=engine_waiting) if gateway else None
+        windows: Windows | None = None
+        if gateway and redis_url:
+            windows = RedisWindows(
+                redis_url, namespace=redis_namespace, on_shared=metrics.set_ratelimit_shared
+            )
+        gw = (
+            Gateway(store, metrics=metrics, engine_waiting=engine_waiting, windows=windows)
+            if gateway
+            else None
+        )
         return cls(metrics, observer, gw)
 
 
 def _assemble(
-    app: FastAPI, store: SqlStore, serving: Serving, ca_pem: bytes | None, *routers: APIRouter
+    app: ServingApp, store: SqlStore, serving: Serving, ca_pem: bytes | None, *routers: APIRouter
 ) -> None:
     """What every serving process answers: health, ``/metrics``, the CA it generated (if it did),
     its own ``routers`` and the gateway's /v1 (if it has one)."""
@@ -414,7 +432,7 @@ def _assemble(
     for router in routers:
         app.include_router(router)
     if serving.gateway is not None:
-        app.include_router(build_gateway_router(serving.gateway))
+        app.openai_api = OpenAIApi(serving.gateway)  # /v1/ is served before FastAPI sees it
 
 
 def _serving_lifespan(serving: Serving, lifespan: Lifespan | None) -> Lifespan:
@@ -460,7 +478,7 @@ def create_app(
     if serving is None:
         serving = Serving.build(store, gateway)
     gw = serving.gateway
-    app = FastAPI(
+    app = ServingApp(
         lifespan=_serving_lifespan(serving, lifespan),
         title="fleetserve control plane",
         version=__version__,
@@ -493,7 +511,7 @@ def create_gateway_app(
     with the same observer, engine load and ``/metrics`` as the control plane's gateway."""
     if serving is None:
         serving = Serving.build(store)
-    app = FastAPI(
+    app = ServingApp(
         lifespan=_serving_lifespan(serving, lifespan), title="fleetserve gateway", version=__version__
     )
     _assemble(app, store, serving, ca_pem)

@@ -67,6 +67,14 @@ class Listen:
 
 
 @dataclass(frozen=True)
+class SharedWindows:
+    """Where the gateway's rate-limit windows live: this process (no URL) or a Redis shared by all."""
+
+    redis_url: str | None = None
+    namespace: str = "fleetserve"
+
+
+@dataclass(frozen=True)
 class ControlPlane:
     """What only the control plane runs: the reconciler's pace and deadlines, tokens, model files,
     and the enrolment policy."""
@@ -171,10 +179,13 @@ def reconciling(store: SqlStore, control: ControlPlane, serving: Serving) -> Lif
     return lifespan
 
 
-def server_app(store: SqlStore, control: ControlPlane, ca_pem: bytes | None = None) -> FastAPI:
+def server_app(
+    store: SqlStore, control: ControlPlane, ca_pem: bytes | None = None, windows: SharedWindows | None = None
+) -> FastAPI:
     """The control plane's app: admin and agents' API, gateway, observer and reconciler; it
     publishes ``ca_pem`` (a generated CA) for clients that pin it."""
-    serving = Serving.build(store)
+    windows = windows or SharedWindows()
+    serving = Serving.build(store, redis_url=windows.redis_url, redis_namespace=windows.namespace)
     return create_app(
         store,
         lifespan=reconciling(store, control, serving),
@@ -185,9 +196,13 @@ def server_app(store: SqlStore, control: ControlPlane, ca_pem: bytes | None = No
     )
 
 
-def gateway_app(store: SqlStore, ca_pem: bytes | None = None) -> FastAPI:
+def gateway_app(
+    store: SqlStore, ca_pem: bytes | None = None, windows: SharedWindows | None = None
+) -> FastAPI:
     """An extra gateway's app: the same gateway, observer and ``/metrics`` as the control plane's."""
-    return create_gateway_app(store, serving=Serving.build(store), ca_pem=ca_pem)
+    windows = windows or SharedWindows()
+    serving = Serving.build(store, redis_url=windows.redis_url, redis_namespace=windows.namespace)
+    return create_gateway_app(store, serving=serving, ca_pem=ca_pem)
 
 
 def print_tls(listen: Listen, console: Console, what: str) -> None:
@@ -241,8 +256,11 @@ def serve(app: FastAPI, listen: Listen, access_log: bool) -> bool:
     finish for up to ``listen.grace_seconds``, then exits.
     """
     app.state.stopping = False
+    # uvloop and httptools: the gateway's data path is raw ASGI, and these keep uvicorn's share small.
     config = uvicorn.Config(
         app,
+        loop="uvloop",
+        http="httptools",
         host=listen.host,
         port=listen.port,
         log_level=listen.log_level.lower(),
@@ -256,7 +274,9 @@ def serve(app: FastAPI, listen: Listen, access_log: bool) -> bool:
     return server.started
 
 
-def run_server(database_url: str, listen: Listen, control: ControlPlane) -> None:
+def run_server(
+    database_url: str, listen: Listen, control: ControlPlane, windows: SharedWindows | None = None
+) -> None:
     """Open (and migrate) the store, then serve the API and run the reconciler until stopped."""
     logging.basicConfig(
         level=listen.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
@@ -265,7 +285,7 @@ def run_server(database_url: str, listen: Listen, control: ControlPlane) -> None
     store = SqlStore.open(database_url)
     try:
         ensure_tokens(store, control.token_file, console)
-        app = server_app(store, control, listen.tls.ca_pem if listen.tls else None)
+        app = server_app(store, control, listen.tls.ca_pem if listen.tls else None, windows)
         console.print(f"fleetserve server: {listen.url} (OpenAPI at /docs), state in {database_url}")
         print_tls(listen, console, "server")
         serve(app, listen, access_log=False)
@@ -273,14 +293,20 @@ def run_server(database_url: str, listen: Listen, control: ControlPlane) -> None
         store.close()
 
 
-def run_gateway(database_url: str, listen: Listen) -> None:
+def run_gateway(
+    database_url: str, listen: Listen, windows: SharedWindows | None = None, access_log: bool = False
+) -> None:
     """Open the control plane's store, then serve the gateway over it until stopped."""
+    logging.basicConfig(
+        level=listen.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     store = SqlStore.open(database_url)
     try:
         console = Console(soft_wrap=True)
         console.print(f"fleetserve gateway: {listen.url}/v1", markup=False)
         print_tls(listen, console, "gateway")
-        if not serve(gateway_app(store, listen.tls.ca_pem if listen.tls else None), listen, access_log=True):
+        app = gateway_app(store, listen.tls.ca_pem if listen.tls else None, windows)
+        if not serve(app, listen, access_log=access_log):
             raise SystemExit(STARTUP_FAILURE)
     finally:
         store.close()

@@ -1,0 +1,65 @@
+"""The gateway's ``/v1`` as raw ASGI, and the app that sends ``/v1/`` to it before FastAPI.
+
+FastAPI's routing, dependency injection and request objects cost more CPU than a proxied request
+may (design.md, "Gateway": 0.3 CPU-seconds per 1,000 requests). The OpenAI API has four routes,
+dispatched here by exact path; everything else (admin API, agents' API, ``/metrics``,
+``/healthz``, the lifespan) stays on FastAPI, in the same app and on the same listener.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+
+from fleetserve.gateway.app import Gateway, Receive, Scope, Send, send_error
+
+PROXIED: dict[str, bytes] = {
+    "/v1/chat/completions": b"/v1/chat/completions",
+    "/v1/completions": b"/v1/completions",
+    "/v1/embeddings": b"/v1/embeddings",
+}
+"""The OpenAI routes forwarded to engines, with the path sent upstream."""
+
+
+class OpenAIApi:
+    """The OpenAI-compatible API over one ``Gateway``, as a raw ASGI app."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path: str = scope["path"]
+        method: str = scope["method"]
+        upstream = PROXIED.get(path)
+        if upstream is not None:
+            if method == "POST":
+                await self.gateway.proxy(scope, receive, send, upstream)
+            else:
+                await send_error(
+                    send, 405, f"Use POST for {path}.", "invalid_request_error", "method_not_allowed"
+                )
+        elif path == "/v1/models":
+            if method == "GET":
+                await self.gateway.models(scope, send)
+            else:
+                await send_error(
+                    send, 405, "Use GET for /v1/models.", "invalid_request_error", "method_not_allowed"
+                )
+        else:
+            await send_error(send, 404, f"Unknown API route {path}.", "invalid_request_error", "unknown_url")
+
+
+class ServingApp(FastAPI):
+    """A FastAPI app whose ``/v1/`` requests go to the OpenAI API's raw ASGI app first."""
+
+    def __init__(self, *args: Any, openai_api: OpenAIApi | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.openai_api = openai_api
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        api = self.openai_api
+        if api is not None and scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            await api(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
