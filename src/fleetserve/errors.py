@@ -43,8 +43,12 @@ Classes without a module are defined here.
     ├── ClientGone               (fleetserve.gateway.app) the client disconnected before its answer;
     │                            the upstream request was cancelled
     ├── Unauthorized             (fleetserve.server.problems) no valid credentials for this API
+    ├── Forbidden                (fleetserve.server.problems) valid credentials, not for this: a node
+    │                            speaking for another, the join token beyond enrolment
+    ├── EnrolmentRefused         (fleetserve.server.problems) an enrolment needs an operator's approval
     ├── AgentApiError            (fleetserve.agent.client) the control plane refused or did not answer
-    │                            the agent
+    │   │                        the agent
+    │   └── EnrolmentPending     the enrolment waits for an operator's approval (name taken, or new)
     ├── KubeError                (fleetserve.kube.apply) the Kubernetes API refused or did not answer
     ├── ClientError              (fleetserve.cli.client) the control plane refused or did not answer
     │                            the command line

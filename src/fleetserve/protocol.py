@@ -2,11 +2,14 @@
 a node agent, imported by the server's agent routes (``server/agents.py``), the agent's client
 (``agent/client.py``) and its runtime (``agent/runtime.py``); the store keeps the statuses typed.
 
-    agent → server   Node (register), HeartbeatRequest, StatusReport (ReplicaReport, Download, GpuSample)
+    agent → server   NodeReport (register), HeartbeatRequest, StatusReport (ReplicaReport, Download,
+                     GpuSample)
     server → agent   Registered, AssignmentSet (Assignment), HeartbeatReply, StatusReply
 
-Every input is bounded (lengths, counts, ranges) and free text may not hold NUL. Field names on
-the wire are camelCase where they were (``stderrTail``, ``modelCache``, ``gpuMetrics``).
+Every input is bounded (lengths, counts, ranges: the ``MAX_*`` caps below, named in every 422) and
+free text may not hold NUL; the server also bounds each route's body (``server/limits.py``). Field
+names on the wire are camelCase where they were (``stderrTail``, ``modelCache``, ``gpuMetrics``).
+An answer never tells a node's epoch to anyone but the agent that just registered.
 """
 
 from __future__ import annotations
@@ -16,14 +19,39 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field
 
 from fleetserve.drivers import Driver, RuntimeVariant
-from fleetserve.spec.resources import NAME_PATTERN, Model, Node, Profile, Replica, ReplicaState
+from fleetserve.spec.resources import NAME_PATTERN, Device, Hca, Model, Node, Profile, Replica, ReplicaState
 
 # Free text from an agent may hold newlines (stderr), never NUL.
 TEXT_PATTERN = r"^[^\x00]*$"
 
+# The caps on what one agent may say about its node and in one report.
+MAX_LABELS = 64
+MAX_DEVICES = 256
+MAX_HCAS = 64
+MAX_CACHED_MODELS = 10_000
+MAX_GPU_SAMPLES = 4096  # MAX_DEVICES × the canonical GPU metrics, with room
+MAX_REPLICA_REPORTS = 1000
+
 NodeName = Annotated[str, Field(min_length=1, max_length=63, pattern=NAME_PATTERN)]
 ReplicaName = Annotated[str, Field(max_length=63, pattern=NAME_PATTERN)]
 Epoch = Annotated[int, Field(ge=1, le=2**31 - 1)]
+
+
+class NodeReport(Node):
+    """A node as its agent describes it (register): a ``Node`` with every list capped."""
+
+    labels: dict[
+        Annotated[str, Field(min_length=1, max_length=317, pattern=TEXT_PATTERN)],
+        Annotated[str, Field(max_length=253, pattern=TEXT_PATTERN)],
+    ] = Field(default_factory=dict, max_length=MAX_LABELS)
+    devices: tuple[Device, ...] = Field(default=(), max_length=MAX_DEVICES)
+    hcas: tuple[Hca, ...] = Field(default=(), max_length=MAX_HCAS)
+    nvlink_domains: tuple[tuple[int, ...], ...] = Field(default=(), max_length=MAX_DEVICES)
+    model_cache: tuple[str, ...] = Field(default=(), max_length=MAX_CACHED_MODELS)
+
+    def node(self) -> Node:
+        """The plain ``Node`` the store keeps."""
+        return Node.model_validate(self.model_dump(mode="json", by_alias=True))
 
 
 class HeartbeatRequest(BaseModel):
@@ -31,14 +59,14 @@ class HeartbeatRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     node: NodeName
-    epoch: Epoch | None = None
+    epoch: Epoch
 
 
 class HeartbeatReply(BaseModel):
-    """The node's current epoch, as the server holds it."""
+    """The heartbeat was recorded (the node's epoch is never in an answer)."""
 
     node: str
-    epoch: int
+    ok: bool = True
 
 
 class ReplicaStatus(BaseModel):
@@ -110,14 +138,16 @@ class StatusReport(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     node: NodeName
     epoch: Epoch
-    replicas: dict[ReplicaName, ReplicaReport] = Field(default_factory=dict, max_length=1000)
-    model_cache: list[ReplicaName] | None = Field(default=None, alias="modelCache", max_length=10_000)
+    replicas: dict[ReplicaName, ReplicaReport] = Field(default_factory=dict, max_length=MAX_REPLICA_REPORTS)
+    model_cache: list[ReplicaName] | None = Field(
+        default=None, alias="modelCache", max_length=MAX_CACHED_MODELS
+    )
     downloads: list[Download] = Field(default_factory=list, max_length=1000)
     problems: list[Annotated[str, Field(max_length=2000, pattern=TEXT_PATTERN)]] = Field(
         default_factory=list, max_length=100
     )
     # Canonical GPU samples the agent read itself (NVML, sysfs) where no exporter runs.
-    gpu_metrics: list[GpuSample] = Field(default_factory=list, max_length=10_000, alias="gpuMetrics")
+    gpu_metrics: list[GpuSample] = Field(default_factory=list, max_length=MAX_GPU_SAMPLES, alias="gpuMetrics")
 
 
 class AgentStatus(BaseModel):
@@ -169,7 +199,9 @@ class AssignmentSet(BaseModel):
 
 
 class Registered(AssignmentSet):
-    """A registration's answer: the node as stored, whether it is new, and its assignments."""
+    """A registration's answer: the node as stored, whether it is new, its assignments, and on
+    enrolment (join token) the node's credential, shown this once."""
 
     node: Node
     created: bool
+    credential: str | None = None

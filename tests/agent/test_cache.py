@@ -33,7 +33,7 @@ from fleetserve.tls import ServerTrust, client_verify, ensure_generated
 
 BODY = payload(300_000)
 DIGEST = sha256(BODY)
-TOKEN = "join-token-123"
+TOKEN = "fs_node_credential-123"
 CONTROL_PATH = "/api/v1/agent/models/tiny/file"
 
 
@@ -110,13 +110,13 @@ SOURCES = [
     SourceCase("a relative ./path is copied in", lambda w: "./" + str(_local(w).relative_to(w.tmp))),
     SourceCase("a file:// URL is copied in", lambda w: _local(w).as_uri()),
     SourceCase(
-        "an http URL is streamed without the join token, even with a control plane set",
+        "an http URL is streamed without the node credential, even with a control plane set",
         lambda w: w.server.url("/models/tiny.gguf"),
         cache_args=lambda w: {"control_plane": ("http://127.0.0.1:9", TOKEN)},
         check=_plain_http_got_no_token,
     ),
     SourceCase(
-        "a fleetserve:// source is fetched from the control plane with the join token",
+        "a fleetserve:// source is fetched from the control plane with the node credential",
         lambda w: "fleetserve://tiny",
         file_name="tiny.gguf",
         cache_args=lambda w: {"control_plane": (w.server.base_url, TOKEN)},
@@ -124,7 +124,7 @@ SOURCES = [
         token_required=True,
     ),
     SourceCase(
-        "an http URL on the control plane carries the join token",
+        "an http URL on the control plane carries the node credential",
         lambda w: w.server.url(CONTROL_PATH),
         file_name="file",
         cache_args=lambda w: {"control_plane": (w.server.base_url + "/", TOKEN)},
@@ -213,10 +213,10 @@ FAILURES = [
         sha=WRONG,
     ),
     FailureCase(
-        "a wrong join token is refused by the control plane",
+        "a wrong node credential is refused by the control plane",
         lambda w: "fleetserve://tiny",
         SourceError,
-        ["model 'tiny'", "HTTP 401", "refused the agent's join token", CONTROL_PATH],
+        ["model 'tiny'", "HTTP 401", "refused the node's credential", CONTROL_PATH],
         cache_args=lambda w: {"control_plane": (w.server.base_url, "wrong-token")},
         token=TOKEN,
     ),
@@ -224,7 +224,7 @@ FAILURES = [
         "a fleetserve:// source without a control plane configured",
         lambda w: "fleetserve://tiny",
         SourceError,
-        ["fleetserve:// sources need the control plane's URL and join token"],
+        ["fleetserve:// sources need the control plane's URL and a credential"],
     ),
     FailureCase(
         "a file the hf mirror lacks is a clear error, offline",

@@ -374,6 +374,31 @@ def test_own_pids_holds_every_process_started_each_in_its_own_process_group(supe
     assert all(gone(pid) for pid in pids)
 
 
+def test_an_engine_gets_the_agents_environment_without_fleetserves_secrets(supervisor, tmp_path, monkeypatch):
+    # The agent's own environment holds its join token and an HF token; the engine sees neither.
+    monkeypatch.setenv("FLEETSERVE_JOIN_TOKEN", "fs_join_secret")
+    monkeypatch.setenv("FLEETSERVE_TOKEN", "fs_admin_secret")
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    monkeypatch.setenv("KEEP_ME", "yes")
+    out = tmp_path / "env.txt"
+    dump = f"import os, pathlib; pathlib.Path({str(out)!r}).write_text('\\n'.join(sorted(os.environ))); import time; time.sleep(60)"
+    spec = LaunchSpec(
+        argv=(sys.executable, "-c", dump),
+        env={"CUDA_VISIBLE_DEVICES": "0"},
+        health_url=None,
+        metrics_url=None,
+    )
+    supervisor.start("env-0", spec)
+    names = wait_for(
+        lambda: out.exists() and out.read_text().split("\n"), 30, lambda: "the engine to dump its environment"
+    )
+    assert "KEEP_ME" in names and "CUDA_VISIBLE_DEVICES" in names and "PATH" in names
+    assert [
+        n for n in names if n.startswith("FLEETSERVE_") or n in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+    ] == []
+    supervisor.stop("env-0")
+
+
 def test_an_engine_never_sees_the_agents_secrets(supervisor, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_agent_secret")
     monkeypatch.setenv("FLEETSERVE_JOIN_TOKEN", "fs_join_secret")

@@ -126,7 +126,10 @@ class ServerFactory:
         reconcile_interval: float = 0.2,
         token_file: Path | None = None,
         extra_args: tuple[str, ...] = (),
+        approve_new_nodes: bool = True,
     ) -> ServerProcess:
+        """A server on a free port. ``approve_new_nodes``: agents of new names enrol without an
+        operator's approval (most tests start agents; the attacker tests turn it off)."""
         token_file = token_file or self.tmp_path / f"{name}-tokens.yaml"
         for attempt in range(3):
             port = free_port()
@@ -151,6 +154,7 @@ class ServerFactory:
                 "7200",
                 "--token-file",
                 str(token_file),
+                *(["--approve-new-nodes"] if approve_new_nodes else []),
                 *extra_args,
             ]
             proc = subprocess.Popen(
@@ -526,6 +530,16 @@ class AgentProcess:
     def engine_log_dir(self) -> Path:
         return self.root / "logs"
 
+    @property
+    def credential_file(self) -> Path:
+        """Where the agent keeps its node credential (the default: beside its cache)."""
+        return self.root / "node-credential"
+
+    def credential(self) -> str:
+        """The node credential the agent was issued at enrolment."""
+        data = yaml.safe_load(self.credential_file.read_text(encoding="utf-8"))
+        return str(data["credential"])
+
     def alive(self) -> bool:
         return self.proc.poll() is None
 
@@ -575,8 +589,9 @@ class AgentFactory:
         log_path = root / f"agent-{sum(a.name == name for a in self.started) + 1}.log"
         handle = open(log_path, "wb")  # noqa: SIM115 - closed at teardown, after the process ended
         self._handles.append(handle)
+        # The join token travels in the environment, never on the command line.
         args = [
-            str(FLEETSERVE), "agent", "--server", server_url, "--token", token, "--name", name,
+            str(FLEETSERVE), "agent", "--server", server_url, "--name", name,
             "--address", "127.0.0.1", "--cache-dir", str(root / "cache"), "--log-dir", str(root / "logs"),
             "--interval", str(interval),
             # Tests write their models under pytest's base temporary directory.
@@ -587,7 +602,7 @@ class AgentFactory:
             stdout=handle,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=clean_env(PYTHONUNBUFFERED="1", **(env or {})),
+            env=clean_env(PYTHONUNBUFFERED="1", **{"FLEETSERVE_JOIN_TOKEN": token, **(env or {})}),
         )
         agent = AgentProcess(name, root, log_path, proc)
         self.started.append(agent)

@@ -3,9 +3,9 @@ reconcile every 0.2 s) scraping a real ``llama-server`` (the tiny model, started
 ``fleetserve agent`` on node ``cpu-a``) and vLLM replicas whose engine is a small local HTTP server
 replaying a recorded vLLM ``/metrics`` body (tests/fixtures/metrics).
 
-The vLLM replicas get there the way any replica does: a second node, ``gpu-v``, registers through
-the agents' API with the join token (address 127.0.0.1, ten ``nvidia-h200-141gb`` GPUs); vLLM
-deployments on that class are applied; the reconciler places them on ``gpu-v``; the test's
+The vLLM replicas get there the way any replica does: a second node, ``gpu-v``, enrols through
+the agents' API with the join token (address 127.0.0.1, ten ``nvidia-h200-141gb`` GPUs) and speaks
+with the credential it is given from then on; vLLM deployments on that class are applied; the reconciler places them on ``gpu-v``; the test's
 stand-in agent reads its assignments and keeps reporting each one Running on its fake engine's
 port (POST /api/v1/agent/status every 0.5 s: the node's heartbeats too). The server's observer
 then scrapes those ports as it scrapes the llama-server's.
@@ -167,6 +167,7 @@ class StandInAgent:
 
     server: ServerProcess
     epoch: int = 0
+    credential: str = ""  # issued at enrolment; every call after it uses it
     engines: dict[str, int] = field(default_factory=dict)  # deployment → fake engine port
     reported: dict[str, str] = field(default_factory=dict)  # replica → deployment
     errors: list[str] = field(default_factory=list)
@@ -176,7 +177,7 @@ class StandInAgent:
     def client(self) -> httpx.Client:
         return httpx.Client(
             base_url=f"{self.server.url}/api/v1/agent",
-            headers={"Authorization": f"Bearer {self.server.join_token}"},
+            headers={"Authorization": f"Bearer {self.credential or self.server.join_token}"},
             timeout=10,
         )
 
@@ -193,6 +194,7 @@ class StandInAgent:
             response = api.post("/register", json=node)
         assert response.status_code == 200, response.text
         self.epoch = int(response.json()["epoch"])
+        self.credential = str(response.json()["credential"])
         self.thread = threading.Thread(target=self._loop, name="stand-in-agent", daemon=True)
         self.thread.start()
 

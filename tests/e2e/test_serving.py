@@ -15,6 +15,7 @@ import os
 import re
 import shlex
 import signal
+import stat
 import subprocess
 import threading
 import time
@@ -433,6 +434,20 @@ def test_up_serves_the_tiny_model_and_a_ctrl_c_stops_everything(tmp_path: Path) 
             for p in children
         )
         assert programs == ["agent", "llama-server", "server"], [p.cmdline() for p in children]
+        # Secrets: the data dir is 0700, the tokens and the node's credential 0600; no token is in
+        # any log or in up's own output, and the join token is on no command line.
+        tokens = yaml.safe_load((data_dir / "tokens.yaml").read_text(encoding="utf-8"))
+        assert stat.S_IMODE(data_dir.stat().st_mode) == 0o700
+        credential = data_dir / "node-credential"
+        for secret_file in (data_dir / "tokens.yaml", credential, data_dir / "api-key"):
+            assert stat.S_IMODE(secret_file.stat().st_mode) == 0o600, secret_file
+        secrets = [tokens["admin"], tokens["join"], yaml.safe_load(credential.read_text())["credential"]]
+        logs = {p.name: p.read_text(errors="replace") for p in data_dir.rglob("*.log")}
+        assert {"server.log", "agent.log"} <= set(logs), sorted(logs)
+        for name, content in {**logs, "up's output": out.text()}.items():
+            assert not [s for s in secrets if s in content], f"a token is written in {name}"
+        for child in children:
+            assert tokens["join"] not in " ".join(child.cmdline()), child.cmdline()
 
         stopping = time.monotonic()
         # As a terminal's Ctrl-C does: SIGINT to the whole foreground group (up, server, agent).

@@ -93,7 +93,8 @@ def tls_server(tmp_path: Path) -> Iterator[Listener]:
         "server",
         ["server", "--database-url", f"sqlite:///{tmp_path / 'state.db'}", "--host", "0.0.0.0",
          "--port", str(port), "--tls-dir", str(tls_dir), "--tls-san", "cp.fleet.test",
-         "--token-file", str(tmp_path / "tokens.yaml"), "--reconcile-interval", "0.2"],
+         "--token-file", str(tmp_path / "tokens.yaml"), "--reconcile-interval", "0.2",
+         "--approve-new-nodes"],
     )  # fmt: skip
     server = Listener(proc, port, log_path, tls_dir)
     try:
@@ -224,7 +225,7 @@ def test_plain_http_off_loopback_is_refused_by_agent_and_cli_and_allowed_with_in
         "insecure-server",
         ["server", "--database-url", f"sqlite:///{tmp_path / 'state.db'}", "--host", "0.0.0.0",
          "--port", str(port), "--insecure", "--token-file", str(tmp_path / "tokens.yaml"),
-         "--tls-dir", str(tmp_path / "tls")],
+         "--tls-dir", str(tmp_path / "tls"), "--approve-new-nodes"],
     )  # fmt: skip
     server = Listener(proc, port, log_path, tmp_path / "tls")
     try:

@@ -15,6 +15,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from fleetserve.server.app import create_app
+from fleetserve.server.enrolment import EnrolmentPolicy
 from fleetserve.server.reconciler import CycleResult, Reconciler
 from fleetserve.store import SqlStore, TokenKind
 
@@ -54,6 +55,8 @@ class Api:
     admin: dict[str, str] = field(init=False)
     join: dict[str, str] = field(init=False)
     reconciler: Reconciler = field(init=False)
+    # Each enrolled node's credential, as an Authorization header.
+    nodes: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.admin = {"Authorization": f"Bearer {self.admin_token}"}
@@ -83,12 +86,14 @@ class Api:
 
 @pytest.fixture
 def api(store: SqlStore) -> Iterator[Api]:
-    """The real app over the real store (SQLite and PostgreSQL), with an admin and a join token.
+    """The real app over the real store (SQLite and PostgreSQL), with an admin and a join token;
+    new node names enrol without an approval (the enrolment tests are in test_enrolment.py).
 
     Server exceptions come back as 500 answers, as a client would see them, not as raised errors."""
     admin = store.create_token(TokenKind.ADMIN, T0).plaintext
     join = store.create_token(TokenKind.JOIN, T0).plaintext
-    with TestClient(create_app(store), raise_server_exceptions=False) as client:
+    app = create_app(store, enrolment=EnrolmentPolicy(approve_new=True))
+    with TestClient(app, raise_server_exceptions=False) as client:
         yield Api(client, store, admin, join)
 
 
@@ -718,9 +723,13 @@ def test_a_deleted_deployments_replicas_are_released_by_the_next_cycle(
 
 
 def register(api: Api, doc: dict[str, Any]) -> dict[str, Any]:
-    response = api.client.post("/api/v1/agent/register", json=doc, headers=api.join)
+    """Enrol the node with the join token, or register it again with its credential."""
+    headers = api.nodes.get(doc["name"], api.join)
+    response = api.client.post("/api/v1/agent/register", json=doc, headers=headers)
     assert response.status_code == 200, response.text
     body: dict[str, Any] = response.json()
+    if body["credential"]:
+        api.nodes[doc["name"]] = {"Authorization": f"Bearer {body['credential']}"}
     return body
 
 
@@ -748,18 +757,19 @@ def test_re_registering_a_cordoned_node_keeps_the_cordon(api: Api) -> None:
     assert stored["cpu"]["cores"] == 8
 
 
-def test_a_heartbeat_from_a_registered_node_is_recorded(api: Api) -> None:
+def test_a_heartbeat_from_a_registered_node_is_recorded_and_the_answer_tells_no_epoch(api: Api) -> None:
     register(api, node_doc("n1"))
-    response = api.client.post("/api/v1/agent/heartbeat", json={"node": "n1"}, headers=api.join)
+    beat = {"node": "n1", "epoch": 1}
+    response = api.client.post("/api/v1/agent/heartbeat", json=beat, headers=api.nodes["n1"])
     assert response.status_code == 200, response.text
-    assert response.json() == {"node": "n1", "epoch": 1}
+    assert response.json() == {"node": "n1", "ok": True}
 
 
-def test_a_heartbeat_for_an_unknown_node_is_a_404_telling_to_register_first(api: Api) -> None:
-    response = api.client.post("/api/v1/agent/heartbeat", json={"node": "ghost"}, headers=api.join)
-    error = assert_error(response, 404, "not_found")
-    assert "ghost" in error["message"]
-    assert "register first" in error["message"]
+def test_a_heartbeat_for_another_node_is_a_403_naming_whose_credential_it_is(api: Api) -> None:
+    register(api, node_doc("n1"))
+    beat = {"node": "ghost", "epoch": 1}
+    error = assert_error(api.client.post("/api/v1/agent/heartbeat", json=beat, headers=api.nodes["n1"]), 403)
+    assert "node n1's" in error["message"] and "ghost" in error["message"]
 
 
 @pytest.mark.parametrize(
@@ -770,14 +780,26 @@ def test_a_heartbeat_for_an_unknown_node_is_a_404_telling_to_register_first(api:
         ("/api/v1/agent/register", {"kind": "Node", "name": "n1"}),
         ("/api/v1/agent/heartbeat", {}),
         ("/api/v1/agent/heartbeat", {"node": ""}),
-        ("/api/v1/agent/heartbeat", {"node": "n1", "extra": 1}),
+        ("/api/v1/agent/heartbeat", {"node": "n0", "epoch": 1, "extra": 1}),
+        ("/api/v1/agent/heartbeat", {"node": "n0"}),
     ],
-    ids=["unknown field", "bad name", "no cpu", "no node", "empty node", "unknown field in heartbeat"],
+    ids=[
+        "unknown field",
+        "bad name",
+        "no cpu",
+        "no node",
+        "empty node",
+        "unknown field in heartbeat",
+        "no epoch",
+    ],
 )
 def test_a_malformed_agent_request_is_a_422(api: Api, path: str, body: dict[str, Any]) -> None:
-    error = assert_error(api.client.post(path, json=body, headers=api.join), 422, "invalid_request")
+    register(api, node_doc("n0"))
+    before = api.get("/api/v1/nodes")
+    headers = api.join if path.endswith("/register") else api.nodes["n0"]
+    error = assert_error(api.client.post(path, json=body, headers=headers), 422, "invalid_request")
     assert error["problems"]
-    assert api.get("/api/v1/nodes") == []
+    assert api.get("/api/v1/nodes") == before
 
 
 # --- explain -----------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 from fastapi.testclient import TestClient
 
 from fleetserve.server.app import create_app
+from fleetserve.server.enrolment import EnrolmentPolicy
 from fleetserve.spec.resources import Node
 from fleetserve.store.credentials import TokenKind
 from fleetserve.store.sql import SqlStore
@@ -16,11 +17,19 @@ from fleetserve.store.sql import SqlStore
 def test_gpu_samples_an_agent_reports_appear_on_metrics(tmp_path):
     with SqlStore.open(tmp_path / "state.db") as store:
         join = store.create_token(TokenKind.JOIN, datetime.now(UTC)).plaintext
-        node = Node.model_validate({"name": "halo", "cpu": {"cores": 16, "memory": "128GiB"}})
-        with TestClient(create_app(store, models_dir=tmp_path / "models")) as client:
-            headers = {"Authorization": f"Bearer {join}"}
-            epoch = client.post("/api/v1/agent/register", json=node.model_dump(mode="json", by_alias=True),
-                                headers=headers).json()["epoch"]  # fmt: skip
+        node = Node.model_validate(
+            {
+                "name": "halo",
+                "cpu": {"cores": 16, "memory": "128GiB"},
+                "devices": [{"index": 0, "class": "amd-gfx1151"}],
+            }
+        )
+        app = create_app(store, models_dir=tmp_path / "models", enrolment=EnrolmentPolicy(approve_new=True))
+        with TestClient(app) as client:
+            enrolled = client.post("/api/v1/agent/register", json=node.model_dump(mode="json", by_alias=True),
+                                   headers={"Authorization": f"Bearer {join}"}).json()  # fmt: skip
+            epoch = enrolled["epoch"]
+            headers = {"Authorization": f"Bearer {enrolled['credential']}"}
             sample = {
                 "name": "fleetserve_gpu_utilization_ratio",
                 "labels": {"node": "halo", "device": "0", "driver": "gpu.amd.com", "class": "amd-gfx1151"},

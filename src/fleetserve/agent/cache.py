@@ -200,8 +200,9 @@ class _Meter:
 class ModelCache:
     """The node's model cache under ``root``; see the module's documentation.
 
-    ``control_plane`` is ``(base URL, join token)``: it serves ``fleetserve://NAME`` sources, and its
-    token is sent with any http(s) source under the same base URL. ``hf://`` sources download from
+    ``control_plane`` is ``(base URL, token)``, the token being the node's credential (or a function
+    returning the current one): it serves ``fleetserve://NAME`` sources, and the token is sent with
+    any http(s) source under the same base URL, never elsewhere. ``hf://`` sources download from
     the Hub ``hub`` names (endpoint, token), or, when ``hf_mirror`` is set, are read from that local
     hub-cache directory, offline. ``policy`` says which local directories and remote addresses may
     be read (default: anything; the agent passes its own). Thread-safe; one instance per root.
@@ -211,7 +212,7 @@ class ModelCache:
         self,
         root: Path,
         max_bytes: int | None = None,
-        control_plane: tuple[str, str] | None = None,
+        control_plane: tuple[str, str | Callable[[], str]] | None = None,
         hf_mirror: Path | None = None,
         *,
         hub_access: hub.HubAccess | None = None,
@@ -606,7 +607,7 @@ class ModelCache:
                 raise SourceError("a whole repository is not one file")  # handled by _download_unguarded
             case ControlPlaneSource(name):
                 if self.control_plane is None:
-                    raise SourceError("fleetserve:// sources need the control plane's URL and join token")
+                    raise SourceError("fleetserve:// sources need the control plane's URL and a credential")
                 url = control_plane_url(self.control_plane[0], name)
                 try:
                     return fetch(
@@ -622,17 +623,17 @@ class ModelCache:
                     raise
                 except SourceError as exc:
                     if "refused the bearer token" in str(exc):
-                        raise SourceError(f"{exc}: the control plane refused the agent's join token") from exc
+                        raise SourceError(f"{exc}: the control plane refused the node's credential") from exc
                     raise
         raise AssertionError(f"unhandled source {source!r}")  # pragma: no cover
 
     def _auth_for(self, url: str) -> dict[str, str]:
-        """The join token, for URLs on the control plane only: never sent anywhere else."""
+        """The node's credential, for URLs on the control plane only: never sent anywhere else."""
         if self.control_plane is None:
             return {}
         base, token = self.control_plane
         if url.startswith(base.rstrip("/") + "/"):
-            return {"Authorization": f"Bearer {token}"}
+            return {"Authorization": f"Bearer {token if isinstance(token, str) else token()}"}
         return {}
 
     def _verify_for(self, url: str) -> ssl.SSLContext | bool:

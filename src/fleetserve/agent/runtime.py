@@ -1,6 +1,8 @@
 """The node agent's main loop: register, heartbeat and report, follow assignments, fence.
 
-- Register with the join token: the server answers with the node's epoch and its assignments.
+- Enrol with the join token (once; the node's credential is kept, see ``agent/client.py``) or
+  register with the credential: the server answers with the node's epoch and its assignments.
+  An enrolment waiting for an operator's approval is logged as an error and retried.
   Anything the agent runs that is not assigned is stopped — after a Lost node returns, its old
   replicas were placed elsewhere under new names, and they never run twice.
 - Every ``interval`` seconds a status report (replica states, stderr tails, cache contents,
@@ -24,7 +26,7 @@ from typing import Any
 import httpx
 
 from fleetserve.agent.cache import CacheState, ModelCache
-from fleetserve.agent.client import AgentApiError, AgentClient
+from fleetserve.agent.client import AgentApiError, AgentClient, EnrolmentPending
 from fleetserve.agent.supervisor import Supervisor
 from fleetserve.drivers import RuntimeVariant
 from fleetserve.engines.binaries import resolve
@@ -343,6 +345,9 @@ class Agent:
             try:
                 self.register()
                 break
+            except EnrolmentPending as exc:
+                log.error("enrolment refused: %s (retrying every %.0f s)", exc, self.settings.interval)
+                stop.wait(self.settings.interval)
             except AgentApiError as exc:
                 log.warning("registration failed, retrying: %s", exc)
                 stop.wait(self.settings.interval)

@@ -330,10 +330,13 @@ class Supervisor:
                 engine.state, engine.message = ReplicaState.STARTING, "health check failing"
 
 
-# The agent's own secrets: engines never see them (the agent downloads models; engines only read them).
+# The agent's own secrets: engines never see them (the agent downloads models; engines only read
+# them). Every FLEETSERVE_* setting goes too (tokens, token files, CA settings); a launch spec's own
+# ``env`` sets what an engine needs (its API key, visible devices).
 AGENT_SECRETS = frozenset({"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "FLEETSERVE_JOIN_TOKEN", "FLEETSERVE_TOKEN"})
+AGENT_PREFIXES = ("FLEETSERVE_",)
 
 
 def engine_environment(environ: Mapping[str, str]) -> dict[str, str]:
     """The agent's environment without its secrets: what an engine starts from."""
-    return {k: v for k, v in environ.items() if k not in AGENT_SECRETS}
+    return {k: v for k, v in environ.items() if k not in AGENT_SECRETS and not k.startswith(AGENT_PREFIXES)}

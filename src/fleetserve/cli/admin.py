@@ -1,8 +1,10 @@
 """The admin commands, which talk to a running control plane over HTTP: login, apply, get,
-describe, explain, cordon, uncordon, drain, delete, rollout status|undo."""
+describe, explain, cordon, uncordon, drain, delete, upload, keys, tokens, nodes, rollout
+status|undo."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -13,7 +15,7 @@ import typer
 from rich.console import Console
 
 from fleetserve.cli import views
-from fleetserve.cli.client import ApiClient, resolve, write_config
+from fleetserve.cli.client import ApiClient, resolve, token_from_file, write_config
 from fleetserve.cli.output import Format, emit, fail
 from fleetserve.errors import FleetserveError
 from fleetserve.tls import ServerTrust
@@ -30,7 +32,8 @@ TokenOpt = Annotated[
     str | None,
     typer.Option(
         "--token",
-        help="Admin token. Default: $FLEETSERVE_TOKEN or the config file (see `fleetserve login`).",
+        help="Admin token (visible in ps: prefer the environment). Default: $FLEETSERVE_TOKEN, "
+        "$FLEETSERVE_TOKEN_FILE or the config file (see `fleetserve login`).",
         show_default=False,
     ),
 ]
@@ -68,9 +71,16 @@ def register(app: typer.Typer) -> None:
     @app.command("login")
     def login_command(
         server: Annotated[str, typer.Option("--server", help="Control-plane URL.")],
+        token_file: Annotated[
+            Path | None,
+            typer.Option(
+                "--token-file",
+                help="A file with the admin token (or the server's tokens file). Default: $FLEETSERVE_TOKEN.",
+            ),
+        ] = None,
         token: Annotated[
-            str, typer.Option("--token", help="The admin token the server printed on first start.")
-        ],
+            str | None, typer.Option("--token", help="The admin token (visible in ps: prefer --token-file).")
+        ] = None,
         ca_hash: Annotated[
             str | None,
             typer.Option("--ca-hash", help="sha256:HEX, the pin of the server's CA that the server printed."),
@@ -85,8 +95,13 @@ def register(app: typer.Typer) -> None:
         """Check an admin token against a server and save both in the config file (0600), with
         how to verify the server (--ca-hash, --ca-file; else the environment's or the system's CAs)."""
         try:
+            secret = token or (
+                token_from_file(token_file) if token_file else os.environ.get("FLEETSERVE_TOKEN")
+            )
+            if not secret:
+                raise typer.BadParameter("give --token-file (or set FLEETSERVE_TOKEN)")
             trust = ServerTrust.of(ca_file, ca_hash, insecure) if (ca_hash or ca_file or insecure) else None
-            login(server.rstrip("/"), token, Console(), trust)
+            login(server.rstrip("/"), secret, Console(), trust)
         except FleetserveError as err:
             raise fail(err) from None
 
@@ -379,3 +394,113 @@ def register(app: typer.Typer) -> None:
         processes within 5 seconds (they cache key lookups that long)."""
         call(server, token, "DELETE", f"/keys/{key_id}")
         Console().print(f"key {key_id} revoked")
+
+    tokens = typer.Typer(
+        help="Admin and join tokens: create (shown once), list, revoke. Rotate by creating a new "
+        "token, moving its users over, then revoking the old one.",
+        no_args_is_help=True,
+    )
+    app.add_typer(tokens, name="tokens")
+
+    @tokens.command("create")
+    def tokens_create(
+        kind: Annotated[str, typer.Argument(help="admin or join.")],
+        expires: Annotated[
+            str | None,
+            typer.Option(help="Refuse the token after this long, e.g. 30m, 24h, 7d (default: never)."),
+        ] = None,
+        out: Annotated[
+            Path | None,
+            typer.Option("--out", help="Write the token to this file (0600) instead of showing it."),
+        ] = None,
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+        output: FormatOpt = Format.TABLE,
+    ) -> None:
+        """Create an admin or join token; it is shown (or written to --out) this once."""
+        from fleetserve.secretfile import write_secret
+
+        if kind not in ("admin", "join"):
+            raise typer.BadParameter("admin or join", param_hint="KIND")
+        try:
+            seconds = parse_duration(expires) if expires else None
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--expires") from None
+        console = Console(soft_wrap=True)
+        data = call(server, token, "POST", "/tokens", json={"kind": kind, "expiresIn": seconds})
+        until = f", expires {data['expiresAt']}" if data.get("expiresAt") else ""
+        if out is not None:
+            write_secret(out, data["token"] + "\n")
+            console.print(f"{kind} token {data['id']}{until}: written to {out} (0600)", markup=False)
+        elif output is Format.TABLE:
+            console.print(f"{kind} token {data['id']}{until}: {data['token']}", markup=False, highlight=False)
+            console.print("shown once; only its hash is stored.", markup=False)
+        else:
+            emit(data, output, console)
+
+    @tokens.command("list")
+    def tokens_list(
+        server: ServerOpt = None, token: TokenOpt = None, output: FormatOpt = Format.TABLE
+    ) -> None:
+        """List admin and join tokens (no secrets)."""
+        console = Console(soft_wrap=True)
+        data = call(server, token, "GET", "/tokens")
+        columns = (
+            ("id", lambda t: t["id"]), ("kind", lambda t: t["kind"]), ("created", lambda t: t["createdAt"]),
+            ("expires", lambda t: t["expiresAt"] or "never"), ("revoked", lambda t: t["revoked"]),
+            ("valid", lambda t: t["valid"]),
+        )  # fmt: skip
+        emit(data, output, console, columns)
+
+    @tokens.command("revoke")
+    def tokens_revoke(
+        token_id: Annotated[int, typer.Argument(help="The token's id (see `fleetserve tokens list`).")],
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+    ) -> None:
+        """Revoke an admin or join token at once. Nodes enrolled with a revoked join token keep
+        their own credentials; the last valid admin token cannot be revoked."""
+        call(server, token, "DELETE", f"/tokens/{token_id}")
+        Console().print(f"token {token_id} revoked")
+
+    nodes = typer.Typer(help="Node enrolment: approve a name, list what waits.", no_args_is_help=True)
+    app.add_typer(nodes, name="nodes")
+
+    @nodes.command("approve")
+    def nodes_approve(
+        name: Annotated[str, typer.Argument(help="The node's name.")],
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+    ) -> None:
+        """Let the next join-token enrolment under NAME through: a new name, or a name enrolled
+        already (the new enrolment's credential then replaces the old one)."""
+        data = call(server, token, "POST", f"/nodes/{name}/approve")
+        what = "re-enrolment" if data["enrolled"] else "enrolment"
+        Console().print(f"node/{name}: the next {what} is approved", markup=False)
+
+    @nodes.command("enrolments")
+    def nodes_enrolments(
+        server: ServerOpt = None, token: TokenOpt = None, output: FormatOpt = Format.TABLE
+    ) -> None:
+        """Every node name with a credential, an approval, or an enrolment request waiting."""
+        console = Console(soft_wrap=True)
+        data = call(server, token, "GET", "/enrolments")
+        columns = (
+            ("node", lambda e: e["node"]), ("enrolled", lambda e: e["enrolled"]),
+            ("approved", lambda e: e["approved"]), ("requested", lambda e: e["requestedAt"] or ""),
+            ("from", lambda e: e["requestedFrom"] or ""),
+        )  # fmt: skip
+        emit(data, output, console, columns)
+
+
+def parse_duration(text: str) -> float:
+    """``30s``, ``15m``, ``24h`` or ``7d`` (or plain seconds) as seconds; ValueError otherwise."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    number, unit = (text[:-1], text[-1]) if text and text[-1] in units else (text, "s")
+    try:
+        value = float(number) * units[unit]
+    except ValueError:
+        raise ValueError(f"{text!r} is not a duration: write e.g. 30m, 24h or 7d") from None
+    if not value > 0:
+        raise ValueError(f"{text!r}: a duration must be positive")
+    return value

@@ -1,10 +1,12 @@
-"""``fleetserve agent``: discover this machine, register it, run the replicas assigned to it."""
+"""``fleetserve agent``: discover this machine, enrol or register it, run the replicas assigned to it."""
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import ssl
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +17,7 @@ import yaml
 from fleetserve.agent.access import SourcePolicy
 from fleetserve.agent.cache import ModelCache
 from fleetserve.agent.client import AgentClient
+from fleetserve.agent.credential import CredentialFile
 from fleetserve.agent.describe import make_describe
 from fleetserve.agent.gpustats import make_reader
 from fleetserve.agent.hub import HubAccess
@@ -25,6 +28,7 @@ from fleetserve.engines.binaries import parse_overrides
 from fleetserve.engines.spec import EngineKind
 from fleetserve.errors import ConfigError, Problem
 from fleetserve.inventory.matching import FabricMap
+from fleetserve.secretfile import read_secret
 from fleetserve.tls import CaUnavailable, ServerTrust, client_verify
 
 log = logging.getLogger("fleetserve.agent")
@@ -39,6 +43,38 @@ def parse_labels(items: list[str]) -> dict[str, str]:
             raise ConfigError([Problem("--label", item, "write KEY=VALUE, e.g. --label rack=r7")])
         labels[key] = value
     return labels
+
+
+def join_token(token_file: Path | None, argv_token: str | None) -> str | None:
+    """The join token from ``--token-file`` (the token alone, or a tokens file with a ``join`` key),
+    else ``$FLEETSERVE_JOIN_TOKEN``, else the discouraged ``--token``; None: the agent has only its
+    stored credential."""
+    if token_file is not None:
+        try:
+            text = read_secret(token_file)
+        except OSError as exc:
+            raise ConfigError([Problem("--token-file", str(token_file), f"cannot read it: {exc}")]) from exc
+        try:
+            data: Any = yaml.safe_load(text)
+        except yaml.YAMLError:
+            data = None
+        if isinstance(data, dict):
+            if not isinstance(data.get("join"), str):
+                raise ConfigError(
+                    [Problem("--token-file", str(token_file), "a tokens file needs a 'join' key")]
+                )
+            return str(data["join"])
+        return text
+    from_env = os.environ.get("FLEETSERVE_JOIN_TOKEN")
+    if from_env:
+        return from_env
+    if argv_token:
+        print(
+            "fleetserve agent: warning: a join token on the command line is visible to every user "
+            "of this machine (ps); use --token-file or FLEETSERVE_JOIN_TOKEN",
+            file=sys.stderr,
+        )
+    return argv_token or None
 
 
 def load_fabric_map(path: Path | None) -> FabricMap:
@@ -92,7 +128,8 @@ def server_verify(
 
 def run_agent(
     server: str,
-    token: str,
+    token: str | None,
+    credential_file: Path,
     name: str,
     labels: dict[str, str],
     address: str,
@@ -137,11 +174,17 @@ def run_agent(
     settings = AgentSettings(engine_host=engine_host, interval=interval, binaries=binaries)
     describe = make_describe(name, labels, address, load_fabric_map(fabric_map), inventory_file, root)
     # A report times out after two intervals (at least 2 s, at most the client's default 10 s).
-    client = AgentClient(server, token, verify=verify, report_timeout=min(10.0, max(2.0, 2 * interval)))
+    client = AgentClient(
+        server,
+        token,
+        CredentialFile(credential_file),
+        verify=verify,
+        report_timeout=min(10.0, max(2.0, 2 * interval)),
+    )
     cache = ModelCache(
         cache_dir,
         max_bytes=cache_max,
-        control_plane=(server, token),
+        control_plane=(server, client.token),
         control_plane_verify=verify,
         hf_mirror=sources.mirror(),
         hub_access=HubAccess.from_environment(sources.hf_token_file),

@@ -2,8 +2,9 @@
 config file, and an HTTP client that turns error answers into readable messages.
 
 Precedence: ``--server``/``--token`` flags, then ``FLEETSERVE_SERVER``/``FLEETSERVE_TOKEN``, then
-the config file (``$FLEETSERVE_CONFIG``, default ``~/.config/fleetserve/config.yaml``) with keys
-``server`` and ``token``.
+``FLEETSERVE_TOKEN_FILE`` (a file holding the admin token, or a tokens file with an ``admin`` key),
+then the config file (``$FLEETSERVE_CONFIG``, default ``~/.config/fleetserve/config.yaml``) with
+keys ``server`` and ``token``. No command needs a token on its command line.
 
 How the server is verified (``fleetserve.tls.ServerTrust``): ``FLEETSERVE_CA_HASH`` (the pin the
 server printed), ``FLEETSERVE_CA_FILE`` and ``FLEETSERVE_INSECURE=1`` when any is set, else the
@@ -22,6 +23,7 @@ import httpx
 import yaml
 
 from fleetserve.errors import FleetserveError
+from fleetserve.secretfile import read_secret, write_secret
 from fleetserve.tls import ServerTrust, client_verify
 
 DEFAULT_SERVER = "http://127.0.0.1:8080"
@@ -63,10 +65,8 @@ def read_config() -> dict[str, str]:
 
 
 def write_config(server: str, token: str, trust: ServerTrust | None = None) -> Path:
-    """Save server, token and how to verify the server for later commands (mode 0600: the token
-    is a secret)."""
-    path = config_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Save server, token and how to verify the server for later commands (mode 0600 from
+    creation, written atomically: the token is a secret)."""
     data: dict[str, object] = {"server": server, "token": token}
     if trust is not None:
         if trust.ca_hash is not None:
@@ -75,9 +75,25 @@ def write_config(server: str, token: str, trust: ServerTrust | None = None) -> P
             data["ca_file"] = str(trust.ca_file.absolute())
         if trust.insecure:
             data["insecure"] = True
-    path.write_text(yaml.safe_dump(data), encoding="utf-8")
-    path.chmod(0o600)
-    return path
+    return write_secret(config_path(), yaml.safe_dump(data))
+
+
+def token_from_file(path: Path, key: str = "admin") -> str:
+    """A token from a file: the token alone, or a tokens file (``fleetserve server --token-file``)
+    with ``key``."""
+    try:
+        text = read_secret(path)
+    except OSError as exc:
+        raise ClientError(f"cannot read the token file {path}: {exc}") from exc
+    try:
+        data: Any = yaml.safe_load(text)
+    except yaml.YAMLError:
+        data = None
+    if isinstance(data, dict):
+        if not isinstance(data.get(key), str):
+            raise ClientError(f"the tokens file {path} has no {key!r} key")
+        return str(data[key])
+    return text
 
 
 def _truthy(value: str | None) -> bool:
@@ -114,7 +130,14 @@ def resolve(server: str | None, token: str | None) -> Target:
     )
     return Target(
         server=url,
-        token=token or os.environ.get("FLEETSERVE_TOKEN") or config.get("token"),
+        token=token
+        or os.environ.get("FLEETSERVE_TOKEN")
+        or (
+            token_from_file(Path(os.environ["FLEETSERVE_TOKEN_FILE"]))
+            if os.environ.get("FLEETSERVE_TOKEN_FILE")
+            else None
+        )
+        or config.get("token"),
         trust=trust_from(config, url),
     )
 

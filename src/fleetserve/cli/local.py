@@ -9,6 +9,7 @@ both stop the agent (and its engines) and the server gracefully, and print no er
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -25,6 +26,7 @@ from rich.console import Console
 from fleetserve.dev.tinymodel import write_tiny_model
 from fleetserve.errors import FleetserveError
 from fleetserve.process import die_with_parent
+from fleetserve.secretfile import private_dir, write_secret
 from fleetserve.sources import LocalSource, parse_source
 from fleetserve.spec.resources import Model, ModelFormat
 
@@ -78,12 +80,14 @@ def tiny_model(out: Path, console: Console) -> None:
     )
 
 
-def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
-    out = log.open("ab")
+def _spawn(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    out = os.fdopen(fd, "ab")
     try:
         return subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent
-        )
+            argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent,
+            env=env,
+        )  # fmt: skip
     finally:
         out.close()
 
@@ -155,11 +159,14 @@ def up(
     ready_timeout: float,
     options: UpOptions | None = None,
 ) -> None:
-    """Server and agent over a SQLite file in ``data_dir``; with ``--model``, serve that GGUF."""
+    """Server and agent over a SQLite file in ``data_dir``; with ``--model``, serve that GGUF.
+
+    ``data_dir`` is 0700; the tokens go to its tokens.yaml (0600), never into a log; the agent gets
+    the join token in its environment, not on its command line, and enrols automatically (the
+    server approves new names: it listens on loopback only)."""
     options = options or UpOptions()
     # Every process and document gets absolute paths: none depends on another's working directory.
-    data_dir = data_dir.absolute()
-    data_dir.mkdir(parents=True, exist_ok=True)
+    data_dir = private_dir(data_dir.absolute())
     # Ctrl-C, SIGTERM and a closed terminal (SIGHUP) all stop everything the same graceful way.
     stops = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
     previous = {sig: signal.signal(sig, _raise_stopped) for sig in stops}
@@ -191,7 +198,7 @@ def _up(
             _spawn(
                 [exe, "server", "--database-url", str(data_dir / "fleetserve.db"), "--port", str(port),
                  "--token-file", str(token_file), "--models-dir", str(data_dir / "server-models"),
-                 "--reconcile-interval", "0.5", *options.server_args()],
+                 "--reconcile-interval", "0.5", "--approve-new-nodes", *options.server_args()],
                 logs[0],
             )
         )  # fmt: skip
@@ -215,10 +222,11 @@ def _up(
         )
         procs.append(
             _spawn(
-                [exe, "agent", "--server", server_url, "--token", tokens["join"], "--address", "127.0.0.1",
+                [exe, "agent", "--server", server_url, "--address", "127.0.0.1",
                  "--cache-dir", str(data_dir / "cache"), "--log-dir", str(data_dir / "engine-logs"),
                  "--interval", "1", *_agent_model_dirs(served, data_dir), *options.agent_args()],
                 logs[1],
+                env={**os.environ, "FLEETSERVE_JOIN_TOKEN": tokens["join"]},
             )
         )  # fmt: skip
         admin = httpx.Client(
@@ -310,9 +318,7 @@ def _serve(
     if created.status_code != 200:
         raise UpError(f"creating an API key failed: {created.text}")
     key = created.json()["key"]
-    key_file = data_dir / "api-key"
-    key_file.write_text(key + "\n", encoding="utf-8")
-    key_file.chmod(0o600)
+    key_file = write_secret(data_dir / "api-key", key + "\n")
     gateway = f"{admin.base_url}/v1/chat/completions".replace("//v1", "/v1")
     # One real request through the gateway, so the quickstart ends with an answer, not a promise.
     hello = [{"role": "user", "content": "Hello!"}]

@@ -25,10 +25,12 @@ app = typer.Typer(
         "OpenAI-compatible endpoint.\n\n"
         "`plan` places deployments on a fleet described in YAML and explains every decision, "
         "offline. `server` runs the control plane (admin API, state store, reconciler); "
-        "`agent` runs on every machine: it discovers the hardware, registers, and supervises the "
+        "`agent` runs on every machine: it discovers the hardware, enrols (once, with the join "
+        "token; `nodes approve` lets a name in), and supervises the "
         "engines assigned to it. `up` runs server and agent on this machine. `apply`, `get`, "
         "`describe`, `explain`, `logs`, `cordon`, `uncordon`, `drain`, `delete`, `upload` and "
-        "`rollout` talk to the control plane over HTTP; `keys` manages the gateway's API keys. "
+        "`rollout` talk to the control plane over HTTP; `keys` manages the gateway's API keys, "
+        "`tokens` the admin and join tokens. "
         "The OpenAI API is served under /v1 by `server` (and `up`), and by `gateway` processes to "
         "scale out. `kube` "
         "renders and applies the same placements as Kubernetes objects, without agents."
@@ -184,7 +186,26 @@ def server_command(
     ] = 300.0,
     token_file: Annotated[
         Path | None,
-        typer.Option(help="On first start, also write the new admin and join tokens to this file (0600)."),
+        typer.Option(
+            help="On first start, write the new admin and join tokens to this file (0600) instead of "
+            "showing them (they are shown only on a terminal, else written to ./fleetserve-tokens.yaml)."
+        ),
+    ] = None,
+    approve_new_nodes: Annotated[
+        bool,
+        typer.Option(
+            "--approve-new-nodes",
+            help="Let join-token enrolments of NEW node names through without `fleetserve nodes "
+            "approve`. A name enrolled already always needs an approval.",
+        ),
+    ] = False,
+    node_address_allow: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--node-address-allow",
+            help="CIDR: nodes may give addresses in it, not just the source address they connect "
+            "from (behind NAT or a proxy). Repeatable.",
+        ),
     ] = None,
     models_dir: Annotated[
         Path, typer.Option(help="Where the server keeps model files it serves to agents (fleetserve://NAME).")
@@ -219,20 +240,27 @@ def server_command(
 ) -> None:
     """Run the control plane: admin REST API (OpenAPI at /docs), state store, reconciler.
 
-    On first start it creates an admin token and a join token and prints them once; only their
-    hashes are stored. Several servers may share one PostgreSQL database: one of them (the
+    On first start it creates an admin token and a join token, written to --token-file (or shown
+    once on a terminal); only their hashes are stored. Agents enrol with the join token and get a
+    credential of their own; new names wait for `fleetserve nodes approve NAME` unless
+    --approve-new-nodes. Several servers may share one PostgreSQL database: one of them (the
     holder of a lease in the database) reconciles at a time.
 
     Off loopback it serves TLS: --tls-cert/--tls-key, or a CA and certificate it generates in
     --tls-dir; it then prints the join command with the CA's pin (sha256:...). Plain HTTP off
     loopback only with --insecure.
     """
+    from fleetserve.server.enrolment import EnrolmentPolicy, parse_networks
     from fleetserve.server.process import ControlPlane, Listen, SharedWindows, heartbeat_policy, run_server
 
     if lost_after <= not_ready_after:
         raise typer.BadParameter("--lost-after must be longer than --not-ready-after")
+    try:
+        enrolment = EnrolmentPolicy(approve_new_nodes, parse_networks(node_address_allow or []))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
     control = ControlPlane(
-        models_dir, reconcile_interval, heartbeat_policy(not_ready_after, lost_after), token_file
+        models_dir, reconcile_interval, heartbeat_policy(not_ready_after, lost_after), token_file, enrolment
     )
     try:
         served = _listen_tls(host, tls_cert, tls_key, tls_dir, tls_san, tls, insecure, "server")
@@ -248,10 +276,28 @@ admin.register(app)
 @app.command("agent")
 def agent_command(
     server: Annotated[str, typer.Option("--server", envvar="FLEETSERVE_SERVER", help="Control-plane URL.")],
+    token_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--token-file",
+            help="A file holding the join token (or a tokens file with a 'join:' key). Default: "
+            "$FLEETSERVE_JOIN_TOKEN. Needed only to enrol; afterwards the node's credential is used.",
+        ),
+    ] = None,
     token: Annotated[
-        str,
-        typer.Option("--token", envvar="FLEETSERVE_JOIN_TOKEN", help="The join token the server printed."),
-    ],
+        str | None,
+        typer.Option(
+            "--token",
+            hidden=True,
+            help="The join token on the command line: visible to every user (ps); use --token-file.",
+        ),
+    ] = None,
+    credential_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="Where the node's credential is kept (0600). Default: <cache-dir>/../node-credential."
+        ),
+    ] = None,
     name: Annotated[str | None, typer.Option(help="Node name. Default: the host name.")] = None,
     label: Annotated[
         list[str] | None, typer.Option("--label", help="KEY=VALUE node label; repeatable.")
@@ -351,29 +397,34 @@ def agent_command(
         ),
     ] = False,
 ) -> None:
-    """Run the node agent: discover this machine's CPUs, GPUs and HCAs, register with the control
-    plane, report heartbeats, and start, supervise and stop the engines assigned to this node.
+    """Run the node agent: discover this machine's CPUs, GPUs and HCAs, enrol with the control
+    plane (join token, once; the node's own credential is kept in --credential-file), report
+    heartbeats, and start, supervise and stop the engines assigned to this node.
 
     hf:// models download from the Hugging Face Hub (HF_ENDPOINT; HF_TOKEN or --hf-token-file)
     into the node's model cache, or are read offline from --hf-mirror.
 
-    Every registration gets a new epoch; replicas moved away while the agent was gone are stopped.
-    SIGTERM or Ctrl-C stops every engine the agent started; a restarted agent first stops what its
-    previous run left (each engine runs in a cgroup of its own where the agent may make one). An
-    https:// server is verified against --ca-hash or --ca-file (else the system's CAs); plain
-    http:// only on loopback, or with --insecure.
+    A name enrolled already, or a new one on a server that approves new names by hand, waits for
+    `fleetserve nodes approve NAME` (the agent says so and retries). Every registration gets a new
+    epoch; replicas moved away while the agent was gone are stopped. SIGTERM or Ctrl-C stops
+    every engine the agent started; a restarted agent first stops what its previous run left (each
+    engine runs in a cgroup of its own where the agent may make one). An https:// server is
+    verified against --ca-hash or --ca-file (else the system's CAs); plain http:// only on
+    loopback, or with --insecure.
     """
     from fleetserve.agent.describe import node_name
     from fleetserve.agent.runtime import default_cache_dir
-    from fleetserve.cli.agent_cmd import SourceSettings, parse_labels, run_agent
+    from fleetserve.cli.agent_cmd import SourceSettings, join_token, parse_labels, run_agent
     from fleetserve.tls import ServerTrust
     from fleetserve.units import parse_bytes
 
     try:
         cache = cache_dir or default_cache_dir()
+        secret = join_token(token_file, token)
         trust = ServerTrust.of(ca_file, ca_hash, insecure)
         run_agent(
-            server, token, name or node_name(), parse_labels(label or []), address, engine_host or address,
+            server, secret, credential_file or cache.parent / "node-credential",
+            name or node_name(), parse_labels(label or []), address, engine_host or address,
             cache, parse_bytes(cache_max) if cache_max else None, inventory_file, fabric_map,
             engine_binary or [], interval, log_dir or cache.parent / "logs",
             state_dir or cache.parent / "state", sysfs_root, log_level, trust,

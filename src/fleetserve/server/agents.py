@@ -1,10 +1,17 @@
-"""The agents' API (join token): register, heartbeat, assignments by long-poll, status reports,
-device classes for discovery, and model files. Every body is a model of ``fleetserve.protocol``.
+"""The agents' API: register, heartbeat, assignments by long-poll, status reports, device classes
+for discovery, and model files. Every body is a model of ``fleetserve.protocol``.
+
+Identity: the join token only enrols (``POST /register`` for a name, under the server's
+``EnrolmentPolicy``) and its answer carries the node's credential; every other call is made with
+that credential and speaks for its own node only: its heartbeats, its assignments, its replicas'
+states, samples of its own GPUs, and the models its own replicas serve. The address a node gives
+must be its connection's source address or an allowed one.
 
 Fencing: every registration bumps the node's epoch. Heartbeats and reports name the epoch they
-speak for; an older one gets 409 and the agent must register again — and stop every replica it
-runs that is not in the assignments it is then given, so a replica never runs twice under one
-identity.
+speak for (it is required); an older one, or any from a node judged NotReady or Lost, gets 409
+and the agent must register again — and stop every replica it runs that is not in the
+assignments it is then given, so a replica never runs twice under one identity. No answer but
+the registration's tells the epoch.
 """
 
 from __future__ import annotations
@@ -21,21 +28,25 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from fleetserve.errors import InternalError, NotFound, UnknownNode
+from fleetserve.errors import ConfigError, InternalError, NotFound, Problem, UnknownNode
 from fleetserve.protocol import (
     AgentStatus,
     Assignment,
     AssignmentSet,
     HeartbeatReply,
     HeartbeatRequest,
+    NodeReport,
     Registered,
     StatusReply,
     StatusReport,
 )
-from fleetserve.server.auth import agent
+from fleetserve.server.auth import agent, caller_of, node_of, speaks_for
+from fleetserve.server.enrolment import AddressVerdict, EnrolmentPolicy
 from fleetserve.server.modelfiles import ModelFiles
 from fleetserve.server.params import NameParam
+from fleetserve.server.problems import EnrolmentRefused, Forbidden
 from fleetserve.spec.resources import NAME_PATTERN, Node, Replica
+from fleetserve.store.identity import Refusal, Refused
 from fleetserve.store.sql import SqlStore
 from fleetserve.validation import resolve_profile
 
@@ -100,13 +111,98 @@ def assignment_entries(store: SqlStore, replicas: list[Replica]) -> list[Assignm
     return out
 
 
-def build_agent_router(store: SqlStore, files: ModelFiles) -> APIRouter:
-    """The routes agents use, with a join token."""
+def refusal(refused: Refused) -> EnrolmentRefused:
+    """The answer to a refused enrolment: what waits, and the command that lets it through."""
+    approve = f"an operator must approve it: `fleetserve nodes approve {refused.node}`"
+    if refused.reason is Refusal.NAME_TAKEN:
+        return EnrolmentRefused(
+            refused.reason.value,
+            409,
+            f"node {refused.node} is enrolled already; a second enrolment under this name "
+            f"needs an operator's approval ({approve}); the enrolled node is unaffected",
+        )
+    return EnrolmentRefused(
+        refused.reason.value, 403, f"node {refused.node} is new and waits for approval: {approve}"
+    )
+
+
+def models_of(store: SqlStore, node: str) -> set[str]:
+    """The models the replicas assigned to ``node`` serve: the only ones it may fetch."""
+    out = set()
+    for replica in store.assignments(node):
+        try:
+            out.add(store.get_deployment(replica.deployment).deployment.model)
+        except NotFound:
+            continue
+    return out
+
+
+def check_gpu_samples(store: SqlStore, report: StatusReport) -> None:
+    """Refuse (422, naming the sample) GPU samples that are not of the reporting node's own
+    devices: a node speaks for its own GPUs only."""
+    if not report.gpu_metrics:
+        return
+    try:
+        devices = {str(d.index) for d in store.get_node(report.node).devices}
+    except UnknownNode as exc:
+        raise NotFound(f"{exc}; register first") from None
+    problems = []
+    for i, sample in enumerate(report.gpu_metrics):
+        node, device = sample.labels.get("node"), sample.labels.get("device")
+        if node != report.node:
+            problems.append(
+                Problem(
+                    "StatusReport",
+                    f"gpuMetrics[{i}].labels.node",
+                    f"{node!r} is not the reporting node {report.node!r}",
+                )
+            )
+        elif device not in devices:
+            problems.append(
+                Problem(
+                    "StatusReport",
+                    f"gpuMetrics[{i}].labels.device",
+                    f"{device!r} is not a device of node {report.node}",
+                )
+            )
+        if len(problems) >= 10:
+            break  # enough to name the fault
+    if problems:
+        raise ConfigError(problems)
+
+
+def build_agent_router(store: SqlStore, files: ModelFiles, policy: EnrolmentPolicy) -> APIRouter:
+    """The routes agents use: the join token enrols, the node's credential does the rest."""
     api = APIRouter(prefix="/api/v1/agent", dependencies=[agent], tags=["agent"])
 
-    @api.post("/register", summary="Register (or re-register) a node; never clears a cordon")
-    def register(node: Annotated[Node, Body()]) -> Registered:
-        registration = store.register(node)
+    def own_model(request: Request, name: str) -> None:
+        node = node_of(request)
+        if name not in models_of(store, node):
+            raise Forbidden(f"model {name} is not served by a replica assigned to node {node}")
+
+    @api.post(
+        "/register",
+        summary="Enrol a node (join token: answers its credential) or register it again (its credential)",
+    )
+    def register(request: Request, report: Annotated[NodeReport, Body()]) -> Registered:
+        caller = caller_of(request)
+        node: Node = report.node()
+        source = request.client.host if request.client else ""
+        if policy.check_address(node.address, source) is AddressVerdict.REFUSED:
+            raise Forbidden(
+                f"node {node.name} gives the address {node.address!r}, but connects from {source!r}; "
+                "give the address it connects from, or have the operator allow its network "
+                "(fleetserve server --node-address-allow CIDR)"
+            )
+        credential = None
+        if caller.node is not None:
+            speaks_for(request, node.name)
+            registration = store.register(node)
+        else:
+            outcome = store.enrol(node, datetime.now(UTC), approve_new=policy.approve_new, source=source)
+            if isinstance(outcome, Refused):
+                raise refusal(outcome)
+            registration, credential = outcome.registration, outcome.credential
         store.heartbeat(node.name, datetime.now(UTC))
         assigned = store.assignments(node.name)
         entries = assignment_entries(store, assigned)
@@ -118,22 +214,25 @@ def build_agent_router(store: SqlStore, files: ModelFiles) -> APIRouter:
             assignments=entries,
             keep=keep,
             revision=revision_of(entries, keep),
+            credential=credential,
         )
 
-    @api.post("/heartbeat", summary="Say the node is alive; 409 for an older registration")
-    def heartbeat(body: HeartbeatRequest) -> HeartbeatReply:
+    @api.post("/heartbeat", summary="Say the node is alive; 409 for an older registration or a dead node")
+    def heartbeat(request: Request, body: HeartbeatRequest) -> HeartbeatReply:
+        speaks_for(request, body.node)
         try:
             store.heartbeat(body.node, datetime.now(UTC), body.epoch)
         except UnknownNode as exc:
             raise NotFound(f"{exc}; register first") from None
-        return HeartbeatReply(node=body.node, epoch=store.epoch(body.node))
+        return HeartbeatReply(node=body.node)
 
     @api.get("/classes", summary="Device classes, for matching discovered devices")
     def classes() -> list[dict[str, Any]]:
         return [_doc(c) for c in sorted(store.snapshot().classes.values(), key=lambda c: c.name)]
 
-    @api.get("/models/{name}", summary="A model document, for fetching it")
-    def model(name: NameParam) -> dict[str, Any]:
+    @api.get("/models/{name}", summary="A model document, for fetching it (one the node's replicas serve)")
+    def model(request: Request, name: NameParam) -> dict[str, Any]:
+        own_model(request, name)
         return _doc(store.get_model(name))
 
     @api.get("/assignments", summary="The replicas a node must run; held open until they change")
@@ -144,6 +243,7 @@ def build_agent_router(store: SqlStore, files: ModelFiles) -> APIRouter:
         since: Annotated[str | None, Query(max_length=64, pattern=r"^[0-9a-f]*$")] = None,
         wait: Annotated[float, Query(ge=0, le=MAX_WAIT_SECONDS)] = 0.0,
     ) -> AssignmentSet:
+        speaks_for(request, node)
         deadline = time.monotonic() + wait
         while True:
             current = await run_in_threadpool(store.epoch, node)
@@ -167,8 +267,10 @@ def build_agent_router(store: SqlStore, files: ModelFiles) -> APIRouter:
                 return AssignmentSet(revision=revision, epoch=current, assignments=entries, keep=keep)
             await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
-    @api.post("/status", summary="Report replica states, cache contents and downloads")
-    def status(body: StatusReport) -> StatusReply:
+    @api.post("/status", summary="Report replica states, cache contents, downloads and GPU samples")
+    def status(request: Request, body: StatusReport) -> StatusReply:
+        speaks_for(request, body.node)
+        check_gpu_samples(store, body)
         reports = {name: (r.state, r.status()) for name, r in body.replicas.items()}
         agent_status = AgentStatus(
             downloads=body.downloads,
@@ -185,7 +287,8 @@ def build_agent_router(store: SqlStore, files: ModelFiles) -> APIRouter:
         return StatusReply(stop=stop)
 
     @api.get("/models/{name}/file", summary="Download a model file the server holds (Range supported)")
-    def model_file(name: NameParam) -> FileResponse:
+    def model_file(request: Request, name: NameParam) -> FileResponse:
+        own_model(request, name)
         stored = files.get(name)
         return FileResponse(
             stored.path, media_type="application/octet-stream", headers={"X-Sha256": stored.sha256}

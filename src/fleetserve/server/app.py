@@ -1,9 +1,10 @@
 """The control plane's HTTP API (FastAPI): a versioned admin API and the agents' API.
 
-Admin routes need an admin token; agent routes a join token. ``create_gateway_app`` is the app
-of an extra gateway process; both apps answer ``/healthz``, ``/metrics`` and /v1 over one
-``Serving`` (fleetserve.server.process assembles the processes). Every error is JSON in one shape
-(``fleetserve.server.problems``); bad input is a 4xx naming the field.
+Admin routes need an admin token; agent routes a node's credential (the join token only
+enrols). ``create_gateway_app`` is the app of an extra gateway process; both apps answer
+``/healthz``, ``/metrics`` and /v1 over one ``Serving`` (fleetserve.server.process assembles the
+processes). Every error is JSON in one shape (``fleetserve.server.problems``); bad input is a 4xx
+naming the field.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -23,20 +24,22 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from fleetserve import __version__
-from fleetserve.errors import NotFound
+from fleetserve.errors import ConfigError, NotFound, Problem
 from fleetserve.gateway.app import Gateway
 from fleetserve.gateway.asgi import OpenAIApi, ServingApp
 from fleetserve.gateway.windows import RedisWindows, Windows
 from fleetserve.metrics.exposition import FleetMetrics
-from fleetserve.server import auth, problems
+from fleetserve.server import auth, limits, problems
 from fleetserve.server.agents import build_agent_router
 from fleetserve.server.apply import apply_batch
 from fleetserve.server.auth import admin
+from fleetserve.server.enrolment import EnrolmentPolicy
 from fleetserve.server.modelfiles import ModelFiles
 from fleetserve.server.observer import Observer
 from fleetserve.server.params import TEXT_PATTERN, NameParam, NameQuery
 from fleetserve.spec.resources import Node, Replica
-from fleetserve.store.credentials import ApiKey
+from fleetserve.store.credentials import ApiKey, TokenKind, TokenRecord
+from fleetserve.store.identity import EnrolmentRecord
 from fleetserve.store.sql import SqlStore
 from fleetserve.tls import CA_PATH
 
@@ -60,6 +63,34 @@ class KeyRequest(BaseModel):
     ] = Field(min_length=1, max_length=1000)
     rpm: int | None = Field(default=None, ge=1, le=10_000_000, description="Requests per minute.")
     tpm: int | None = Field(default=None, ge=1, le=10_000_000_000, description="Tokens per minute.")
+
+
+class TokenRequest(BaseModel):
+    """A new admin or join token, optionally refused after ``expiresIn`` seconds."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    kind: TokenKind
+    expires_in: float | None = Field(
+        default=None, gt=0, le=10 * 365 * 24 * 3600, alias="expiresIn", description="Seconds from now."
+    )
+
+
+def _token_view(token: TokenRecord, now: datetime) -> dict[str, Any]:
+    return {
+        "id": token.id, "kind": token.kind.value, "createdAt": token.created_at.isoformat(),
+        "expiresAt": token.expires_at.isoformat() if token.expires_at else None,
+        "revoked": token.revoked, "valid": token.valid(now),
+    }  # fmt: skip
+
+
+def _enrolment_view(record: EnrolmentRecord) -> dict[str, Any]:
+    return {
+        "node": record.node, "enrolled": record.enrolled,
+        "issuedAt": record.issued_at.isoformat() if record.issued_at else None,
+        "approved": record.approved,
+        "requestedAt": record.requested_at.isoformat() if record.requested_at else None,
+        "requestedFrom": record.requested_from,
+    }  # fmt: skip
 
 
 class CordonRequest(BaseModel):
@@ -129,6 +160,50 @@ def build_admin_router(
         if on_key_revoked is not None:
             on_key_revoked()  # this process's gateway forgets it now; others within seconds
         return {"revoked": key_id}
+
+    @api.post("/tokens", tags=["tokens"], summary="Create an admin or join token (shown once, stored hashed)")
+    def create_token(body: TokenRequest) -> dict[str, Any]:
+        now = datetime.now(UTC)
+        until = now + timedelta(seconds=body.expires_in) if body.expires_in is not None else None
+        issued = store.create_token(body.kind, now, until)
+        record = next(t for t in store.list_tokens() if t.id == issued.id)
+        return {**_token_view(record, now), "token": issued.plaintext}
+
+    @api.get("/tokens", tags=["tokens"], summary="Admin and join tokens (no secrets)")
+    def list_tokens() -> list[dict[str, Any]]:
+        now = datetime.now(UTC)
+        return [_token_view(t, now) for t in store.list_tokens()]
+
+    @api.delete("/tokens/{token_id}", tags=["tokens"], summary="Revoke an admin or join token")
+    def revoke_token(token_id: Annotated[int, FastApiPath(ge=1, le=2**31 - 1)]) -> dict[str, Any]:
+        now = datetime.now(UTC)
+        tokens = {t.id: t for t in store.list_tokens()}
+        target = tokens.get(token_id)
+        valid_admins = [t for t in tokens.values() if t.kind is TokenKind.ADMIN and t.valid(now)]
+        if target is not None and target.kind is TokenKind.ADMIN and valid_admins == [target]:
+            raise ConfigError(
+                [
+                    Problem(
+                        f"Token {token_id}",
+                        "",
+                        "the last valid admin token cannot be revoked; create another first",
+                    )
+                ]
+            )
+        store.revoke_token(token_id)
+        return {"revoked": token_id}
+
+    @api.get("/enrolments", tags=["nodes"], summary="Node identities: enrolled, approved, waiting")
+    def list_enrolments() -> list[dict[str, Any]]:
+        return [_enrolment_view(r) for r in store.enrolments()]
+
+    @api.post(
+        "/nodes/{name}/approve",
+        tags=["nodes"],
+        summary="Let the next enrolment under a name through (a new name, or one enrolled already)",
+    )
+    def approve(name: NameParam) -> dict[str, Any]:
+        return _enrolment_view(store.approve(name, datetime.now(UTC)))
 
     @api.get("/classes", tags=["classes"])
     def list_classes() -> list[dict[str, Any]]:
@@ -391,12 +466,14 @@ def create_app(
     gateway: bool = True,
     serving: Serving | None = None,
     ca_pem: bytes | None = None,
+    enrolment: EnrolmentPolicy | None = None,
 ) -> FastAPI:
     """The control plane's ASGI app over ``store``: admin API, agents' API and, unless told not,
     the OpenAI-compatible gateway. ``lifespan`` runs background work with it; ``models_dir``
     holds the model files it serves to agents (default ./fleetserve-models); ``serving`` is the
     metrics, observer and gateway to use (default: built here, with a gateway if ``gateway``);
-    ``ca_pem`` the generated CA it publishes at ``CA_PATH``."""
+    ``ca_pem`` the generated CA it publishes at ``CA_PATH``; ``enrolment`` the policy for
+    join-token enrolments (default: new names need an approval)."""
     files = ModelFiles(models_dir or Path("fleetserve-models"))
     if serving is None:
         serving = Serving.build(store, gateway)
@@ -406,18 +483,20 @@ def create_app(
         title="fleetserve control plane",
         version=__version__,
         description="Admin API: device classes, nodes, models, deployments, replicas and placement "
-        "explanations (`Authorization: Bearer <admin token>`). Agents' API (join token). The "
+        "explanations (`Authorization: Bearer <admin token>`). Agents' API (a node's credential; "
+        "the join token only enrols). The "
         "OpenAI-compatible API under /v1 (gateway API keys).",
     )
     problems.install(app)
-    auth.install(app)
+    limits.install(app)
+    auth.install(app)  # added last, so it runs first: no body is read before the token is checked
     _assemble(
         app,
         store,
         serving,
         ca_pem,
         build_admin_router(store, files, gw.forget_keys if gw is not None else None),
-        build_agent_router(store, files),
+        build_agent_router(store, files, enrolment or EnrolmentPolicy()),
     )
     return app
 

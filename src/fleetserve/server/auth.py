@@ -1,12 +1,16 @@
-"""Credentials: admin tokens for the admin API, join tokens for agents, both Bearer tokens stored hashed.
+"""Credentials: admin tokens for the admin API; for agents, the join token (which only enrols)
+and each node's own credential. All are Bearer tokens stored hashed.
 
 A middleware checks them before anything else — the request body included — so a caller
-without a token gets a 401 and the server never reads what it sent.
+without a token gets a 401 and the server never reads what it sent. On the agents' API it
+records who called (``Caller``) in the request's state: the routes authorise against it (a node
+speaks only for itself). The join token is accepted on ``ENROL_PATHS`` only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, Request
@@ -17,12 +21,26 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fleetserve.errors import StoreError
-from fleetserve.server.problems import Unauthorized, error_body
+from fleetserve.server.problems import Forbidden, Unauthorized, error_body
 from fleetserve.store.credentials import TokenKind
 from fleetserve.store.protocols import Tokens
 from fleetserve.store.sql import SqlStore
 
-_bearer = HTTPBearer(auto_error=False, description="An admin token (admin API) or a join token (agent API).")
+_bearer = HTTPBearer(
+    auto_error=False,
+    description="An admin token (admin API); a node credential, or a join token to enrol (agent API).",
+)
+
+AGENT_PREFIX = "/api/v1/agent"
+# The agent routes a join token may call: enrolment, and the classes it describes the node with.
+ENROL_PATHS = frozenset({f"{AGENT_PREFIX}/register", f"{AGENT_PREFIX}/classes"})
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who called the agents' API: a node (by its credential) or a holder of the join token."""
+
+    node: str | None  # None: the join token
 
 
 def store_of(request: Request) -> SqlStore:
@@ -38,6 +56,34 @@ def kind_for(path: str) -> TokenKind | None:
     if path.startswith("/api/"):
         return TokenKind.ADMIN
     return None
+
+
+def bearer(authorization: str | None, what: str) -> str:
+    """The token of an ``Authorization: Bearer TOKEN`` header; Unauthorized without one."""
+    scheme, _, token = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise Unauthorized(f"this API needs {what} as 'Authorization: Bearer TOKEN'")
+    return token.strip()
+
+
+def check_agent(store: Tokens, authorization: str | None, path: str) -> Caller:
+    """The caller of an agent route: a node by its credential, or (on ``ENROL_PATHS`` only) a
+    holder of a valid join token. Unauthorized otherwise."""
+    token = bearer(authorization, "a node credential (or, to enrol, the join token)")
+    node = store.node_for_credential(token)
+    if node is not None:
+        return Caller(node)
+    if store.verify_token(token, TokenKind.JOIN):
+        if path in ENROL_PATHS:
+            return Caller(None)
+        raise Unauthorized(
+            "the join token only enrols (POST /api/v1/agent/register); every other agent route needs "
+            "the node's own credential, which enrolment returns"
+        )
+    raise Unauthorized(
+        "the token is not a node credential or a valid join token (wrong, revoked, expired, or its "
+        "node was deleted: enrol again)"
+    )
 
 
 def check_bearer(store: Tokens, authorization: str | None, kind: TokenKind) -> None:
@@ -63,12 +109,17 @@ class TokenMiddleware:
         self.store = store
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        kind = kind_for(scope.get("path", "")) if scope["type"] == "http" else None
+        path = scope.get("path", "")
+        kind = kind_for(path) if scope["type"] == "http" else None
         if kind is not None:
             header = Headers(scope=scope).get("authorization")
             response: JSONResponse | None = None
             try:
-                await run_in_threadpool(check_bearer, self.store(), header, kind)
+                if kind is TokenKind.JOIN:
+                    caller = await run_in_threadpool(check_agent, self.store(), header, path)
+                    scope.setdefault("state", {})["caller"] = caller
+                else:
+                    await run_in_threadpool(check_bearer, self.store(), header, kind)
             except Unauthorized as exc:
                 response = JSONResponse(
                     error_body("unauthorized", str(exc)),
@@ -92,6 +143,30 @@ def _declare(
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> None:
     """Declares the Bearer scheme in the OpenAPI document; the middleware has checked it already."""
+
+
+def caller_of(request: Request) -> Caller:
+    """The agent-route caller the middleware recorded."""
+    caller = getattr(request.state, "caller", None)
+    if not isinstance(caller, Caller):
+        raise Unauthorized("this API needs a node credential")
+    return caller
+
+
+def node_of(request: Request) -> str:
+    """The node whose credential called; Forbidden for the join token (it only enrols)."""
+    caller = caller_of(request)
+    if caller.node is None:
+        raise Forbidden("the join token only enrols; use the node's credential")
+    return caller.node
+
+
+def speaks_for(request: Request, node: str) -> str:
+    """The calling node, refused (403) unless it is ``node``: a node speaks only for itself."""
+    own = node_of(request)
+    if own != node:
+        raise Forbidden(f"this credential is node {own}'s; it cannot speak for node {node}")
+    return own
 
 
 admin = Depends(_declare)

@@ -31,6 +31,20 @@ class Unauthorized(FleetserveError):
     """The request carries no valid credentials for this API."""
 
 
+class Forbidden(FleetserveError):
+    """The credentials are valid, but not for this: e.g. one node speaking for another (403)."""
+
+
+class EnrolmentRefused(FleetserveError):
+    """An enrolment with the join token needs an operator's approval; ``kind`` says why
+    (``name_taken`` → 409, ``approval_required`` → 403)."""
+
+    def __init__(self, kind: str, status: int, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.status = status
+
+
 def error_body(kind: str, message: str, problems: Sequence[Problem] = ()) -> dict[str, Any]:
     """The one error shape of the admin API."""
     return {
@@ -93,6 +107,14 @@ def install(app: FastAPI) -> None:
         return JSONResponse(
             error_body("unauthorized", str(exc)), status_code=401, headers={"WWW-Authenticate": "Bearer"}
         )
+
+    @app.exception_handler(Forbidden)
+    async def _forbidden(request: Request, exc: Forbidden) -> JSONResponse:
+        return JSONResponse(error_body("forbidden", str(exc)), status_code=403)
+
+    @app.exception_handler(EnrolmentRefused)
+    async def _refused(request: Request, exc: EnrolmentRefused) -> JSONResponse:
+        return JSONResponse(error_body(exc.kind, str(exc)), status_code=exc.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -15,7 +15,7 @@ import math
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import FrameType
@@ -30,7 +30,9 @@ from fleetserve.autoscale import Signals, load_of
 from fleetserve.gateway.app import Gateway
 from fleetserve.gateway.picker import FRESH_SECONDS
 from fleetserve.reconcile.health import HeartbeatPolicy
+from fleetserve.secretfile import write_secret
 from fleetserve.server.app import Lifespan, Serving, create_app, create_gateway_app
+from fleetserve.server.enrolment import EnrolmentPolicy
 from fleetserve.server.observer import Observer
 from fleetserve.server.reconciler import Reconciler, SignalSource
 from fleetserve.spec.resources import AutoscalePolicy, Deployment, Replica, ReplicaState
@@ -74,12 +76,14 @@ class SharedWindows:
 
 @dataclass(frozen=True)
 class ControlPlane:
-    """What only the control plane runs: the reconciler's pace and deadlines, tokens, model files."""
+    """What only the control plane runs: the reconciler's pace and deadlines, tokens, model files,
+    and the enrolment policy."""
 
     models_dir: Path
     reconcile_interval: float
     policy: HeartbeatPolicy
     token_file: Path | None
+    enrolment: EnrolmentPolicy = field(default_factory=EnrolmentPolicy)
 
 
 def heartbeat_policy(not_ready_after: float, lost_after: float) -> HeartbeatPolicy:
@@ -87,26 +91,45 @@ def heartbeat_policy(not_ready_after: float, lost_after: float) -> HeartbeatPoli
     return HeartbeatPolicy(timedelta(seconds=not_ready_after), timedelta(seconds=lost_after))
 
 
+# Where the first tokens go when no --token-file is named and the output is not a terminal.
+DEFAULT_TOKEN_FILE = Path("fleetserve-tokens.yaml")
+
+
 def ensure_tokens(store: Tokens, token_file: Path | None, console: Console) -> None:
-    """On first start, create the admin and join tokens and show them once (stored hashed)."""
-    existing: set[TokenKind] = {t.kind for t in store.list_tokens() if not t.revoked}
+    """On first start (no token of a kind was ever made), create the admin and join tokens, stored
+    hashed. Their plaintext goes to ``token_file`` (0600, atomically) and never into the output,
+    which is often a log file; without a file, it is shown on a terminal only, else written to
+    ``DEFAULT_TOKEN_FILE``."""
+    ever: set[TokenKind] = {t.kind for t in store.list_tokens()}
     created: dict[str, str] = {}
     now = datetime.now(UTC)
     for kind in (TokenKind.ADMIN, TokenKind.JOIN):
-        if kind not in existing:
+        if kind not in ever:
             created[kind.value] = store.create_token(kind, now).plaintext
     if not created:
         return
-    console.print("[bold]fleetserve: new tokens — shown this once, stored only as hashes:[/]")
-    for name, plaintext in created.items():
-        console.print(f"  {name} token: {plaintext}", markup=False, highlight=False)
-    console.print("  use the admin token with `fleetserve login --token ...` or FLEETSERVE_TOKEN;")
-    console.print("  agents join with the join token.")
-    if token_file is not None:
-        token_file.parent.mkdir(parents=True, exist_ok=True)
-        token_file.write_text(yaml.safe_dump(created), encoding="utf-8")
-        token_file.chmod(0o600)
-        console.print(f"  (also written to {token_file}, mode 0600)", markup=False)
+    if token_file is None and console.is_terminal:
+        console.print("[bold]fleetserve: new tokens — shown this once, stored only as hashes:[/]")
+        for name, plaintext in created.items():
+            console.print(f"  {name} token: {plaintext}", markup=False, highlight=False)
+    else:
+        path = token_file or DEFAULT_TOKEN_FILE
+        try:
+            kept = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError):
+            kept = None
+        where = write_secret(path, yaml.safe_dump({**(kept if isinstance(kept, dict) else {}), **created}))
+        console.print(
+            f"fleetserve: new tokens ({', '.join(created)}) written to {where} (mode 0600); "
+            "only their hashes are stored",
+            markup=False,
+        )
+    console.print("  use the admin token with FLEETSERVE_TOKEN or `fleetserve login`;", markup=False)
+    console.print(
+        "  agents enrol with the join token (FLEETSERVE_JOIN_TOKEN or --token-file); "
+        "rotate with `fleetserve tokens`.",
+        markup=False,
+    )
 
 
 def autoscale_signals(observer: Observer, gateway: Gateway | None) -> SignalSource:
@@ -169,6 +192,7 @@ def server_app(
         models_dir=control.models_dir,
         serving=serving,
         ca_pem=ca_pem,
+        enrolment=control.enrolment,
     )
 
 

@@ -8,10 +8,10 @@ import hashlib
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from enum import StrEnum
 
-from sqlalchemy import select, update
+from sqlalchemy import or_, select, update
 
 from fleetserve.errors import (
     NotFound,
@@ -69,6 +69,11 @@ class TokenRecord:
     kind: TokenKind
     created_at: datetime
     revoked: bool
+    expires_at: datetime | None = None
+
+    def valid(self, now: datetime) -> bool:
+        """Whether the token is accepted at ``now``: not revoked, not expired."""
+        return not self.revoked and (self.expires_at is None or now < self.expires_at)
 
 
 def _hash(plaintext: str) -> str:
@@ -78,24 +83,31 @@ def _hash(plaintext: str) -> str:
 class SqlCredentials(SqlBase):
     """Tokens and API keys, over SQL."""
 
-    def create_token(self, kind: TokenKind, now: datetime) -> IssuedToken:
-        """A new random token of ``kind``. Its plaintext is in the result only; the store keeps
-        its sha256 (tokens are 256 random bits, so a fast hash is enough)."""
+    def create_token(self, kind: TokenKind, now: datetime, expires_at: datetime | None = None) -> IssuedToken:
+        """A new random token of ``kind``, refused after ``expires_at`` if given. Its plaintext is
+        in the result only; the store keeps its sha256 (tokens are 256 random bits, so a fast hash
+        is enough)."""
         kind = TokenKind(kind)
         when = stamp(now)
+        until = stamp(expires_at) if expires_at is not None else None
         plaintext = f"fs_{kind.value}_{secrets.token_urlsafe(32)}"
         with self._write(f"creating a {kind.value} token") as s:
-            row = TokenRow(kind=kind.value, token_hash=_hash(plaintext), created_at=when, revoked=False)
+            row = TokenRow(
+                kind=kind.value, token_hash=_hash(plaintext), created_at=when, revoked=False, expires_at=until
+            )
             s.add(row)
             s.flush()
             return IssuedToken(row.id, kind, plaintext)
 
-    def verify_token(self, plaintext: str, kind: TokenKind) -> bool:
-        """Whether ``plaintext`` is a stored, unrevoked token of ``kind``."""
+    def verify_token(self, plaintext: str, kind: TokenKind, now: datetime | None = None) -> bool:
+        """Whether ``plaintext`` is a stored, unrevoked token of ``kind``, unexpired at ``now``
+        (default: the current time)."""
+        when = stamp(now) if now is not None else datetime.now(UTC)
         query = select(TokenRow.id).where(
             TokenRow.token_hash == _hash(plaintext),
             TokenRow.kind == TokenKind(kind).value,
             TokenRow.revoked.is_(False),
+            or_(TokenRow.expires_at.is_(None), TokenRow.expires_at > when),
         )
         with self._read("verifying a token") as s:
             return s.scalar(query) is not None
@@ -110,9 +122,10 @@ class SqlCredentials(SqlBase):
                 raise NotFound(f"no token with id {token_id} is stored")
 
     def list_tokens(self) -> list[TokenRecord]:
+        """Every admin and join token (no secrets), by id."""
         with self._read("listing tokens") as s:
             rows = s.scalars(select(TokenRow).order_by(TokenRow.id))
-            return [TokenRecord(r.id, TokenKind(r.kind), r.created_at, r.revoked) for r in rows]
+            return [TokenRecord(r.id, TokenKind(r.kind), r.created_at, r.revoked, r.expires_at) for r in rows]
 
     def create_api_key(
         self, name: str, models: Sequence[str], rpm: int | None, tpm: int | None, now: datetime

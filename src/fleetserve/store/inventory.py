@@ -47,6 +47,7 @@ from fleetserve.store.tables import (
     DeviceAllocationRow,
     DeviceClassRow,
     FabricRow,
+    NodeCredentialRow,
     NodeRow,
     ReplicaOrdinalRow,
     ReplicaRow,
@@ -144,6 +145,9 @@ class SqlInventory(SqlBase):
         with self._write(f"setting node {name} {state}") as s:
             row = self._locked_node(s, name)
             row.state = NodeState(state).value
+            if row.state != NodeState.READY.value and row.agent_status and row.agent_status.get("gpuMetrics"):
+                # A node that left Ready speaks for its GPUs no more: its last samples are dropped.
+                row.agent_status = {**row.agent_status, "gpuMetrics": []}
             return node_of(row)
 
     def allocate(self, replica: Replica) -> None:
@@ -302,6 +306,8 @@ class SqlInventory(SqlBase):
                     f"node {name} still holds replicas {sorted(set(held))}; drain it first"
                 )
             self._delete(s, NodeRow, name, "node")
+            # Its credential goes with it: the name enrols anew (with the join token) or not at all.
+            s.connection().execute(delete(NodeCredentialRow).where(NodeCredentialRow.node == name))
 
     def get_replica(self, name: str) -> Replica:
         with self._read(f"reading replica {name}") as s:

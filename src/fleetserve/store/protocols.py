@@ -8,7 +8,7 @@ the observer both read routes); each is small enough to fake in a few lines.
     RouteSource      the gateway's endpoint table     deployments + replica endpoints
     ApiKeys          the gateway's key check          verify an API key
     AgentReports     the observer                     routes + the agents' GPU samples
-    Tokens           auth, token bootstrap            verify, create, list tokens
+    Tokens           auth, token bootstrap            verify, create, list tokens; node credentials
     Deployments      the reconciler                   models, deployments, status, decisions
     Heartbeats       the reconciler                   when each node was last heard from
     Lease            the reconciler                   one leader among servers
@@ -59,13 +59,17 @@ class AgentReports(RouteSource, Protocol):
 
 
 class Tokens(Protocol):
-    """Admin and join tokens: checked on every request, created on first start."""
+    """Admin and join tokens and node credentials: checked on every request, created on first start."""
 
-    def verify_token(self, plaintext: str, kind: TokenKind) -> bool: ...
+    def verify_token(self, plaintext: str, kind: TokenKind, now: datetime | None = None) -> bool: ...
 
-    def create_token(self, kind: TokenKind, now: datetime) -> IssuedToken: ...
+    def create_token(
+        self, kind: TokenKind, now: datetime, expires_at: datetime | None = None
+    ) -> IssuedToken: ...
 
     def list_tokens(self) -> list[TokenRecord]: ...
+
+    def node_for_credential(self, plaintext: str) -> str | None: ...
 
 
 class Deployments(Protocol):

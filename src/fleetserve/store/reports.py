@@ -62,8 +62,9 @@ class SqlReports(SqlBase):
         if epoch is None:
             return
         if epoch != row.epoch:
+            # The message never names the current epoch: it is the node's to know, not a caller's.
             raise StaleEpoch(
-                f"node {row.name} is at epoch {row.epoch}, not {epoch}: it registered again since; "
+                f"node {row.name} registered again since this registration; "
                 "register again and stop every replica not assigned"
             )
         if row.state != NodeState.READY.value:

@@ -2,6 +2,7 @@
 
     SqlBase          store/base.py         engine, transactions, converters
     ├── SqlInventory store/inventory.py    classes, fabrics, nodes, allocation, snapshot, drain
+    │   └── SqlIdentity store/identity.py  enrolment, node credentials, approvals
     ├── SqlReports   store/reports.py      heartbeats, assignments, agents' status reports
     ├── SqlDeployments store/deployments.py  models, deployments, decisions
     ├── SqlCredentials store/credentials.py  tokens, API keys
@@ -22,7 +23,7 @@ from fleetserve.store.base import doc
 from fleetserve.store.credentials import SqlCredentials
 from fleetserve.store.db import make_engine
 from fleetserve.store.deployments import SqlDeployments
-from fleetserve.store.inventory import SqlInventory
+from fleetserve.store.identity import SqlIdentity
 from fleetserve.store.lease import SqlLease
 from fleetserve.store.reports import SqlReports
 from fleetserve.store.schema import migrate
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     from fleetserve.inventory.base import Inventory
 
 
-class SqlStore(SqlInventory, SqlReports, SqlDeployments, SqlCredentials, SqlLease):
+class SqlStore(SqlIdentity, SqlReports, SqlDeployments, SqlCredentials, SqlLease):
     """The state store over a SQLAlchemy engine (SQLite or PostgreSQL), schema already migrated.
 
     The engine stays the caller's unless the store was made by ``open``; ``close`` disposes it."""

@@ -188,6 +188,24 @@ class TokenRow(Base):
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime]
     revoked: Mapped[bool] = mapped_column(Boolean, default=False)
+    # After this instant the token is refused (join tokens made with an expiry); None: never.
+    expires_at: Mapped[datetime | None] = mapped_column(nullable=True)
+
+
+class NodeCredentialRow(Base):
+    """A node's identity: the sha256 of its per-node credential (issued at enrolment, bound to the
+    name), whether an operator approved the next enrolment under the name, and the last enrolment
+    request that waits for that approval."""
+
+    __tablename__ = "node_credentials"
+
+    # No foreign key to nodes: a new name waiting for approval has no node row yet.
+    node: Mapped[str] = mapped_column(NAME, primary_key=True)
+    token_hash: Mapped[str | None] = mapped_column(String(64), unique=True, nullable=True)
+    issued_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    approved: Mapped[bool] = mapped_column(Boolean, default=False)
+    requested_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    requested_from: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class ApiKeyRow(Base):

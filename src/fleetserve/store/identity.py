@@ -1,0 +1,147 @@
+"""Node identity over SQL: enrolment with the join token, per-node credentials bound to a name,
+and operator approvals.
+
+The join token only enrols. ``enrol`` issues a random credential (stored as its sha256) bound to
+the node's name and registers the node, in one transaction. A name that already has a
+credential, or a node an operator declared, is refused until an operator approves the next
+enrolment under it (``approve``); a new name is refused too unless the server's policy approves
+new names. A refused request is recorded (time, source address) so an operator sees what waits.
+Expected refusals are values (``Refused``), not exceptions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from fleetserve.inventory.base import Registration
+from fleetserve.spec.resources import Node
+from fleetserve.store.inventory import SqlInventory
+from fleetserve.store.tables import NodeCredentialRow, NodeRow, stamp
+
+# Enrolment requests of new names kept for an operator to look at; beyond this, not recorded.
+MAX_PENDING = 1000
+CREDENTIAL_PREFIX = "fs_node_"
+
+
+class Refusal(StrEnum):
+    """Why an enrolment with the join token was refused."""
+
+    NAME_TAKEN = "name_taken"  # the name is enrolled (or declared) already: needs an approval
+    APPROVAL_REQUIRED = "approval_required"  # a new name, and new names need an approval
+
+
+@dataclass(frozen=True)
+class Enrolled:
+    """An enrolment: the registration, and the node's credential (plaintext, this once)."""
+
+    registration: Registration
+    credential: str
+
+
+@dataclass(frozen=True)
+class Refused:
+    """An enrolment refused, and why."""
+
+    node: str
+    reason: Refusal
+
+
+@dataclass(frozen=True)
+class EnrolmentRecord:
+    """A name's identity as an operator sees it (no secret)."""
+
+    node: str
+    enrolled: bool
+    issued_at: datetime | None
+    approved: bool
+    requested_at: datetime | None
+    requested_from: str | None
+
+
+def _hash(plaintext: str) -> str:
+    return hashlib.sha256(plaintext.encode()).hexdigest()
+
+
+def _record(row: NodeCredentialRow) -> EnrolmentRecord:
+    return EnrolmentRecord(
+        row.node,
+        row.token_hash is not None,
+        row.issued_at,
+        row.approved,
+        row.requested_at,
+        row.requested_from,
+    )
+
+
+class SqlIdentity(SqlInventory):
+    """Enrolment, node credentials and approvals, over SQL (beside the inventory they register in)."""
+
+    def enrol(self, node: Node, now: datetime, *, approve_new: bool, source: str) -> Enrolled | Refused:
+        """Enrol ``node`` (a join-token request from ``source``): issue its credential and register
+        it, or refuse (recording the request) when the name needs an operator's approval."""
+        when = stamp(now)
+        with self._write(f"enrolling node {node.name}") as s:
+            row = s.scalars(
+                select(NodeCredentialRow).where(NodeCredentialRow.node == node.name).with_for_update()
+            ).one_or_none()
+            known = (row is not None and row.token_hash is not None) or s.get(NodeRow, node.name) is not None
+            approved = row is not None and row.approved
+            if not approved and (known or not approve_new):
+                self._record_request(s, row, node.name, when, source)
+                return Refused(node.name, Refusal.NAME_TAKEN if known else Refusal.APPROVAL_REQUIRED)
+            plaintext = f"{CREDENTIAL_PREFIX}{secrets.token_urlsafe(32)}"
+            if row is None:
+                row = NodeCredentialRow(node=node.name, approved=False)
+                s.add(row)
+            row.token_hash, row.issued_at, row.approved = _hash(plaintext), when, False
+            row.requested_at = row.requested_from = None
+            s.flush()
+            return Enrolled(self._register(s, node), plaintext)
+
+    @staticmethod
+    def _record_request(
+        s: Session, row: NodeCredentialRow | None, name: str, when: datetime, source: str
+    ) -> None:
+        if row is None:
+            pending = s.scalar(
+                select(func.count())
+                .select_from(NodeCredentialRow)
+                .where(NodeCredentialRow.token_hash.is_(None))
+            )
+            if (pending or 0) >= MAX_PENDING:
+                return
+            row = NodeCredentialRow(node=name, approved=False)
+            s.add(row)
+        row.requested_at, row.requested_from = when, source[:64]
+
+    def node_for_credential(self, plaintext: str) -> str | None:
+        """The node a credential is bound to, or None (unknown or revoked)."""
+        with self._read("verifying a node credential") as s:
+            return s.scalar(
+                select(NodeCredentialRow.node).where(NodeCredentialRow.token_hash == _hash(plaintext))
+            )
+
+    def approve(self, name: str, now: datetime) -> EnrolmentRecord:
+        """Let the next enrolment under ``name`` through (a new name, or one enrolled already:
+        the new credential then replaces the old one, which stops working)."""
+        stamp(now)
+        with self._write(f"approving the enrolment of node {name}") as s:
+            row = s.get(NodeCredentialRow, name)
+            if row is None:
+                row = NodeCredentialRow(node=name, approved=True)
+                s.add(row)
+            row.approved = True
+            s.flush()
+            return _record(row)
+
+    def enrolments(self) -> list[EnrolmentRecord]:
+        """Every name with a credential, an approval or a request waiting, by name."""
+        with self._read("listing enrolments") as s:
+            return [_record(r) for r in s.scalars(select(NodeCredentialRow).order_by(NodeCredentialRow.node))]

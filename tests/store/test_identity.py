@@ -1,0 +1,57 @@
+"""Node identity in the store, on SQLite and PostgreSQL: enrolment issues a hashed credential
+bound to the name and registers the node in one transaction; refusals are values, recorded for
+an operator; an approval lets one enrolment through; deleting the node forgets its credential."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from builders import cpu_8c_32g
+from fleetserve.store import SqlStore
+from fleetserve.store.identity import Enrolled, Refusal, Refused
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def test_enrolment_binds_a_credential_to_the_name_and_registers_the_node(store: SqlStore) -> None:
+    enrolled = store.enrol(cpu_8c_32g("n1"), T0, approve_new=True, source="10.0.0.1")
+    assert isinstance(enrolled, Enrolled)
+    assert (enrolled.registration.epoch, enrolled.registration.created) == (1, True)
+    assert store.node_for_credential(enrolled.credential) == "n1"
+    assert store.node_for_credential(enrolled.credential + "x") is None
+    assert [n.name for n in store.nodes()] == ["n1"]
+
+
+def test_a_taken_name_is_refused_recorded_and_let_through_once_after_an_approval(store: SqlStore) -> None:
+    first = store.enrol(cpu_8c_32g("n1"), T0, approve_new=True, source="10.0.0.1")
+    assert isinstance(first, Enrolled)
+    assert store.enrol(cpu_8c_32g("n1"), T0, approve_new=True, source="10.6.6.6") == Refused(
+        "n1", Refusal.NAME_TAKEN
+    )
+    (record,) = store.enrolments()
+    assert (record.enrolled, record.approved, record.requested_from) == (True, False, "10.6.6.6")
+    assert store.epoch("n1") == 1
+
+    store.approve("n1", T0)
+    second = store.enrol(cpu_8c_32g("n1"), T0, approve_new=False, source="10.0.0.2")
+    assert isinstance(second, Enrolled) and second.registration.epoch == 2
+    assert store.node_for_credential(first.credential) is None  # the old credential is retired
+    assert store.node_for_credential(second.credential) == "n1"
+    assert isinstance(store.enrol(cpu_8c_32g("n1"), T0, approve_new=True, source="x"), Refused)
+
+
+def test_a_new_name_waits_for_approval_unless_the_policy_approves_new_names(store: SqlStore) -> None:
+    assert store.enrol(cpu_8c_32g("n2"), T0, approve_new=False, source="10.0.0.9") == Refused(
+        "n2", Refusal.APPROVAL_REQUIRED
+    )
+    assert store.nodes() == []
+    store.approve("n2", T0)
+    assert isinstance(store.enrol(cpu_8c_32g("n2"), T0, approve_new=False, source="10.0.0.9"), Enrolled)
+
+
+def test_deleting_a_node_forgets_its_credential(store: SqlStore) -> None:
+    enrolled = store.enrol(cpu_8c_32g("n1"), T0, approve_new=True, source="10.0.0.1")
+    assert isinstance(enrolled, Enrolled)
+    store.delete_node("n1")
+    assert store.node_for_credential(enrolled.credential) is None
+    assert store.enrolments() == []
