@@ -217,6 +217,7 @@ class Lab:
             "--not-ready-after", str(NOT_READY_AFTER), "--lost-after", str(LOST_AFTER),
             "--token-file", str(token_file), "--models-dir", str(self.workdir / "server-models"),
             "--tls-dir", str(self.ca_file.parent),
+            "--approve-new-nodes",  # the lab's hosts are new names, enrolled without an operator
         ]  # fmt: skip
         self.server = subprocess.Popen(
             args,
@@ -253,7 +254,7 @@ class Lab:
         host.starts += 1
         args = [
             "nsenter", f"--net=/run/netns/{host.netns}",
-            str(FLEETSERVE), "agent", "--server", self.server_url, "--token", self.join_token,
+            str(FLEETSERVE), "agent", "--server", self.server_url,
             "--name", name, "--address", host.address, "--interval", str(AGENT_INTERVAL),
             "--cache-dir", str(host.cache_dir), "--log-dir", str(host.root / "logs"),
             "--state-dir", str(host.state_dir), "--ca-file", str(self.ca_file),
@@ -265,7 +266,7 @@ class Lab:
             args,
             stdout=self._log(f"{name}-agent-{host.starts}"),
             stderr=subprocess.STDOUT,
-            env=_env(),
+            env={**_env(), "FLEETSERVE_JOIN_TOKEN": self.join_token},  # never on argv
             stdin=subprocess.DEVNULL,
             preexec_fn=die_with_parent,  # kept across nsenter's exec
         )
