@@ -20,14 +20,16 @@ def private_dir(path: Path) -> Path:
     return path
 
 
-def write_secret(path: Path, text: str) -> Path:
-    """Write ``text`` to ``path`` atomically, mode 0600 from creation."""
+def write_secret(path: Path, text: str | bytes, mode: int = 0o600) -> Path:
+    """Write ``text`` to ``path`` atomically, with ``mode`` (0600 unless a public file such as a
+    certificate asks for more) from creation."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), mode)
+    data = text.encode("utf-8") if isinstance(text, str) else text
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(text)
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, path)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import ipaddress
-import os
 import secrets
 import socket
 import ssl
@@ -45,6 +44,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fleetserve.errors import FleetserveError
+from fleetserve.secretfile import write_secret
 
 CA_PATH = "/tls/ca.crt"
 """Where a server with a generated CA publishes it (PEM; no credentials needed, the pin checks it)."""
@@ -205,21 +205,6 @@ def pinned_ca(pem: bytes, pin: CaPin, where: str) -> bytes:
 
 
 # --- generating a CA and server certificates ----------------------------------------------------
-
-
-def write_secret(path: Path, data: bytes, mode: int = 0o600) -> None:
-    """Write ``path`` atomically with ``mode`` from its creation: a new file beside it, fsync, rename."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
