@@ -86,15 +86,32 @@ def check_agent(store: Tokens, authorization: str | None, path: str) -> Caller:
     )
 
 
-def check_bearer(store: Tokens, authorization: str | None, kind: TokenKind) -> None:
-    """Raise Unauthorized unless ``authorization`` carries a valid, unrevoked token of ``kind``."""
+@dataclass(frozen=True)
+class Admin:
+    """Who called the admin API: the admin token's id, and how it was presented. ``actor`` is the
+    name the audit log records."""
+
+    token_id: int
+    via: str = "bearer"  # "bearer", or "ui session" for the dashboard's cookie
+
+    @property
+    def actor(self) -> str:
+        suffix = "" if self.via == "bearer" else f" ({self.via})"
+        return f"admin token {self.token_id}{suffix}"
+
+
+def check_bearer(store: Tokens, authorization: str | None, kind: TokenKind) -> int:
+    """The id of the valid, unrevoked token of ``kind`` that ``authorization`` carries;
+    Unauthorized otherwise."""
     scheme, _, token = (authorization or "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise Unauthorized(f"this API needs an {kind.value} token as 'Authorization: Bearer TOKEN'")
-    if not store.verify_token(token.strip(), kind):
+    token_id = store.token_id_for(token.strip(), kind)
+    if token_id is None:
         raise Unauthorized(
             f"the token is not a valid {kind.value} token (wrong, revoked, or of another kind)"
         )
+    return token_id
 
 
 class TokenMiddleware:
@@ -119,7 +136,8 @@ class TokenMiddleware:
                     caller = await run_in_threadpool(check_agent, self.store(), header, path)
                     scope.setdefault("state", {})["caller"] = caller
                 else:
-                    await run_in_threadpool(check_bearer, self.store(), header, kind)
+                    token_id = await run_in_threadpool(check_bearer, self.store(), header, kind)
+                    scope.setdefault("state", {})["admin"] = Admin(token_id)
             except Unauthorized as exc:
                 response = JSONResponse(
                     error_body("unauthorized", str(exc)),
@@ -143,6 +161,14 @@ def _declare(
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> None:
     """Declares the Bearer scheme in the OpenAPI document; the middleware has checked it already."""
+
+
+def admin_of(request: Request) -> Admin:
+    """The admin-route caller the middleware recorded (its token, for the audit log)."""
+    who = getattr(request.state, "admin", None)
+    if not isinstance(who, Admin):
+        raise Unauthorized("this API needs an admin token")
+    return who
 
 
 def caller_of(request: Request) -> Caller:

@@ -102,6 +102,11 @@ class SqlCredentials(SqlBase):
     def verify_token(self, plaintext: str, kind: TokenKind, now: datetime | None = None) -> bool:
         """Whether ``plaintext`` is a stored, unrevoked token of ``kind``, unexpired at ``now``
         (default: the current time)."""
+        return self.token_id_for(plaintext, kind, now) is not None
+
+    def token_id_for(self, plaintext: str, kind: TokenKind, now: datetime | None = None) -> int | None:
+        """The id of the stored, unrevoked token of ``kind`` that ``plaintext`` is, unexpired at
+        ``now`` (default: the current time); None if it is no such token."""
         when = stamp(now) if now is not None else datetime.now(UTC)
         query = select(TokenRow.id).where(
             TokenRow.token_hash == _hash(plaintext),
@@ -110,7 +115,8 @@ class SqlCredentials(SqlBase):
             or_(TokenRow.expires_at.is_(None), TokenRow.expires_at > when),
         )
         with self._read("verifying a token") as s:
-            return s.scalar(query) is not None
+            found: int | None = s.scalar(query)
+            return found
 
     def revoke_token(self, token_id: int) -> None:
         """Revoke a token for good; raises NotFound."""

@@ -224,6 +224,59 @@ class ApiKeyRow(Base):
     revoked: Mapped[bool] = mapped_column(Boolean, default=False)
 
 
+class UsageMinuteRow(Base):
+    """Gateway usage, summed per minute, API key and model by each gateway before it writes (never
+    a row per request). Two gateways add into the same row: the write is an upsert that adds."""
+
+    __tablename__ = "usage_minutes"
+    __table_args__ = (Index("ix_usage_minutes_model_minute", "model", "minute"),)
+
+    # The minute's start (UTC, seconds zero).
+    minute: Mapped[datetime] = mapped_column(primary_key=True)
+    # The API key's id; 0 for requests made without a key (a gateway with auth off).
+    key_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    model: Mapped[str] = mapped_column(NAME, primary_key=True)
+    requests: Mapped[int] = mapped_column(BigInteger, default=0)
+    errors: Mapped[int] = mapped_column(BigInteger, default=0)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class AuditEventRow(Base):
+    """One admin action: who (the actor the auth middleware recorded), what, on what, when."""
+
+    __tablename__ = "audit_events"
+    __table_args__ = (Index("ix_audit_events_at", "at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[datetime]
+    # "admin token 3", or "admin token 3 (ui session)"; see server.auth.actor_of.
+    actor: Mapped[str] = mapped_column(String(255))
+    # apply, delete, cordon, uncordon, drain, key.create, key.revoke, token.create, token.revoke,
+    # node.approve, rollout.undo, ...
+    action: Mapped[str] = mapped_column(String(63))
+    # "Deployment/chat", "Node/gpu-1", "ApiKey/4", ...
+    target: Mapped[str] = mapped_column(String(255))
+    # What else an operator needs to read the event (never a secret).
+    detail: Mapped[dict[str, Any]]
+    # The caller's address, when known.
+    source: Mapped[str | None] = mapped_column(String(64), nullable=True)
+
+
+class UiSessionRow(Base):
+    """A dashboard login: the sha256 of the session cookie's value (never the value), the admin
+    token it was opened with (revoking that token ends the session), its CSRF token's sha256, and
+    when it expires."""
+
+    __tablename__ = "ui_sessions"
+
+    session_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    token_id: Mapped[int] = mapped_column(Integer, ForeignKey("tokens.id", ondelete="CASCADE"), index=True)
+    csrf_hash: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime]
+    expires_at: Mapped[datetime]
+
+
 class LeaderLeaseRow(Base):
     __tablename__ = "leader_lease"
 
