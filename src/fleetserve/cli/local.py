@@ -47,9 +47,13 @@ class UpOptions:
     llama_server: Path | None = None
     # The server's gateway keeps its rate-limit windows in this Redis (--redis-url).
     redis_url: str | None = None
+    # How long the server keeps usage and the audit log (--usage-retention, --audit-retention).
+    usage_retention: str = "30d"
+    audit_retention: str = "365d"
 
     def server_args(self) -> list[str]:
-        return ["--redis-url", self.redis_url] if self.redis_url else []
+        args = ["--usage-retention", self.usage_retention, "--audit-retention", self.audit_retention]
+        return args + (["--redis-url", self.redis_url] if self.redis_url else [])
 
     def agent_args(self) -> list[str]:
         args = ["--allow-private-sources"] if self.allow_private_sources else []

@@ -9,13 +9,14 @@ import typer
 from rich.console import Console
 
 from fleetserve import __version__
-from fleetserve.cli import admin
+from fleetserve.cli import admin, records
 from fleetserve.cli.kube import kube
 from fleetserve.cli.output import fail
 from fleetserve.cli.plan import Output, run_plan
 from fleetserve.errors import ConfigError, FleetserveError
 
 if TYPE_CHECKING:
+    from fleetserve.server.retention import RetentionPolicy
     from fleetserve.tls import ServerTls
 
 app = typer.Typer(
@@ -30,7 +31,8 @@ app = typer.Typer(
         "engines assigned to it. `up` runs server and agent on this machine. `apply`, `get`, "
         "`describe`, `explain`, `logs`, `cordon`, `uncordon`, `drain`, `delete`, `upload` and "
         "`rollout` talk to the control plane over HTTP; `keys` manages the gateway's API keys, "
-        "`tokens` the admin and join tokens. "
+        "`tokens` the admin and join tokens; `usage` prints the gateways' usage per key and model, "
+        "`events` the audit log of admin actions. "
         "The OpenAI API is served under /v1 by `server` (and `up`), and by `gateway` processes to "
         "scale out. `kube` "
         "renders and applies the same placements as Kubernetes objects, without agents."
@@ -160,6 +162,38 @@ GraceSecondsOpt = Annotated[
     ),
 ]
 LogLevelOpt = Annotated[str, typer.Option(help="debug, info, warning or error.")]
+UsageRetentionOpt = Annotated[
+    str,
+    typer.Option(
+        "--usage-retention",
+        help="Keep the gateways' usage (per minute, API key and model) this long, e.g. 30d, 12h; "
+        "older rows are dropped hourly.",
+    ),
+]
+AuditRetentionOpt = Annotated[
+    str,
+    typer.Option(
+        "--audit-retention",
+        help="Keep the audit log of admin actions (`fleetserve events`) this long, e.g. 365d; "
+        "older events are dropped hourly.",
+    ),
+]
+
+
+def _retention(usage: str, audit: str) -> RetentionPolicy:
+    """The retention policy from --usage-retention and --audit-retention."""
+    from datetime import timedelta
+
+    from fleetserve.cli.admin import parse_duration
+    from fleetserve.server.retention import RetentionPolicy
+
+    values: list[timedelta] = []
+    for flag, text in (("--usage-retention", usage), ("--audit-retention", audit)):
+        try:
+            values.append(timedelta(seconds=parse_duration(text)))
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint=flag) from None
+    return RetentionPolicy(values[0], values[1])
 AllowPrivateSourcesOpt = Annotated[
     bool,
     typer.Option(
@@ -261,6 +295,8 @@ def server_command(
     redis_namespace: RedisNamespaceOpt = "fleetserve",
     grace_seconds: GraceSecondsOpt = 30.0,
     log_level: LogLevelOpt = "info",
+    usage_retention: UsageRetentionOpt = "30d",
+    audit_retention: AuditRetentionOpt = "365d",
     tls_cert: TlsCertOpt = None,
     tls_key: TlsKeyOpt = None,
     tls_dir: TlsDirOpt = Path("fleetserve-tls"),
@@ -290,7 +326,12 @@ def server_command(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     control = ControlPlane(
-        models_dir, reconcile_interval, heartbeat_policy(not_ready_after, lost_after), token_file, enrolment
+        models_dir,
+        reconcile_interval,
+        heartbeat_policy(not_ready_after, lost_after),
+        token_file,
+        enrolment,
+        _retention(usage_retention, audit_retention),
     )
     try:
         served = _listen_tls(host, tls_cert, tls_key, tls_dir, tls_san, tls, insecure, "server")
@@ -301,6 +342,7 @@ def server_command(
 
 
 admin.register(app)
+records.register(app)
 
 
 @app.command("agent")
@@ -474,6 +516,8 @@ def up_command(
             help="redis://HOST:PORT/DB: the server's gateway keeps its rate-limit windows there.",
         ),
     ] = None,
+    usage_retention: UsageRetentionOpt = "30d",
+    audit_retention: AuditRetentionOpt = "365d",
 ) -> None:
     """Run the control plane and an agent on this machine over a SQLite file: the quickstart.
 
@@ -483,7 +527,10 @@ def up_command(
     """
     from fleetserve.cli.local import UpOptions, up
 
-    options = UpOptions(allow_private_sources, hf_mirror, hf_token_file, llama_server, redis_url)
+    _retention(usage_retention, audit_retention)  # checked here, before anything starts
+    options = UpOptions(
+        allow_private_sources, hf_mirror, hf_token_file, llama_server, redis_url, usage_retention, audit_retention
+    )
     try:
         up(data_dir, port, model, Console(soft_wrap=True), ready_timeout, options)
     except FleetserveError as err:

@@ -10,6 +10,8 @@
   a client that disconnects closes the upstream request, which cancels it.
 - Tokens count against a key's limit whether or not the client asked for them: the gateway asks
   the engine for the usage event and strips it when the client did not (``sse.UsageTap``).
+- Every answered request is counted per minute, key and model in memory (``gateway.usage``) and
+  written to the store every few seconds and at stop (``gateway.usage_flush``), never per request.
 
 This is the data path, served as raw ASGI (``gateway.asgi``) under uvicorn with uvloop and
 httptools: the body is parsed once with orjson, upstream requests go over ``httpclient``'s pooled
@@ -39,12 +41,14 @@ from fleetserve.gateway.endpoints import EndpointTable, Route
 from fleetserve.gateway.picker import Endpoint, Load, pick, prefix_key_for
 from fleetserve.gateway.ratelimit import Limits
 from fleetserve.gateway.sse import UsageTap, usage_of_body
+from fleetserve.gateway.usage import UsageCounter
+from fleetserve.gateway.usage_flush import FLUSH_SECONDS, UsageFlusher
 from fleetserve.gateway.windows import Held, LocalWindows, Windows
 from fleetserve.httpclient import HttpClient, Origin, Response, UpstreamError
 from fleetserve.metrics.exposition import UNKNOWN_MODEL, FleetMetrics
 from fleetserve.routing import engine_auth
 from fleetserve.store.credentials import ApiKey
-from fleetserve.store.protocols import GatewayStore
+from fleetserve.store.protocols import GatewayStore, UsageSink
 
 log = logging.getLogger("fleetserve.gateway")
 
@@ -173,7 +177,9 @@ class ClientGone(FleetserveError):
 class _Exchange:
     """One request's bookkeeping across its tries: what was sent where, when, and what came back."""
 
-    __slots__ = ("completion", "endpoint", "first_at", "last_at", "prompt", "sent_at", "tap", "usage_total")
+    __slots__ = (
+        "broken", "completion", "endpoint", "first_at", "last_at", "prompt", "sent_at", "tap", "usage_total",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self.endpoint: Endpoint | None = None
@@ -184,6 +190,7 @@ class _Exchange:
         self.usage_total: int | None = None
         self.prompt = 0
         self.completion = 0
+        self.broken = False  # a stream whose upstream broke off after its first byte
 
 
 class Gateway:
@@ -197,8 +204,18 @@ class Gateway:
         metrics: FleetMetrics | None = None,
         engine_waiting: Callable[[str], tuple[float, float] | None] | None = None,
         windows: Windows | None = None,
+        usage: UsageSink | None = None,
+        usage_flush_seconds: float = FLUSH_SECONDS,
     ) -> None:
         self.store = store
+        # Usage per minute, key and model, written to ``usage`` every ``usage_flush_seconds``
+        # (none counted without a sink).
+        self.usage: UsageCounter | None = UsageCounter() if usage is not None else None
+        self.usage_flusher = (
+            UsageFlusher(self.usage, usage, usage_flush_seconds)
+            if self.usage is not None and usage is not None
+            else None
+        )
         self.metrics = metrics
         # replica → (engine-reported waiting requests, age of that figure in seconds), if known
         self.engine_waiting = engine_waiting
@@ -218,10 +235,15 @@ class Gateway:
         self.http = HttpClient()
         await self.table.refresh()
         self.table.start()
+        if self.usage_flusher is not None:
+            self.usage_flusher.start()
 
     async def stop(self) -> None:
-        """Stop following replicas; close the upstream client and the windows."""
+        """Stop following replicas; write the usage counted last; close the upstream client and
+        the windows."""
         await self.table.stop()
+        if self.usage_flusher is not None:
+            await self.usage_flusher.stop()
         if self.http is not None:
             await self.http.aclose()
         await self.windows.aclose()
@@ -429,6 +451,12 @@ class Gateway:
         started: float,
         ex: _Exchange | None,
     ) -> None:
+        usage = self.usage
+        if usage is not None:  # one dict update; written to the store by the flusher
+            usage.add(
+                time.time(), key.id, model, ex.prompt if ex else 0, ex.completion if ex else 0,
+                status >= 400 or (ex is not None and ex.broken),
+            )  # fmt: skip
         metrics = self.metrics
         if metrics is None:
             return
@@ -558,6 +586,7 @@ class Gateway:
             # Never end a broken stream as if it were complete: the client gets an error event
             # (OpenAI clients raise on it) and no [DONE].
             replica = ex.endpoint.replica if ex.endpoint else "?"
+            ex.broken = True
             log.warning("stream from %s broke off: %s", replica, exc)
             await send(
                 {"type": "http.response.body", "body": broken_stream_event(replica), "more_body": False}

@@ -30,6 +30,7 @@ from fleetserve.gateway.asgi import OpenAIApi, ServingApp
 from fleetserve.gateway.windows import RedisWindows, Windows
 from fleetserve.metrics.exposition import FleetMetrics
 from fleetserve.server import auth, limits, problems
+from fleetserve.server.audit import entry, record, record_all
 from fleetserve.server.agents import build_agent_router
 from fleetserve.server.apply import apply_batch
 from fleetserve.server.auth import admin
@@ -37,7 +38,9 @@ from fleetserve.server.enrolment import EnrolmentPolicy
 from fleetserve.server.modelfiles import ModelFiles
 from fleetserve.server.observer import Observer
 from fleetserve.server.params import TEXT_PATTERN, NameParam, NameQuery
+from fleetserve.server.records import build_records_router
 from fleetserve.spec.resources import Node, Replica
+from fleetserve.store.audit import AuditAction
 from fleetserve.store.credentials import ApiKey, TokenKind, TokenRecord
 from fleetserve.store.identity import EnrolmentRecord
 from fleetserve.store.sql import SqlStore
@@ -137,17 +140,26 @@ def _node_view(node: Node, store: SqlStore, replicas: list[Replica], beats: dict
 def build_admin_router(
     store: SqlStore, files: ModelFiles, on_key_revoked: Callable[[], None] | None = None
 ) -> APIRouter:
-    """Every admin route; each needs an admin token."""
+    """Every admin route; each needs an admin token. Every change is recorded in the audit log
+    with its actor once it succeeded (``server.audit``)."""
     api = APIRouter(prefix="/api/v1", dependencies=[admin])
 
     @api.post("/apply", tags=["apply"], summary="Apply documents, all or nothing")
-    def apply(body: ApplyRequest) -> dict[str, Any]:
+    def apply(body: ApplyRequest, request: Request) -> dict[str, Any]:
         applied = apply_batch(body.documents, store)
+        record_all(
+            store,
+            (entry(request, AuditAction.APPLY, f"{a.kind}/{a.name}", {"result": a.result}) for a in applied),
+        )
         return {"applied": [{"kind": a.kind, "name": a.name, "result": a.result} for a in applied]}
 
     @api.post("/keys", tags=["keys"], summary="Create a gateway API key (shown once, stored hashed)")
-    def create_key(body: KeyRequest) -> dict[str, Any]:
+    def create_key(body: KeyRequest, request: Request) -> dict[str, Any]:
         key, plaintext = store.create_api_key(body.name, body.models, body.rpm, body.tpm, datetime.now(UTC))
+        record(
+            store, request, AuditAction.KEY_CREATE, f"ApiKey/{key.id}",
+            {"name": key.name, "models": list(key.models), "rpm": key.rpm, "tpm": key.tpm},
+        )  # fmt: skip
         return {**_key_view(key), "key": plaintext}
 
     @api.get("/keys", tags=["keys"], summary="Gateway API keys (no secrets)")
@@ -155,17 +167,22 @@ def build_admin_router(
         return [_key_view(k) for k in store.list_api_keys()]
 
     @api.delete("/keys/{key_id}", tags=["keys"], summary="Revoke a gateway API key")
-    def revoke_key(key_id: Annotated[int, FastApiPath(ge=1, le=2**31 - 1)]) -> dict[str, Any]:
+    def revoke_key(key_id: Annotated[int, FastApiPath(ge=1, le=2**31 - 1)], request: Request) -> dict[str, Any]:
         store.revoke_api_key(key_id)
+        record(store, request, AuditAction.KEY_REVOKE, f"ApiKey/{key_id}")
         if on_key_revoked is not None:
             on_key_revoked()  # this process's gateway forgets it now; others within seconds
         return {"revoked": key_id}
 
     @api.post("/tokens", tags=["tokens"], summary="Create an admin or join token (shown once, stored hashed)")
-    def create_token(body: TokenRequest) -> dict[str, Any]:
+    def create_token(body: TokenRequest, request: Request) -> dict[str, Any]:
         now = datetime.now(UTC)
         until = now + timedelta(seconds=body.expires_in) if body.expires_in is not None else None
         issued = store.create_token(body.kind, now, until)
+        record(
+            store, request, AuditAction.TOKEN_CREATE, f"Token/{issued.id}",
+            {"kind": issued.kind.value, "expiresAt": until.isoformat() if until else None},
+        )  # fmt: skip
         record = next(t for t in store.list_tokens() if t.id == issued.id)
         return {**_token_view(record, now), "token": issued.plaintext}
 
@@ -175,7 +192,7 @@ def build_admin_router(
         return [_token_view(t, now) for t in store.list_tokens()]
 
     @api.delete("/tokens/{token_id}", tags=["tokens"], summary="Revoke an admin or join token")
-    def revoke_token(token_id: Annotated[int, FastApiPath(ge=1, le=2**31 - 1)]) -> dict[str, Any]:
+    def revoke_token(token_id: Annotated[int, FastApiPath(ge=1, le=2**31 - 1)], request: Request) -> dict[str, Any]:
         now = datetime.now(UTC)
         tokens = {t.id: t for t in store.list_tokens()}
         target = tokens.get(token_id)
@@ -191,6 +208,10 @@ def build_admin_router(
                 ]
             )
         store.revoke_token(token_id)
+        record(
+            store, request, AuditAction.TOKEN_REVOKE, f"Token/{token_id}",
+            {"kind": target.kind.value} if target is not None else None,
+        )  # fmt: skip
         return {"revoked": token_id}
 
     @api.get("/enrolments", tags=["nodes"], summary="Node identities: enrolled, approved, waiting")
@@ -202,8 +223,10 @@ def build_admin_router(
         tags=["nodes"],
         summary="Let the next enrolment under a name through (a new name, or one enrolled already)",
     )
-    def approve(name: NameParam) -> dict[str, Any]:
-        return _enrolment_view(store.approve(name, datetime.now(UTC)))
+    def approve(name: NameParam, request: Request) -> dict[str, Any]:
+        approved = store.approve(name, datetime.now(UTC))
+        record(store, request, AuditAction.NODE_APPROVE, f"Node/{name}", {"reEnrolment": approved.enrolled})
+        return _enrolment_view(approved)
 
     @api.get("/classes", tags=["classes"])
     def list_classes() -> list[dict[str, Any]]:
@@ -217,8 +240,9 @@ def build_admin_router(
         return _doc(cls)
 
     @api.delete("/classes/{name}", tags=["classes"])
-    def delete_class(name: NameParam) -> dict[str, str]:
+    def delete_class(name: NameParam, request: Request) -> dict[str, str]:
         store.delete_class(name)
+        record(store, request, AuditAction.DELETE, f"DeviceClass/{name}")
         return {"deleted": name}
 
     @api.get("/fabrics", tags=["fabrics"])
@@ -238,23 +262,32 @@ def build_admin_router(
         return _node_view(node, store, _replicas_by_node(store.replicas()).get(name, []), beats)
 
     @api.post("/nodes/{name}/cordon", tags=["nodes"], summary="Keep new replicas off a node")
-    def cordon(name: NameParam, body: CordonRequest) -> dict[str, Any]:
-        return _doc(store.cordon(name, body.reason))
+    def cordon(name: NameParam, body: CordonRequest, request: Request) -> dict[str, Any]:
+        node = store.cordon(name, body.reason)
+        record(store, request, AuditAction.CORDON, f"Node/{name}", {"reason": body.reason})
+        return _doc(node)
 
     @api.post("/nodes/{name}/uncordon", tags=["nodes"])
-    def uncordon(name: NameParam) -> dict[str, Any]:
-        return _doc(store.uncordon(name))
+    def uncordon(name: NameParam, request: Request) -> dict[str, Any]:
+        node = store.uncordon(name)
+        record(store, request, AuditAction.UNCORDON, f"Node/{name}")
+        return _doc(node)
 
     @api.post("/nodes/{name}/drain", tags=["nodes"], summary="Cordon a node and move its replicas away")
-    def drain(name: NameParam, body: CordonRequest) -> dict[str, Any]:
+    def drain(name: NameParam, body: CordonRequest, request: Request) -> dict[str, Any]:
         # One transaction: serving replicas turn Draining (out of every route, released once their
         # requests are done), the others are released; the reconciler places replacements elsewhere.
         node, released, draining = store.drain(name, body.reason)
+        record(
+            store, request, AuditAction.DRAIN, f"Node/{name}",
+            {"reason": body.reason, "released": [r.name for r in released], "draining": list(draining)},
+        )  # fmt: skip
         return {**_doc(node), "released": [r.name for r in released], "draining": draining}
 
     @api.delete("/nodes/{name}", tags=["nodes"], summary="Forget a node that holds no replica")
-    def delete_node(name: NameParam) -> dict[str, str]:
+    def delete_node(name: NameParam, request: Request) -> dict[str, str]:
         store.delete_node(name)
+        record(store, request, AuditAction.DELETE, f"Node/{name}")
         return {"deleted": name}
 
     @api.get("/models", tags=["models"])
@@ -266,14 +299,19 @@ def build_admin_router(
         return _doc(store.get_model(name))
 
     @api.delete("/models/{name}", tags=["models"])
-    def delete_model(name: NameParam) -> dict[str, str]:
+    def delete_model(name: NameParam, request: Request) -> dict[str, str]:
         store.delete_model(name)
+        record(store, request, AuditAction.DELETE, f"Model/{name}")
         return {"deleted": name}
 
     @api.put("/models/{name}/file", tags=["models"], summary="Upload the model's file for agents to fetch")
     async def upload_model_file(name: NameParam, request: Request) -> dict[str, Any]:
         model = await run_in_threadpool(store.get_model, name)
         stored = await files.put(name, request.stream(), model.sha256)
+        await run_in_threadpool(
+            record, store, request, AuditAction.MODEL_UPLOAD, f"Model/{name}",
+            {"sha256": stored.sha256, "size": stored.size},
+        )  # fmt: skip
         return {"model": name, "sha256": stored.sha256, "size": stored.size}
 
     @api.get("/deployments", tags=["deployments"])
@@ -300,8 +338,12 @@ def build_admin_router(
         tags=["deployments"],
         summary="Apply the deployment's previous spec again (a rollout back to the previous revision)",
     )
-    def undo_deployment(name: NameParam) -> dict[str, Any]:
+    def undo_deployment(name: NameParam, request: Request) -> dict[str, Any]:
         d = store.undo_deployment(name)
+        record(
+            store, request, AuditAction.ROLLOUT_UNDO, f"Deployment/{name}",
+            {"generation": d.generation, "revision": d.deployment.template_revision()},
+        )  # fmt: skip
         return {
             **_doc(d.deployment),
             "generation": d.generation,
@@ -309,8 +351,9 @@ def build_admin_router(
         }
 
     @api.delete("/deployments/{name}", tags=["deployments"], summary="Delete; its replicas are stopped")
-    def delete_deployment(name: NameParam) -> dict[str, str]:
+    def delete_deployment(name: NameParam, request: Request) -> dict[str, str]:
         store.delete_deployment(name)
+        record(store, request, AuditAction.DELETE, f"Deployment/{name}")
         return {"deleted": name}
 
     @api.get("/deployments/{name}/explain", tags=["deployments"], summary="The latest placement decision")
@@ -397,7 +440,7 @@ class Serving:
                 redis_url, namespace=redis_namespace, on_shared=metrics.set_ratelimit_shared
             )
         gw = (
-            Gateway(store, metrics=metrics, engine_waiting=engine_waiting, windows=windows)
+            Gateway(store, metrics=metrics, engine_waiting=engine_waiting, windows=windows, usage=store)
             if gateway
             else None
         )
@@ -496,6 +539,7 @@ def create_app(
         serving,
         ca_pem,
         build_admin_router(store, files, gw.forget_keys if gw is not None else None),
+        build_records_router(store),
         build_agent_router(store, files, enrolment or EnrolmentPolicy()),
     )
     return app

@@ -10,6 +10,7 @@ reads the same observer and gateway. The CLI parses flags and calls ``run_server
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import threading
@@ -35,6 +36,7 @@ from fleetserve.server.app import Lifespan, Serving, create_app, create_gateway_
 from fleetserve.server.enrolment import EnrolmentPolicy
 from fleetserve.server.observer import Observer
 from fleetserve.server.reconciler import Reconciler, SignalSource
+from fleetserve.server.retention import RetentionPolicy, prune_forever
 from fleetserve.spec.resources import AutoscalePolicy, Deployment, Replica, ReplicaState
 from fleetserve.store.credentials import TokenKind
 from fleetserve.store.protocols import Tokens
@@ -77,13 +79,14 @@ class SharedWindows:
 @dataclass(frozen=True)
 class ControlPlane:
     """What only the control plane runs: the reconciler's pace and deadlines, tokens, model files,
-    and the enrolment policy."""
+    the enrolment policy, and how long usage and the audit log are kept."""
 
     models_dir: Path
     reconcile_interval: float
     policy: HeartbeatPolicy
     token_file: Path | None
     enrolment: EnrolmentPolicy = field(default_factory=EnrolmentPolicy)
+    retention: RetentionPolicy = field(default_factory=RetentionPolicy)
 
 
 def heartbeat_policy(not_ready_after: float, lost_after: float) -> HeartbeatPolicy:
@@ -152,7 +155,7 @@ def autoscale_signals(observer: Observer, gateway: Gateway | None) -> SignalSour
 
 def reconciling(store: SqlStore, control: ControlPlane, serving: Serving) -> Lifespan:
     """The control plane's own lifespan: the reconciler thread, started and stopped with the app,
-    so a SIGTERM hands the lease over before exit."""
+    so a SIGTERM hands the lease over before exit; and the pruning of old usage and audit events."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -170,10 +173,14 @@ def reconciling(store: SqlStore, control: ControlPlane, serving: Serving) -> Lif
             daemon=True,
         )
         loop.start()
+        stop_pruning = asyncio.Event()
+        pruning = asyncio.create_task(prune_forever(store, control.retention, stop_pruning))
         try:
             yield
         finally:
             stop.set()
+            stop_pruning.set()
+            await pruning
             await run_in_threadpool(loop.join, control.reconcile_interval + 10)
 
     return lifespan

@@ -14,6 +14,9 @@ the observer both read routes); each is small enough to fake in a few lines.
     Lease            the reconciler                   one leader among servers
     Drains           the reconciler                   turn replicas Draining (out of the routes)
     ReconcilerStore  the reconciler                   Inventory + the four above
+    UsageSink        the gateway's usage flush        add counts per minute, key and model
+    AuditLog         the admin API                    record an admin action
+    Retention        the server's pruning             drop old usage and audit events
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ from fleetserve.inventory.base import Inventory
 from fleetserve.protocol import AgentStatus
 from fleetserve.routing import ReplicaEndpoint
 from fleetserve.spec.resources import Model
+from fleetserve.store.audit import AuditEntry
 from fleetserve.store.credentials import ApiKey, IssuedToken, TokenKind, TokenRecord
 from fleetserve.store.deployments import StoredDeployment
 from fleetserve.store.reports import NodeHeartbeat
+from fleetserve.store.usage import UsageRecord
 
 if TYPE_CHECKING:
     from fleetserve.store.sql import SqlStore
@@ -110,7 +115,29 @@ class ReconcilerStore(Inventory, Deployments, Heartbeats, Lease, Drains, Protoco
     """Everything the reconciler reads and writes."""
 
 
+class UsageSink(Protocol):
+    """Where a gateway writes the usage it counted: added into the rows per minute, key and model."""
+
+    def add_usage(self, records: Sequence[UsageRecord], now: datetime) -> int: ...
+
+
+class AuditLog(Protocol):
+    """Where the admin API records what admins did."""
+
+    def record_events(self, entries: Sequence[AuditEntry], now: datetime) -> None: ...
+
+
+class Retention(Protocol):
+    """Dropping usage and audit events older than their retention."""
+
+    def prune_usage(self, older_than: datetime) -> int: ...
+
+    def prune_events(self, older_than: datetime) -> int: ...
+
+
 if TYPE_CHECKING:
 
-    def _conforms(store: SqlStore) -> tuple[GatewayStore, AgentReports, Tokens, ReconcilerStore]:
-        return store, store, store, store  # mypy checks that SqlStore provides every view
+    def _conforms(
+        store: SqlStore,
+    ) -> tuple[GatewayStore, AgentReports, Tokens, ReconcilerStore, UsageSink, AuditLog, Retention]:
+        return store, store, store, store, store, store, store  # mypy checks that SqlStore provides every view

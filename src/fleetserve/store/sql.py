@@ -6,6 +6,8 @@
     ├── SqlReports   store/reports.py      heartbeats, assignments, agents' status reports
     ├── SqlDeployments store/deployments.py  models, deployments, decisions
     ├── SqlCredentials store/credentials.py  tokens, API keys
+    ├── SqlUsage     store/usage.py        the gateways' usage per minute, key and model
+    ├── SqlAudit     store/audit.py        the audit log of admin actions
     └── SqlLease     store/lease.py        the reconciler's lease
 
 Consumers depend on the narrow Protocols of ``store/protocols.py`` (and ``inventory.Inventory``),
@@ -19,6 +21,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from fleetserve.spec.loader import Documents
+from fleetserve.store.audit import SqlAudit
 from fleetserve.store.base import doc
 from fleetserve.store.credentials import SqlCredentials
 from fleetserve.store.db import make_engine
@@ -27,6 +30,7 @@ from fleetserve.store.identity import SqlIdentity
 from fleetserve.store.lease import SqlLease
 from fleetserve.store.reports import SqlReports
 from fleetserve.store.schema import migrate
+from fleetserve.store.usage import SqlUsage
 from fleetserve.store.tables import (
     DeviceClassRow,
     FabricRow,
@@ -39,7 +43,7 @@ if TYPE_CHECKING:
     from fleetserve.inventory.base import Inventory
 
 
-class SqlStore(SqlIdentity, SqlReports, SqlDeployments, SqlCredentials, SqlLease):
+class SqlStore(SqlIdentity, SqlReports, SqlDeployments, SqlCredentials, SqlUsage, SqlAudit, SqlLease):
     """The state store over a SQLAlchemy engine (SQLite or PostgreSQL), schema already migrated.
 
     The engine stays the caller's unless the store was made by ``open``; ``close`` disposes it."""

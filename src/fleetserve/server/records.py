@@ -1,0 +1,128 @@
+"""The admin API's records: the gateways' usage (``GET /api/v1/usage``) and the audit log of admin
+actions (``GET /api/v1/events``). Both need an admin token.
+
+Usage is read over a bounded window (at most ``MAX_WINDOW``, and at most ``MAX_BUCKETS`` steps of
+it) and a bounded number of rows; per step, key and model, with totals per key (names included)
+and per model over the same window. One key's usage is ``?key=ID``: there is no separate route.
+Times without a zone are taken as UTC.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query
+from fastapi.exceptions import RequestValidationError
+
+from fleetserve.server.auth import admin
+from fleetserve.server.params import NameQuery
+from fleetserve.store.audit import MAX_EVENTS, AuditAction, AuditEvent
+from fleetserve.store.sql import SqlStore
+from fleetserve.store.usage import MAX_USAGE_ROWS, Step, UsageCounts
+
+# The longest window one usage request may read, and the most steps it may cut it into.
+MAX_WINDOW = timedelta(days=400)
+MAX_BUCKETS = 20_000
+DEFAULT_WINDOW = timedelta(hours=24)
+
+
+def _utc(value: datetime) -> datetime:
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def _invalid(field: str, message: str) -> RequestValidationError:
+    """A 422 naming the query parameter ``field``."""
+    return RequestValidationError([{"loc": ("query", field), "msg": message, "type": "value_error"}])
+
+
+def usage_window(
+    since: datetime | None, until: datetime | None, step: Step, now: datetime
+) -> tuple[datetime, datetime]:
+    """The window a usage request reads: [since, until), by default the last 24 hours, checked."""
+    end = _utc(until) if until is not None else now
+    start = _utc(since) if since is not None else end - DEFAULT_WINDOW
+    if end <= start:
+        raise _invalid("since", f"must be before until ({end.isoformat()})")
+    if end - start > MAX_WINDOW:
+        raise _invalid("since", f"the window is longer than {MAX_WINDOW.days} days: narrow it")
+    buckets = (end - start).total_seconds() / step.seconds
+    if buckets > MAX_BUCKETS:
+        coarser = "hour" if step is Step.MINUTE else "day"
+        raise _invalid(
+            "step",
+            f"{int(buckets)} {step.value}s in the window, more than {MAX_BUCKETS}: use step={coarser} "
+            "or a shorter window",
+        )
+    return start, end
+
+
+def _counts(c: UsageCounts) -> dict[str, int]:
+    return {
+        "requests": c.requests, "errors": c.errors, "promptTokens": c.prompt_tokens,
+        "completionTokens": c.completion_tokens, "totalTokens": c.total_tokens,
+    }  # fmt: skip
+
+
+def event_view(e: AuditEvent) -> dict[str, Any]:
+    """An audit event as the API shows it."""
+    return {
+        "id": e.id, "at": e.at.isoformat(), "actor": e.actor, "action": e.action, "target": e.target,
+        "detail": dict(e.detail), "source": e.source,
+    }  # fmt: skip
+
+
+def build_records_router(store: SqlStore) -> APIRouter:
+    """``/api/v1/usage`` and ``/api/v1/events``; each needs an admin token."""
+    api = APIRouter(prefix="/api/v1", dependencies=[admin])
+
+    @api.get(
+        "/usage",
+        tags=["usage"],
+        summary="Gateway usage per step, API key and model, with totals per key and per model",
+    )
+    def usage(
+        since: Annotated[
+            datetime | None, Query(description="Start (ISO 8601; default: 24 hours before until).")
+        ] = None,
+        until: Annotated[datetime | None, Query(description="End, exclusive (default: now).")] = None,
+        key: Annotated[int | None, Query(ge=0, le=2**31 - 1, description="Only this API key's id.")] = None,
+        model: NameQuery = None,
+        step: Annotated[Step, Query(description="Sum per minute, hour or day.")] = Step.HOUR,
+        limit: Annotated[int, Query(ge=1, le=MAX_USAGE_ROWS, description="At most this many rows.")] = 10_000,
+    ) -> dict[str, Any]:
+        start, end = usage_window(since, until, step, datetime.now(UTC))
+        rows = store.usage(start, end, key_id=key, model=model, step=step, limit=limit)
+        names = {k.id: k.name for k in store.list_api_keys()}
+        per_key = store.usage_totals(start, end, "key", key_id=key, model=model)
+        per_model = store.usage_totals(start, end, "model", key_id=key, model=model)
+        return {
+            "since": start.isoformat(),
+            "until": end.isoformat(),
+            "step": step.value,
+            "rows": [
+                {
+                    "start": r.start.isoformat(), "keyId": r.key_id, "key": names.get(r.key_id),
+                    "model": r.model, **_counts(r.counts),
+                }
+                for r in rows
+            ],  # fmt: skip
+            "truncated": len(rows) == limit,
+            "totals": {
+                "keys": [
+                    {"keyId": k, "key": names.get(k), **_counts(c)} for k, c in sorted(per_key.items())
+                ],
+                "models": [{"model": m, **_counts(c)} for m, c in sorted(per_model.items())],
+                "all": _counts(sum(per_model.values(), UsageCounts())),
+            },
+        }
+
+    @api.get("/events", tags=["events"], summary="The audit log of admin actions, newest first")
+    def events(
+        since: Annotated[datetime | None, Query(description="Only events at or after this time.")] = None,
+        limit: Annotated[int, Query(ge=1, le=MAX_EVENTS, description="At most this many events.")] = 100,
+        action: Annotated[AuditAction | None, Query(description="Only events of this action.")] = None,
+    ) -> list[dict[str, Any]]:
+        return [event_view(e) for e in store.events(_utc(since) if since else None, limit, action)]
+
+    return api
