@@ -23,10 +23,11 @@ MAX_CELLS = 200_000
 class UsageCounter:
     """Requests, errors, prompt and completion tokens per (minute, key, model), in memory."""
 
-    __slots__ = ("_cells", "dropped")
+    __slots__ = ("_cells", "dropped", "max_cells")
 
-    def __init__(self) -> None:
+    def __init__(self, max_cells: int = MAX_CELLS) -> None:
         self._cells: dict[CounterKey, list[int]] = {}
+        self.max_cells = max_cells
         # Cells discarded because MAX_CELLS was reached (a store down for a long time).
         self.dropped = 0
 
@@ -35,7 +36,7 @@ class UsageCounter:
         cell = (int(now // 60), key_id, model)
         counts = self._cells.get(cell)
         if counts is None:
-            if len(self._cells) >= MAX_CELLS:
+            if len(self._cells) >= self.max_cells:
                 self._evict()
             counts = self._cells[cell] = [0, 0, 0, 0]
         counts[0] += 1
@@ -60,7 +61,7 @@ class UsageCounter:
             cell = (int(r.minute.timestamp() // 60), r.key_id, r.model)
             counts = self._cells.get(cell)
             if counts is None:
-                if len(self._cells) >= MAX_CELLS:
+                if len(self._cells) >= self.max_cells:
                     self._evict()
                 counts = self._cells[cell] = [0, 0, 0, 0]
             c = r.counts

@@ -27,12 +27,19 @@ STOP_RETRY_SECONDS = 1.0
 class UsageFlusher:
     """Writes a ``UsageCounter`` into a ``UsageSink`` periodically, and at stop."""
 
-    def __init__(self, counter: UsageCounter, sink: UsageSink, interval: float = FLUSH_SECONDS) -> None:
+    def __init__(
+        self,
+        counter: UsageCounter,
+        sink: UsageSink,
+        interval: float = FLUSH_SECONDS,
+        stop_retry_seconds: float = STOP_RETRY_SECONDS,
+    ) -> None:
         if not interval > 0:
             raise ValueError(f"the usage flush interval must be positive, got {interval}")
         self.counter = counter
         self.sink = sink
         self.interval = interval
+        self.stop_retry_seconds = stop_retry_seconds
         self.failures = 0  # writes that failed in a row
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
@@ -79,7 +86,7 @@ class UsageFlusher:
             self._task = None
         for attempt in range(STOP_TRIES):
             if attempt:
-                await asyncio.sleep(STOP_RETRY_SECONDS)
+                await asyncio.sleep(self.stop_retry_seconds)
             await self.flush()
             if not len(self.counter):
                 return

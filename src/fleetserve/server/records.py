@@ -27,8 +27,13 @@ MAX_BUCKETS = 20_000
 DEFAULT_WINDOW = timedelta(hours=24)
 
 
-def _utc(value: datetime) -> datetime:
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+def _utc(value: datetime, field: str) -> datetime:
+    """``value`` in UTC (a time without a zone is taken as UTC); a 422 naming ``field`` if it is
+    out of range once moved to UTC."""
+    try:
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+    except (OverflowError, ValueError):
+        raise _invalid(field, "out of range once in UTC") from None
 
 
 def _invalid(field: str, message: str) -> RequestValidationError:
@@ -40,8 +45,13 @@ def usage_window(
     since: datetime | None, until: datetime | None, step: Step, now: datetime
 ) -> tuple[datetime, datetime]:
     """The window a usage request reads: [since, until), by default the last 24 hours, checked."""
-    end = _utc(until) if until is not None else now
-    start = _utc(since) if since is not None else end - DEFAULT_WINDOW
+    end = _utc(until, "until") if until is not None else now
+    if since is not None:
+        start = _utc(since, "since")
+    elif end - datetime.min.replace(tzinfo=UTC) > DEFAULT_WINDOW:
+        start = end - DEFAULT_WINDOW
+    else:
+        raise _invalid("until", "too early: nothing was counted then")
     if end <= start:
         raise _invalid("since", f"must be before until ({end.isoformat()})")
     if end - start > MAX_WINDOW:
@@ -123,6 +133,7 @@ def build_records_router(store: SqlStore) -> APIRouter:
         limit: Annotated[int, Query(ge=1, le=MAX_EVENTS, description="At most this many events.")] = 100,
         action: Annotated[AuditAction | None, Query(description="Only events of this action.")] = None,
     ) -> list[dict[str, Any]]:
-        return [event_view(e) for e in store.events(_utc(since) if since else None, limit, action)]
+        start = _utc(since, "since") if since is not None else None
+        return [event_view(e) for e in store.events(start, limit, action)]
 
     return api

@@ -16,9 +16,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
-from sqlalchemy import ColumnElement, delete, func, select, type_coerce
+from sqlalchemy import ColumnElement, delete, func, literal_column, select, type_coerce
 from sqlalchemy.dialects import postgresql, sqlite
 
 from fleetserve.store.base import SqlBase
@@ -99,15 +99,20 @@ def merged(records: Iterable[UsageRecord]) -> dict[tuple[datetime, int, str], Us
     return out
 
 
+# The constants below are literals, not bound parameters: the same expression appears in SELECT and
+# GROUP BY, and PostgreSQL only sees them as one when no parameter differs.
+
+
 def _pg_truncate(step: Step, column: Any) -> ColumnElement[Any]:
     # timezone('UTC', …) first: date_trunc of a timestamptz cuts in the session's time zone.
-    return func.date_trunc(step.value, func.timezone("UTC", column))
+    unit = {Step.HOUR: "'hour'", Step.DAY: "'day'"}[step]
+    return func.date_trunc(literal_column(unit), func.timezone(literal_column("'UTC'"), column))
 
 
 def _sqlite_truncate(step: Step, column: Any) -> ColumnElement[Any]:
     # SQLite keeps UtcDateTime as naive UTC text: cut it with strftime, read back as a timestamp.
-    pattern = {Step.HOUR: "%Y-%m-%d %H:00:00", Step.DAY: "%Y-%m-%d 00:00:00"}[step]
-    return func.strftime(pattern, column)
+    pattern = {Step.HOUR: "'%Y-%m-%d %H:00:00'", Step.DAY: "'%Y-%m-%d 00:00:00'"}[step]
+    return func.strftime(literal_column(pattern), column)
 
 
 # How each database cuts a timestamp to the start of its hour or day.
@@ -193,7 +198,7 @@ class SqlUsage(SqlBase):
         self,
         since: datetime,
         until: datetime,
-        by: str,
+        by: Literal["key", "model"],
         key_id: int | None = None,
         model: str | None = None,
     ) -> dict[Any, UsageCounts]:
