@@ -57,7 +57,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         )
         store.record_event("admin token 1", AuditAction.CORDON, "Node/n1", {"reason": "fan"}, "10.0.0.9", now)
         store.record_event("admin token 2", AuditAction.KEY_REVOKE, "ApiKey/7", {}, None, now)
-        store.record_event("admin token 1", AuditAction.DELETE, "Model/old", {}, None, now - timedelta(days=30))
+        store.record_event(
+            "admin token 1", AuditAction.DELETE, "Model/old", {}, None, now - timedelta(days=30)
+        )
         config = uvicorn.Config(
             create_app(store, models_dir=tmp / "models"), host="127.0.0.1", port=0, log_level="warning"
         )
@@ -122,7 +124,9 @@ def test_usage_with_a_bad_since_or_a_refused_window_exits_2_naming_the_option(
     assert "step" in refused.output and "use step=hour" in refused.output
 
 
-def test_events_prints_the_last_week_newest_first_and_filters_by_action(served: Served, tmp_path: Path) -> None:
+def test_events_prints_the_last_week_newest_first_and_filters_by_action(
+    served: Served, tmp_path: Path
+) -> None:
     result = run(served, tmp_path, "events")
     assert result.exit_code == 0, result.output
     rows = table(result.output)

@@ -95,9 +95,9 @@ def test_every_admin_action_leaves_one_event_with_its_actor_target_and_source(ad
         if path in ("/tokens", "/keys"):
             ids["join" if path == "/tokens" else "key"] = str(answer["id"])
         new = events(admin)[before:]
-        assert [(e["action"], e["target"]) for e in new] == [
-            (a, t.format(**ids)) for a, t in expected
-        ], f"{method} {path}"
+        assert [(e["action"], e["target"]) for e in new] == [(a, t.format(**ids)) for a, t in expected], (
+            f"{method} {path}"
+        )
         assert {(e["actor"], e["source"]) for e in new} == {(me, "testclient")}, f"{method} {path}"
     applied = [e for e in events(admin) if e["action"] == "apply"]
     assert [e["detail"]["result"] for e in applied] == ["created"] * 5 + ["configured"]

@@ -23,7 +23,9 @@ def seed(store: SqlStore, now: datetime) -> None:
         [UsageRecord(now - timedelta(days=d), 1, "chat", UsageCounts(1)) for d in (1, 29, 31, 90)], now
     )
     for days in (1, 364, 366):
-        store.record_event("admin token 1", AuditAction.DELETE, f"Model/m{days}", {}, None, now - timedelta(days=days))
+        store.record_event(
+            "admin token 1", AuditAction.DELETE, f"Model/m{days}", {}, None, now - timedelta(days=days)
+        )
 
 
 def test_prune_once_drops_what_is_older_than_each_retention(store: SqlStore) -> None:

@@ -34,7 +34,9 @@ def test_events_come_back_newest_first_with_everything_recorded(store: SqlStore)
 def test_events_filter_by_time_and_action_and_stop_at_the_limit(store: SqlStore) -> None:
     for minute in range(5):
         action = AuditAction.DRAIN if minute % 2 else AuditAction.UNCORDON
-        store.record_event("admin token 1", action, f"Node/n{minute}", {}, None, T0 + timedelta(minutes=minute))
+        store.record_event(
+            "admin token 1", action, f"Node/n{minute}", {}, None, T0 + timedelta(minutes=minute)
+        )
     assert [e.target for e in store.events(since=T0 + timedelta(minutes=3))] == ["Node/n4", "Node/n3"]
     assert [e.target for e in store.events(action=AuditAction.DRAIN)] == ["Node/n3", "Node/n1"]
     assert [e.target for e in store.events(limit=2)] == ["Node/n4", "Node/n3"]
@@ -48,6 +50,8 @@ def test_a_limit_out_of_bounds_is_refused(store: SqlStore, limit: int) -> None:
 
 def test_prune_drops_the_events_before_the_bound_only(store: SqlStore) -> None:
     for day in range(3):
-        store.record_event("admin token 1", AuditAction.DELETE, f"Model/m{day}", {}, None, T0 + timedelta(days=day))
+        store.record_event(
+            "admin token 1", AuditAction.DELETE, f"Model/m{day}", {}, None, T0 + timedelta(days=day)
+        )
     assert store.prune_events(T0 + timedelta(days=1)) == 1
     assert [e.target for e in store.events()] == ["Model/m2", "Model/m1"]

@@ -144,7 +144,10 @@ def test_usage_returns_at_most_its_limit_of_rows(store: SqlStore) -> None:
         ("a window that ends before it starts", lambda s: s.usage(NOW, T0)),
         ("a limit of zero", lambda s: s.usage(T0, NOW, limit=0)),
         ("a limit past the most rows", lambda s: s.usage(T0, NOW, limit=MAX_USAGE_ROWS + 1)),
-        ("usage of a minute in the future", lambda s: s.add_usage([rec(NOW + timedelta(hours=1), 1, "m")], NOW)),
+        (
+            "usage of a minute in the future",
+            lambda s: s.add_usage([rec(NOW + timedelta(hours=1), 1, "m")], NOW),
+        ),
         ("negative counts", lambda s: s.add_usage([rec(T0, 1, "m", -1)], NOW)),
         ("a naive time", lambda s: s.usage(T0.replace(tzinfo=None), NOW)),
     ],

@@ -194,6 +194,8 @@ def _retention(usage: str, audit: str) -> RetentionPolicy:
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint=flag) from None
     return RetentionPolicy(values[0], values[1])
+
+
 AllowPrivateSourcesOpt = Annotated[
     bool,
     typer.Option(
@@ -529,7 +531,13 @@ def up_command(
 
     _retention(usage_retention, audit_retention)  # checked here, before anything starts
     options = UpOptions(
-        allow_private_sources, hf_mirror, hf_token_file, llama_server, redis_url, usage_retention, audit_retention
+        allow_private_sources,
+        hf_mirror,
+        hf_token_file,
+        llama_server,
+        redis_url,
+        usage_retention,
+        audit_retention,
     )
     try:
         up(data_dir, port, model, Console(soft_wrap=True), ready_timeout, options)

@@ -111,9 +111,13 @@ def register(app: typer.Typer) -> None:
         ] = "7d",
         action: Annotated[
             str | None,
-            typer.Option(help="Only this action: apply, delete, cordon, drain, key.create, token.revoke, ..."),
+            typer.Option(
+                help="Only this action: apply, delete, cordon, drain, key.create, token.revoke, ..."
+            ),
         ] = None,
-        limit: Annotated[int, typer.Option(help="At most this many events, newest first.", min=1, max=1000)] = 100,
+        limit: Annotated[
+            int, typer.Option(help="At most this many events, newest first.", min=1, max=1000)
+        ] = 100,
         server: ServerOpt = None,
         token: TokenOpt = None,
         output: FormatOpt = Format.TABLE,

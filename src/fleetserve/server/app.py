@@ -29,8 +29,7 @@ from fleetserve.gateway.app import Gateway
 from fleetserve.gateway.asgi import OpenAIApi, ServingApp
 from fleetserve.gateway.windows import RedisWindows, Windows
 from fleetserve.metrics.exposition import FleetMetrics
-from fleetserve.server import auth, limits, problems
-from fleetserve.server.audit import entry, record, record_all
+from fleetserve.server import audit, auth, limits, problems
 from fleetserve.server.agents import build_agent_router
 from fleetserve.server.apply import apply_batch
 from fleetserve.server.auth import admin
@@ -147,16 +146,19 @@ def build_admin_router(
     @api.post("/apply", tags=["apply"], summary="Apply documents, all or nothing")
     def apply(body: ApplyRequest, request: Request) -> dict[str, Any]:
         applied = apply_batch(body.documents, store)
-        record_all(
+        audit.record_all(
             store,
-            (entry(request, AuditAction.APPLY, f"{a.kind}/{a.name}", {"result": a.result}) for a in applied),
+            (
+                audit.entry(request, AuditAction.APPLY, f"{a.kind}/{a.name}", {"result": a.result})
+                for a in applied
+            ),
         )
         return {"applied": [{"kind": a.kind, "name": a.name, "result": a.result} for a in applied]}
 
     @api.post("/keys", tags=["keys"], summary="Create a gateway API key (shown once, stored hashed)")
     def create_key(body: KeyRequest, request: Request) -> dict[str, Any]:
         key, plaintext = store.create_api_key(body.name, body.models, body.rpm, body.tpm, datetime.now(UTC))
-        record(
+        audit.record(
             store, request, AuditAction.KEY_CREATE, f"ApiKey/{key.id}",
             {"name": key.name, "models": list(key.models), "rpm": key.rpm, "tpm": key.tpm},
         )  # fmt: skip
@@ -167,9 +169,11 @@ def build_admin_router(
         return [_key_view(k) for k in store.list_api_keys()]
 
     @api.delete("/keys/{key_id}", tags=["keys"], summary="Revoke a gateway API key")
-    def revoke_key(key_id: Annotated[int, FastApiPath(ge=1, le=2**31 - 1)], request: Request) -> dict[str, Any]:
+    def revoke_key(
+        key_id: Annotated[int, FastApiPath(ge=1, le=2**31 - 1)], request: Request
+    ) -> dict[str, Any]:
         store.revoke_api_key(key_id)
-        record(store, request, AuditAction.KEY_REVOKE, f"ApiKey/{key_id}")
+        audit.record(store, request, AuditAction.KEY_REVOKE, f"ApiKey/{key_id}")
         if on_key_revoked is not None:
             on_key_revoked()  # this process's gateway forgets it now; others within seconds
         return {"revoked": key_id}
@@ -179,7 +183,7 @@ def build_admin_router(
         now = datetime.now(UTC)
         until = now + timedelta(seconds=body.expires_in) if body.expires_in is not None else None
         issued = store.create_token(body.kind, now, until)
-        record(
+        audit.record(
             store, request, AuditAction.TOKEN_CREATE, f"Token/{issued.id}",
             {"kind": issued.kind.value, "expiresAt": until.isoformat() if until else None},
         )  # fmt: skip
@@ -192,7 +196,9 @@ def build_admin_router(
         return [_token_view(t, now) for t in store.list_tokens()]
 
     @api.delete("/tokens/{token_id}", tags=["tokens"], summary="Revoke an admin or join token")
-    def revoke_token(token_id: Annotated[int, FastApiPath(ge=1, le=2**31 - 1)], request: Request) -> dict[str, Any]:
+    def revoke_token(
+        token_id: Annotated[int, FastApiPath(ge=1, le=2**31 - 1)], request: Request
+    ) -> dict[str, Any]:
         now = datetime.now(UTC)
         tokens = {t.id: t for t in store.list_tokens()}
         target = tokens.get(token_id)
@@ -208,7 +214,7 @@ def build_admin_router(
                 ]
             )
         store.revoke_token(token_id)
-        record(
+        audit.record(
             store, request, AuditAction.TOKEN_REVOKE, f"Token/{token_id}",
             {"kind": target.kind.value} if target is not None else None,
         )  # fmt: skip
@@ -225,7 +231,9 @@ def build_admin_router(
     )
     def approve(name: NameParam, request: Request) -> dict[str, Any]:
         approved = store.approve(name, datetime.now(UTC))
-        record(store, request, AuditAction.NODE_APPROVE, f"Node/{name}", {"reEnrolment": approved.enrolled})
+        audit.record(
+            store, request, AuditAction.NODE_APPROVE, f"Node/{name}", {"reEnrolment": approved.enrolled}
+        )
         return _enrolment_view(approved)
 
     @api.get("/classes", tags=["classes"])
@@ -242,7 +250,7 @@ def build_admin_router(
     @api.delete("/classes/{name}", tags=["classes"])
     def delete_class(name: NameParam, request: Request) -> dict[str, str]:
         store.delete_class(name)
-        record(store, request, AuditAction.DELETE, f"DeviceClass/{name}")
+        audit.record(store, request, AuditAction.DELETE, f"DeviceClass/{name}")
         return {"deleted": name}
 
     @api.get("/fabrics", tags=["fabrics"])
@@ -264,13 +272,13 @@ def build_admin_router(
     @api.post("/nodes/{name}/cordon", tags=["nodes"], summary="Keep new replicas off a node")
     def cordon(name: NameParam, body: CordonRequest, request: Request) -> dict[str, Any]:
         node = store.cordon(name, body.reason)
-        record(store, request, AuditAction.CORDON, f"Node/{name}", {"reason": body.reason})
+        audit.record(store, request, AuditAction.CORDON, f"Node/{name}", {"reason": body.reason})
         return _doc(node)
 
     @api.post("/nodes/{name}/uncordon", tags=["nodes"])
     def uncordon(name: NameParam, request: Request) -> dict[str, Any]:
         node = store.uncordon(name)
-        record(store, request, AuditAction.UNCORDON, f"Node/{name}")
+        audit.record(store, request, AuditAction.UNCORDON, f"Node/{name}")
         return _doc(node)
 
     @api.post("/nodes/{name}/drain", tags=["nodes"], summary="Cordon a node and move its replicas away")
@@ -278,7 +286,7 @@ def build_admin_router(
         # One transaction: serving replicas turn Draining (out of every route, released once their
         # requests are done), the others are released; the reconciler places replacements elsewhere.
         node, released, draining = store.drain(name, body.reason)
-        record(
+        audit.record(
             store, request, AuditAction.DRAIN, f"Node/{name}",
             {"reason": body.reason, "released": [r.name for r in released], "draining": list(draining)},
         )  # fmt: skip
@@ -287,7 +295,7 @@ def build_admin_router(
     @api.delete("/nodes/{name}", tags=["nodes"], summary="Forget a node that holds no replica")
     def delete_node(name: NameParam, request: Request) -> dict[str, str]:
         store.delete_node(name)
-        record(store, request, AuditAction.DELETE, f"Node/{name}")
+        audit.record(store, request, AuditAction.DELETE, f"Node/{name}")
         return {"deleted": name}
 
     @api.get("/models", tags=["models"])
@@ -301,7 +309,7 @@ def build_admin_router(
     @api.delete("/models/{name}", tags=["models"])
     def delete_model(name: NameParam, request: Request) -> dict[str, str]:
         store.delete_model(name)
-        record(store, request, AuditAction.DELETE, f"Model/{name}")
+        audit.record(store, request, AuditAction.DELETE, f"Model/{name}")
         return {"deleted": name}
 
     @api.put("/models/{name}/file", tags=["models"], summary="Upload the model's file for agents to fetch")
@@ -309,7 +317,7 @@ def build_admin_router(
         model = await run_in_threadpool(store.get_model, name)
         stored = await files.put(name, request.stream(), model.sha256)
         await run_in_threadpool(
-            record, store, request, AuditAction.MODEL_UPLOAD, f"Model/{name}",
+            audit.record, store, request, AuditAction.MODEL_UPLOAD, f"Model/{name}",
             {"sha256": stored.sha256, "size": stored.size},
         )  # fmt: skip
         return {"model": name, "sha256": stored.sha256, "size": stored.size}
@@ -340,7 +348,7 @@ def build_admin_router(
     )
     def undo_deployment(name: NameParam, request: Request) -> dict[str, Any]:
         d = store.undo_deployment(name)
-        record(
+        audit.record(
             store, request, AuditAction.ROLLOUT_UNDO, f"Deployment/{name}",
             {"generation": d.generation, "revision": d.deployment.template_revision()},
         )  # fmt: skip
@@ -353,7 +361,7 @@ def build_admin_router(
     @api.delete("/deployments/{name}", tags=["deployments"], summary="Delete; its replicas are stopped")
     def delete_deployment(name: NameParam, request: Request) -> dict[str, str]:
         store.delete_deployment(name)
-        record(store, request, AuditAction.DELETE, f"Deployment/{name}")
+        audit.record(store, request, AuditAction.DELETE, f"Deployment/{name}")
         return {"deleted": name}
 
     @api.get("/deployments/{name}/explain", tags=["deployments"], summary="The latest placement decision")

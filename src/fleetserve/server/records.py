@@ -112,16 +112,17 @@ def build_records_router(store: SqlStore) -> APIRouter:
             "step": step.value,
             "rows": [
                 {
-                    "start": r.start.isoformat(), "keyId": r.key_id, "key": names.get(r.key_id),
-                    "model": r.model, **_counts(r.counts),
+                    "start": r.start.isoformat(),
+                    "keyId": r.key_id,
+                    "key": names.get(r.key_id),
+                    "model": r.model,
+                    **_counts(r.counts),
                 }
                 for r in rows
-            ],  # fmt: skip
+            ],
             "truncated": len(rows) == limit,
             "totals": {
-                "keys": [
-                    {"keyId": k, "key": names.get(k), **_counts(c)} for k, c in sorted(per_key.items())
-                ],
+                "keys": [{"keyId": k, "key": names.get(k), **_counts(c)} for k, c in sorted(per_key.items())],
                 "models": [{"model": m, **_counts(c)} for m, c in sorted(per_model.items())],
                 "all": _counts(sum(per_model.values(), UsageCounts())),
             },

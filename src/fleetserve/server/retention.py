@@ -6,6 +6,7 @@ than a bound is idempotent), so no leader is needed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -53,7 +54,5 @@ async def prune_forever(
         else:
             if usage or events:
                 log.info("pruned %d usage rows and %d audit events past their retention", usage, events)
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), interval)
-        except TimeoutError:
-            pass

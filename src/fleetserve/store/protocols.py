@@ -140,4 +140,12 @@ if TYPE_CHECKING:
     def _conforms(
         store: SqlStore,
     ) -> tuple[GatewayStore, AgentReports, Tokens, ReconcilerStore, UsageSink, AuditLog, Retention]:
-        return store, store, store, store, store, store, store  # mypy checks that SqlStore provides every view
+        return (
+            store,
+            store,
+            store,
+            store,
+            store,
+            store,
+            store,
+        )  # mypy checks that SqlStore provides every view

@@ -30,12 +30,12 @@ from fleetserve.store.identity import SqlIdentity
 from fleetserve.store.lease import SqlLease
 from fleetserve.store.reports import SqlReports
 from fleetserve.store.schema import migrate
-from fleetserve.store.usage import SqlUsage
 from fleetserve.store.tables import (
     DeviceClassRow,
     FabricRow,
     ModelRow,
 )
+from fleetserve.store.usage import SqlUsage
 
 if TYPE_CHECKING:
     import os

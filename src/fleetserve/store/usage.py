@@ -132,7 +132,9 @@ class SqlUsage(SqlBase):
         latest = stamp(now) + FUTURE_SLACK
         for (minute, key_id, model), counts in rows.items():
             if minute > latest:
-                raise ValueError(f"usage of minute {minute.isoformat()} is in the future (now {now.isoformat()})")
+                raise ValueError(
+                    f"usage of minute {minute.isoformat()} is in the future (now {now.isoformat()})"
+                )
             if min(counts.requests, counts.errors, counts.prompt_tokens, counts.completion_tokens) < 0:
                 raise ValueError(f"negative usage for key {key_id}, model {model!r}: {counts}")
         if not rows:
@@ -140,7 +142,8 @@ class SqlUsage(SqlBase):
         values = [
             {
                 "minute": minute, "key_id": key_id, "model": model, "requests": c.requests,
-                "errors": c.errors, "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
+                "errors": c.errors, "prompt_tokens": c.prompt_tokens,
+                "completion_tokens": c.completion_tokens,
             }
             for (minute, key_id, model), c in sorted(rows.items())
         ]  # fmt: skip
@@ -215,9 +218,7 @@ class SqlUsage(SqlBase):
             .group_by(column)
         )  # fmt: skip
         with self._read(f"summing usage per {by}") as s:
-            return {
-                r[0]: UsageCounts(int(r[1]), int(r[2]), int(r[3]), int(r[4])) for r in s.execute(query)
-            }
+            return {r[0]: UsageCounts(int(r[1]), int(r[2]), int(r[3]), int(r[4])) for r in s.execute(query)}
 
     def prune_usage(self, older_than: datetime) -> int:
         """Delete the usage of minutes before ``older_than``; how many rows went."""
