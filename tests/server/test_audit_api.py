@@ -233,3 +233,9 @@ def test_events_filter_by_action_and_time(admin: Admin) -> None:
     later = (datetime.now(UTC) + timedelta(minutes=1)).isoformat()
     assert admin.call("GET", "/events", params={"since": later}) == []
     assert [e["action"] for e in admin.call("GET", "/events", params={"limit": 2})] == ["uncordon", "cordon"]
+
+
+def test_the_servers_own_gateway_counts_usage_into_the_store(sqlite_store: SqlStore) -> None:
+    gateway = create_app(sqlite_store).state.gateway
+    assert gateway.usage is not None and gateway.usage_flusher is not None
+    assert gateway.usage_flusher.sink is sqlite_store

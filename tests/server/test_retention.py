@@ -76,3 +76,10 @@ def test_the_retention_flags_are_in_the_help(command: str) -> None:
     result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0
     assert "--usage-retention" in result.output and "--audit-retention" in result.output
+
+
+def test_up_passes_the_retention_flags_on_to_its_server() -> None:
+    from fleetserve.cli.local import UpOptions
+
+    args = UpOptions(usage_retention="7d", audit_retention="90d").server_args()
+    assert args[:4] == ["--usage-retention", "7d", "--audit-retention", "90d"]
