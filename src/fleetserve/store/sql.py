@@ -6,6 +6,7 @@
     ├── SqlReports   store/reports.py      heartbeats, assignments, agents' status reports
     ├── SqlDeployments store/deployments.py  models, deployments, decisions
     ├── SqlCredentials store/credentials.py  tokens, API keys
+    ├── SqlSessions  store/sessions.py     the dashboard's login sessions
     └── SqlLease     store/lease.py        the reconciler's lease
 
 Consumers depend on the narrow Protocols of ``store/protocols.py`` (and ``inventory.Inventory``),
@@ -27,6 +28,7 @@ from fleetserve.store.identity import SqlIdentity
 from fleetserve.store.lease import SqlLease
 from fleetserve.store.reports import SqlReports
 from fleetserve.store.schema import migrate
+from fleetserve.store.sessions import SqlSessions
 from fleetserve.store.tables import (
     DeviceClassRow,
     FabricRow,
@@ -39,7 +41,7 @@ if TYPE_CHECKING:
     from fleetserve.inventory.base import Inventory
 
 
-class SqlStore(SqlIdentity, SqlReports, SqlDeployments, SqlCredentials, SqlLease):
+class SqlStore(SqlIdentity, SqlReports, SqlDeployments, SqlCredentials, SqlSessions, SqlLease):
     """The state store over a SQLAlchemy engine (SQLite or PostgreSQL), schema already migrated.
 
     The engine stays the caller's unless the store was made by ``open``; ``close`` disposes it."""
