@@ -114,7 +114,16 @@ def dash(
         context.set_default_timeout(UI_TIMEOUT_MS)
         page = context.new_page()
         dashboard = Dashboard(server, agents, root, model, artefacts, browser, page)
-        page.on("console", lambda m: dashboard.console_errors.append(m.text) if m.type == "error" else None)
+        # Script errors and CSP refusals; a refused login's 401 is expected, so answers are not.
+        page.on("pageerror", lambda e: dashboard.console_errors.append(str(e)))
+        page.on(
+            "console",
+            lambda m: (
+                dashboard.console_errors.append(m.text)
+                if m.type == "error" and not m.text.startswith("Failed to load resource")
+                else None
+            ),
+        )
         try:
             yield dashboard
         finally:
@@ -261,7 +270,9 @@ def test_a_key_is_created_shown_once_works_and_is_revoked_from_the_ui(dash: Dash
     row = page.locator("#keys tr", has_text="ui-made")
     expect(row).to_contain_text("600 rpm")
     dash.shot("keys-created-1280")
-    gateway = httpx.Client(base_url=dash.server.url, headers={"Authorization": f"Bearer {secret}"}, timeout=30)
+    gateway = httpx.Client(
+        base_url=dash.server.url, headers={"Authorization": f"Bearer {secret}"}, timeout=30
+    )
     with gateway:
         assert gateway.get("/v1/models").status_code == 200
         page.once("dialog", lambda d: d.accept())
@@ -299,7 +310,17 @@ def test_usage_of_the_playground_and_key_requests_is_shown(dash: Dashboard) -> N
 
 @pytest.mark.parametrize(
     "path",
-    ["/ui/fleet", "/ui/deployments", "/ui/deployments?name=big", "/ui/replica?name=tiny-0", "/ui/playground", "/ui/keys", "/ui/usage", "/ui/events", "/ui/login"],
+    [
+        "/ui/fleet",
+        "/ui/deployments",
+        "/ui/deployments?name=big",
+        "/ui/replica?name=tiny-0",
+        "/ui/playground",
+        "/ui/keys",
+        "/ui/usage",
+        "/ui/events",
+        "/ui/login",
+    ],
 )
 def test_every_page_fits_a_phone_without_sideways_scrolling(dash: Dashboard, path: str) -> None:
     context = dash.browser.new_context(viewport=PHONE, is_mobile=True, has_touch=True)
@@ -308,7 +329,9 @@ def test_every_page_fits_a_phone_without_sideways_scrolling(dash: Dashboard, pat
         page = context.new_page()
         page.goto(dash.url(path))
         page.wait_for_load_state("networkidle")
-        page.wait_for_function("document.querySelector('main') && !document.querySelector('main').textContent.includes('Loading…')")
+        page.wait_for_function(
+            "document.querySelector('main') && !document.querySelector('main').textContent.includes('Loading…')"
+        )
         width = page.evaluate("document.documentElement.scrollWidth")
         assert width <= PHONE["width"], f"{path} is {width} px wide at {PHONE['width']} px"
         name = re.sub(r"[^a-z0-9]+", "-", path.removeprefix("/ui/")).strip("-")

@@ -69,7 +69,9 @@ def ui(store: SqlStore) -> Iterator[Ui]:
     app = create_app(store)
     with TestClient(app, raise_server_exceptions=False, follow_redirects=False) as client:
         applied = client.post(
-            "/api/v1/apply", json={"documents": [NODE]}, headers={"Authorization": f"Bearer {admin.plaintext}"}
+            "/api/v1/apply",
+            json={"documents": [NODE]},
+            headers={"Authorization": f"Bearer {admin.plaintext}"},
         )
         assert applied.status_code == 200, applied.text
         yield Ui(client, store, admin.plaintext, admin.id, join)
@@ -243,7 +245,12 @@ def test_the_login_page_and_static_files_need_no_session_and_nothing_else_is_ser
     script = ui.client.get("/ui/static/main.js")
     assert script.status_code == 200 and script.headers["content-type"].startswith("text/javascript")
     assert ui.client.get("/ui/static/app.css").headers["content-type"].startswith("text/css")
-    for path in ("/ui/static/..%2Fui.py", "/ui/static/index.html", "/ui/static/__init__.py", "/ui/static/nope.js"):
+    for path in (
+        "/ui/static/..%2Fui.py",
+        "/ui/static/index.html",
+        "/ui/static/__init__.py",
+        "/ui/static/nope.js",
+    ):
         assert ui.client.get(path).status_code == 404, path
 
 
@@ -267,7 +274,14 @@ def test_the_front_end_has_no_inline_script_no_remote_asset_and_no_html_from_dat
         assert not re.search(r"\son[a-z]+\s*=", text), "an inline event handler"
         assert "style=" not in text
     if path.suffix == ".js":
-        for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", "new Function"):
+        for sink in (
+            "innerHTML",
+            "outerHTML",
+            "insertAdjacentHTML",
+            "document.write",
+            "eval(",
+            "new Function",
+        ):
             assert sink not in text, f"{sink} in {path.name}"
 
 

@@ -101,4 +101,4 @@ def test_a_session_needs_a_positive_ttl_and_an_aware_time(store: SqlStore) -> No
     with pytest.raises(ValueError, match="positive ttl"):
         store.open_session(token.id, T0, timedelta(0))
     with pytest.raises(ValueError, match="timezone-aware"):
-        store.open_session(token.id, datetime(2026, 1, 1), TTL)  # noqa: DTZ001
+        store.open_session(token.id, datetime(2026, 1, 1), TTL)

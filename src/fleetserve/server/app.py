@@ -2,10 +2,10 @@
 
 Admin routes need an admin token (or the dashboard's session, see ``server/auth.py``); agent
 routes a node's credential (the join token only enrols). The control plane also serves the web
-dashboard at /ui over that admin API (``server/ui.py``). ``create_gateway_app`` is the app of an extra gateway process; both apps answer
-``/healthz``, ``/metrics`` and /v1 over one ``Serving`` (fleetserve.server.process assembles the
-processes). Every error is JSON in one shape (``fleetserve.server.problems``); bad input is a 4xx
-naming the field.
+dashboard at /ui over that admin API (``server/ui.py``). ``create_gateway_app`` is the app of an
+extra gateway process; both apps answer ``/healthz``, ``/metrics`` and /v1 over one ``Serving``
+(fleetserve.server.process assembles the processes). Every error is JSON in one shape
+(``fleetserve.server.problems``); bad input is a 4xx naming the field.
 """
 
 from __future__ import annotations

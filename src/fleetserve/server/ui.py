@@ -119,7 +119,7 @@ def _token_of(body: bytes, content_type: str) -> str | None:
         value = data.get("token") if isinstance(data, dict) else None
     elif content_type.startswith("application/x-www-form-urlencoded"):
         fields = urllib.parse.parse_qs(body.decode("utf-8", "replace"), max_num_fields=4)
-        value = (fields.get("token") or [None])[0]
+        value = next(iter(fields.get("token", [])), None)
     return value.strip() if isinstance(value, str) and value.strip() else None
 
 
@@ -132,7 +132,9 @@ def build_ui_router(store: AdminAuth, throttle: LoginThrottle | None = None) -> 
     def wants_json(request: Request) -> bool:
         return request.headers.get("content-type", "").startswith("application/json")
 
-    def refused(request: Request, status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    def refused(
+        request: Request, status: int, message: str, headers: dict[str, str] | None = None
+    ) -> Response:
         if wants_json(request):
             kind = "unauthorized" if status == 401 else "too_many_requests"
             body = {"error": {"type": kind, "message": message, "problems": []}}
@@ -144,7 +146,7 @@ def build_ui_router(store: AdminAuth, throttle: LoginThrottle | None = None) -> 
 
     async def has_session(request: Request) -> bool:
         cookie = request.cookies.get(SESSION_COOKIE)
-        return bool(cookie) and await run_in_threadpool(store.check_session, cookie) is not None
+        return cookie is not None and await run_in_threadpool(store.check_session, cookie) is not None
 
     @ui.get(UI)
     @ui.get(f"{UI}/")
@@ -161,9 +163,8 @@ def build_ui_router(store: AdminAuth, throttle: LoginThrottle | None = None) -> 
         wait = throttle.retry_after(address, time.monotonic())
         if wait is not None:
             seconds = max(1, round(wait))
-            return refused(
-                request, 429, f"Too many failed logins: try again in {seconds} s.", {"Retry-After": str(seconds)}
-            )
+            message = f"Too many failed logins: try again in {seconds} s."
+            return refused(request, 429, message, {"Retry-After": str(seconds)})
         body = await _bounded_body(request)
         token = _token_of(body, request.headers.get("content-type", "")) if body is not None else None
         token_id = None
@@ -183,12 +184,14 @@ def build_ui_router(store: AdminAuth, throttle: LoginThrottle | None = None) -> 
             response = RedirectResponse(HOME, status_code=303)
         secure = request.url.scheme == "https"
         age = int(SESSION_TTL.total_seconds())
-        response.set_cookie(
-            SESSION_COOKIE, opened.cookie, max_age=age, path="/", secure=secure, httponly=True, samesite="strict"
-        )
-        response.set_cookie(
-            CSRF_COOKIE, opened.csrf, max_age=age, path="/", secure=secure, httponly=False, samesite="strict"
-        )
+        # The session cookie is HttpOnly; the page reads the CSRF token from its own cookie.
+        for name, value, httponly in (
+            (SESSION_COOKIE, opened.cookie, True),
+            (CSRF_COOKIE, opened.csrf, False),
+        ):
+            response.set_cookie(
+                name, value, max_age=age, path="/", secure=secure, httponly=httponly, samesite="strict"
+            )
         return _secured(response)
 
     @ui.post(LOGOUT)

@@ -61,12 +61,11 @@ class SqlSessions(SqlBase):
         cookie = secrets.token_urlsafe(32)
         csrf = secrets.token_urlsafe(32)
         with self._write("opening a dashboard session") as s:
-            s.add(
-                UiSessionRow(
-                    session_hash=_hash(cookie), token_id=token_id, csrf_hash=_hash(csrf),
-                    created_at=when, expires_at=when + ttl,
-                )  # fmt: skip
-            )
+            row = UiSessionRow(
+                session_hash=_hash(cookie), token_id=token_id, csrf_hash=_hash(csrf),
+                created_at=when, expires_at=when + ttl,
+            )  # fmt: skip
+            s.add(row)
         return OpenedSession(cookie, csrf, token_id, when + ttl)
 
     def check_session(self, cookie: str, now: datetime | None = None) -> UiSession | None:
