@@ -50,7 +50,6 @@ NODE = "node-d"
 DESKTOP = {"width": 1280, "height": 900}
 PHONE = {"width": 390, "height": 844}
 GPU_CLASS = "nvidia-h100-80gb"
-AMD_CLASS = "amd-mi300x"
 UI_TIMEOUT_MS = 30_000
 
 
@@ -97,7 +96,7 @@ def dash(
     if not CHROMIUM.exists():
         pytest.fail(f"{CHROMIUM} is missing: scripts/bootstrap.sh test installs Debian's chromium")
     root = tmp_path_factory.mktemp("dashboard")
-    model = tmp_path_factory.mktemp("model") / "tiny.gguf"
+    model = root / "tiny.gguf"  # under the agent's --model-dir (the agents' parent directory)
     made = run_cli("dev", "tiny-model", str(model))
     assert made.returncode == 0, made.stderr
     server = module_servers.start(
@@ -206,7 +205,6 @@ def test_the_fleet_page_shows_nodes_by_vendor_and_class_and_cordons_from_the_ui(
 def test_an_unschedulable_deployment_explains_why_with_counts(dash: Dashboard) -> None:
     dash.server.apply(
         [
-            {"kind": "DeviceClass", "name": AMD_CLASS, "driver": "gpu.amd.com", "memory": "192GB"},
             {
                 "kind": "Model",
                 "name": "m-big",
@@ -218,7 +216,8 @@ def test_an_unschedulable_deployment_explains_why_with_counts(dash: Dashboard) -
                 "kind": "Deployment",
                 "name": "big",
                 "model": "m-big",
-                "profiles": [{"name": "mi300", "engine": "vllm", "class": AMD_CLASS}],
+                # 16 H100 on one node: gpu-a has 8, node-d none.
+                "profiles": [{"name": "h100x16", "engine": "vllm", "deviceClass": GPU_CLASS, "devicesPerNode": 16}],
             },
         ]
     )
@@ -226,7 +225,7 @@ def test_an_unschedulable_deployment_explains_why_with_counts(dash: Dashboard) -
     dash.goto("/ui/deployments?name=big")
     explanation = page.locator("#explanation")
     expect(explanation).to_contain_text("Unschedulable")
-    expect(explanation).to_contain_text(re.compile(r"0/\d+ nodes fit"))
+    expect(explanation).to_contain_text("0/2 nodes fit")
     expect(explanation.locator(".reasons li").first).to_be_visible()
     expect(page.locator("#deployment-state")).to_have_text("Pending")
     dash.shot("deployment-unschedulable-1280")
@@ -237,7 +236,7 @@ def test_the_replica_page_shows_state_log_and_engine_metrics(dash: Dashboard) ->
     dash.goto("/ui/replica?name=tiny-0")
     expect(page.locator("#replica-state")).to_have_text("Running")
     expect(page.locator("#engine-log")).not_to_have_text("(no output yet)")
-    expect(page.locator("#engine-metrics")).to_contain_text("KV cache in use", timeout=60_000)
+    expect(page.locator("#engine-metrics")).to_contain_text("Requests running", timeout=60_000)
     dash.shot("replica-1280")
 
 

@@ -49,7 +49,7 @@ function listPage(main, status) {
           d.model,
           badge(state.text),
           `${state.running}/${state.desired ?? "?"}`,
-          (d.profiles || []).map((p) => `${p.name} (${p.engine}${p.class ? ", " + p.class : ""})`).join(", "),
+          (d.profiles || []).map((p) => `${p.name} (${p.engine}${p.deviceClass ? ", " + p.deviceClass : ""})`).join(", "),
           scheduledMessage(d.status),
         ];
       });
@@ -100,6 +100,11 @@ function profileReport(report, verdict) {
   );
 }
 
+function accepted(decision) {
+  const cond = (decision.conditions || []).find((c) => c.type === "Accepted");
+  return cond && cond.message ? cond.message : "see the Accepted condition.";
+}
+
 function explanation(explain) {
   const decision = explain.decision;
   if (!decision) return empty("No placement decision recorded yet.");
@@ -131,7 +136,7 @@ function explanation(explain) {
         "div",
         { class: "unplaced" },
         el("p", {}, badge("Unschedulable"), " ", el("strong", { text: u.replica }), " could not be placed:"),
-        (u.reports || []).length ? u.reports.map((r) => profileReport(r, "")) : empty("No profile may be used: see the Accepted condition."),
+        (u.reports || []).length ? u.reports.map((r) => profileReport(r, "")) : empty(`No profile may be used: ${accepted(decision)}`),
       ),
     );
   }
