@@ -15,6 +15,7 @@ import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -217,7 +218,9 @@ def test_an_unschedulable_deployment_explains_why_with_counts(dash: Dashboard) -
                 "name": "big",
                 "model": "m-big",
                 # 16 H100 on one node: gpu-a has 8, node-d none.
-                "profiles": [{"name": "h100x16", "engine": "vllm", "deviceClass": GPU_CLASS, "devicesPerNode": 16}],
+                "profiles": [
+                    {"name": "h100x16", "engine": "vllm", "deviceClass": GPU_CLASS, "devicesPerNode": 16}
+                ],
             },
         ]
     )
@@ -305,6 +308,74 @@ def test_usage_of_the_playground_and_key_requests_is_shown(dash: Dashboard) -> N
     expect(page.locator("#usage-by-model")).to_contain_text("tiny", timeout=120_000)
     dash.goto("/ui/events")
     expect(page.locator("#events-table")).to_contain_text("cordon")
+
+
+def contract_usage(now: datetime) -> dict[str, Any]:
+    """A GET /api/v1/usage answer in the shape issue 17a's endpoint returns: two keys, two models,
+    three minutes."""
+    rows = []
+    for minutes_ago, key, name, model, requests in [
+        (3, 1, "team-a", "tiny", 4), (2, 1, "team-a", "tiny", 7), (2, 2, "team-b", "big", 2), (1, 2, "team-b", "tiny", 5),
+    ]:  # fmt: skip
+        at = (now - timedelta(minutes=minutes_ago)).replace(second=0, microsecond=0)
+        rows.append(
+            {
+                "at": at.isoformat(),
+                "keyId": key,
+                "keyName": name,
+                "model": model,
+                "requests": requests,
+                "errors": 0,
+                "promptTokens": 10 * requests,
+                "completionTokens": 20 * requests,
+            }
+        )
+
+    def total(group: list[dict[str, Any]]) -> dict[str, int]:
+        fields = ("requests", "errors", "promptTokens", "completionTokens")
+        return {f: sum(int(r[f]) for r in group) for f in fields}
+
+    by_key = [
+        {"keyId": k, "keyName": n, **total([r for r in rows if r["keyId"] == k])}
+        for k, n in ((1, "team-a"), (2, "team-b"))
+    ]
+    by_model = [{"model": m, **total([r for r in rows if r["model"] == m])} for m in ("big", "tiny")]
+    return {"rows": rows, "byKey": by_key, "byModel": by_model}
+
+
+def test_the_usage_and_events_pages_draw_the_usage_contract(dash: Dashboard) -> None:
+    """The pages against answers in the agreed shape of GET /api/v1/usage and /events (issue 17a
+    serves them; this branch has neither, so the browser is handed them here)."""
+    page = dash.page
+    usage = contract_usage(datetime.now(UTC))
+    events = [
+        {"id": 2, "at": datetime.now(UTC).isoformat(), "actor": "admin token 1 (ui session)",
+         "action": "node.cordon", "target": "node-d", "detail": {"reason": "disk"}, "source": "127.0.0.1"},
+    ]  # fmt: skip
+    page.route("**/api/v1/usage?*", lambda route: route.fulfill(json=usage))
+    page.route("**/api/v1/events?*", lambda route: route.fulfill(json=events))
+    try:
+        dash.goto("/ui/usage")
+        expect(page.locator("figure.chart")).to_have_count(2)
+        expect(page.locator("figure.chart").first.locator("polyline")).to_have_count(2)  # one line per key
+        expect(page.locator("#usage-by-key")).to_contain_text("team-b")
+        expect(page.locator("#usage-by-model")).to_contain_text("big")
+        dash.shot("usage-contract-1280")
+        page.select_option("#group-by", "model")
+        expect(page.locator("figure.chart").first.locator(".legend")).to_contain_text("big")
+        page.set_viewport_size(PHONE)
+        dash.goto("/ui/usage")
+        expect(page.locator("figure.chart")).to_have_count(2)
+        assert page.evaluate("document.documentElement.scrollWidth") <= PHONE["width"]
+        dash.shot("usage-contract-390")
+        page.set_viewport_size(DESKTOP)
+        dash.goto("/ui/events")
+        expect(page.locator("#events-table")).to_contain_text("node.cordon")
+        expect(page.locator("#events-table")).to_contain_text("admin token 1 (ui session)")
+        dash.shot("events-contract-1280")
+    finally:
+        page.unroute("**/api/v1/usage?*")
+        page.unroute("**/api/v1/events?*")
 
 
 @pytest.mark.parametrize(

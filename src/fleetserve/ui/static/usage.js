@@ -10,7 +10,6 @@ const RANGES = {
 };
 const STEP_MS = { minute: 60e3, hour: 3600e3, day: 86400e3 };
 const COLOURS = ["#2563eb", "#db2777", "#16a34a", "#ea580c", "#7c3aed", "#0891b2", "#ca8a04", "#dc2626"];
-const W = 720;
 const H = 220;
 const PAD = { left: 56, right: 12, top: 12, bottom: 28 };
 
@@ -37,7 +36,9 @@ function niceMax(value) {
   return 10 * power;
 }
 
-function lineChart(title, { buckets, series }, step) {
+// A line per group; drawn at the width it is shown at (`width` px), so its text is never stretched.
+function lineChart(title, { buckets, series }, step, width) {
+  const W = width;
   const names = [...series.keys()].sort();
   const max = niceMax(Math.max(0, ...names.flatMap((n) => series.get(n))));
   const x = (i) => PAD.left + (buckets.length > 1 ? (i / (buckets.length - 1)) * (W - PAD.left - PAD.right) : 0);
@@ -51,7 +52,8 @@ function lineChart(title, { buckets, series }, step) {
     return step === "day" ? d.toLocaleDateString() : d.toLocaleTimeString([], { hour: "2-digit", minute: "2-digit" });
   };
   const ticks = buckets.length ? [0, Math.floor((buckets.length - 1) / 2), buckets.length - 1] : [];
-  const xLabels = [...new Set(ticks)].map((i) => svg("text", { x: x(i), y: H - 8, "text-anchor": "middle", class: "axis" }, label(buckets[i])));
+  const anchor = (i) => (i === 0 ? "start" : i === buckets.length - 1 ? "end" : "middle");
+  const xLabels = [...new Set(ticks)].map((i) => svg("text", { x: x(i), y: H - 8, "text-anchor": anchor(i), class: "axis" }, label(buckets[i])));
   const lines = names.map((name, n) =>
     svg("polyline", {
       points: series.get(name).map((v, i) => `${x(i).toFixed(1)},${y(v).toFixed(1)}`).join(" "),
@@ -71,7 +73,7 @@ function lineChart(title, { buckets, series }, step) {
     "figure",
     { class: "chart" },
     el("figcaption", { text: title }),
-    svg("svg", { viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": title, preserveAspectRatio: "none" }, grid, xLabels, lines),
+    svg("svg", { viewBox: `0 0 ${W} ${H}`, width: W, height: H, role: "img", "aria-label": title }, grid, xLabels, lines),
     names.length ? legend : el("p", { class: "muted", text: "No requests in this range." }),
   );
 }
@@ -111,9 +113,11 @@ export function render(main, status) {
       }
       const rows = usage.rows || [];
       const group = groupBy.value === "key" ? (r) => r.keyName || `key ${r.keyId}` : (r) => r.model;
+      // The chart's inner width: the figure's, less its padding and border.
+      const width = Math.max(280, body.clientWidth - 28);
       body.replaceChildren(
-        lineChart("Requests", seriesOf(rows, group, (r) => r.requests, start, end, step), step),
-        lineChart("Tokens (prompt + completion)", seriesOf(rows, group, (r) => r.promptTokens + r.completionTokens, start, end, step), step),
+        lineChart("Requests", seriesOf(rows, group, (r) => r.requests, start, end, step), step, width),
+        lineChart("Tokens (prompt + completion)", seriesOf(rows, group, (r) => r.promptTokens + r.completionTokens, start, end, step), step, width),
         section("Per key", (usage.byKey || []).length ? table(["Key", "Requests", "Errors", "Prompt tokens", "Completion tokens"], totals(usage.byKey, (r) => r.keyName || `key ${r.keyId}`), { id: "usage-by-key" }) : empty("No requests.")),
         section("Per model", (usage.byModel || []).length ? table(["Model", "Requests", "Errors", "Prompt tokens", "Completion tokens"], totals(usage.byModel, (r) => r.model), { id: "usage-by-model" }) : empty("No requests.")),
       );
