@@ -11,8 +11,10 @@ screenshotted at 1,280 px and at 390 px (a phone) into the directory the run pri
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -67,6 +69,7 @@ class Dashboard:
     page: Any
     console_errors: list[str] = field(default_factory=list)
     shots: list[Path] = field(default_factory=list)
+    gpu_node: GpuStandIn | None = None
 
     def url(self, path: str) -> str:
         return self.server.url + path
@@ -84,6 +87,67 @@ class Dashboard:
         out = run_cli(*args, env=cli_env(self.server, self.home))
         assert out.returncode == 0, out.stderr
         return out.stdout
+
+
+@dataclass
+class GpuStandIn:
+    """Node ``gpu-a``: eight H100s, enrolled with the join token and reporting GPU samples and a
+    download through the agents' API every 0.5 s, as an agent on a GPU machine would."""
+
+    server: ServerProcess
+    credential: str = ""
+    epoch: int = 0
+    stop: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        node = {
+            "kind": "Node", "name": "gpu-a", "address": "127.0.0.1", "cpu": {"cores": 96, "memory": "1TiB"},
+            "gpus": [{"class": GPU_CLASS, "count": 8}],
+        }  # fmt: skip
+        headers = {"Authorization": f"Bearer {self.server.join_token}"}
+        registered = httpx.post(
+            f"{self.server.url}/api/v1/agent/register", json=node, headers=headers, timeout=30
+        )
+        assert registered.status_code == 200, registered.text
+        self.epoch, self.credential = int(registered.json()["epoch"]), str(registered.json()["credential"])
+        self.report()
+        self.thread = threading.Thread(target=self._loop, name="gpu-stand-in", daemon=True)
+        self.thread.start()
+
+    def report(self) -> None:
+        samples = []
+        for device in range(8):
+            labels = {"node": "gpu-a", "device": str(device), "driver": "nvidia", "class": GPU_CLASS}
+            for name, value in (
+                ("fleetserve_gpu_utilization_ratio", 0.15 * device),
+                (
+                    "fleetserve_gpu_memory_used_bytes",
+                    float(device * 10 * 2**30 // 3 if device != 3 else 40 * 2**30),
+                ),
+                ("fleetserve_gpu_power_watts", 100.0 + 10 * device if device != 3 else 330.0),
+                ("fleetserve_gpu_temperature_celsius", 40.0 + device),
+            ):
+                samples.append(
+                    {"name": name, "labels": labels, "value": min(value, 1.0) if "ratio" in name else value}
+                )
+        body = {
+            "node": "gpu-a", "epoch": self.epoch, "replicas": {}, "gpuMetrics": samples,
+            "downloads": [{"model": "m-big", "state": "downloading", "done": 2**30, "total": 4 * 2**30, "rate": 50e6}],
+        }  # fmt: skip
+        headers = {"Authorization": f"Bearer {self.credential}"}
+        sent = httpx.post(f"{self.server.url}/api/v1/agent/status", json=body, headers=headers, timeout=10)
+        assert sent.status_code == 200, sent.text
+
+    def _loop(self) -> None:
+        while not self.stop.wait(0.5):
+            with contextlib.suppress(Exception):
+                self.report()
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join(timeout=10)
 
 
 def expect(locator: Any) -> Any:
@@ -127,6 +191,8 @@ def dash(
         try:
             yield dashboard
         finally:
+            if dashboard.gpu_node is not None:
+                dashboard.gpu_node.close()
             browser.close()
             orphans = agents.close()
             reporter = request.config.pluginmanager.get_plugin("terminalreporter")
@@ -169,18 +235,12 @@ def test_a_deployment_goes_from_pending_to_running_without_a_reload(dash: Dashbo
 
 
 def test_the_fleet_page_shows_nodes_by_vendor_and_class_and_cordons_from_the_ui(dash: Dashboard) -> None:
-    # A declared GPU node beside the agent's CPU node (it never heartbeats: NotReady, then Lost).
+    # Beside the agent's CPU node, a GPU node enrolled and reporting through the agents' API.
     dash.server.apply(
-        [
-            {"kind": "DeviceClass", "name": GPU_CLASS, "driver": "gpu.nvidia.com", "memory": "80GiB"},
-            {
-                "kind": "Node",
-                "name": "gpu-a",
-                "cpu": {"cores": 96, "memory": "1TiB"},
-                "gpus": [{"class": GPU_CLASS, "count": 8}],
-            },
-        ]
+        [{"kind": "DeviceClass", "name": GPU_CLASS, "driver": "gpu.nvidia.com", "memory": "80GiB"}]
     )
+    dash.gpu_node = GpuStandIn(dash.server)
+    dash.gpu_node.start()
     page = dash.page
     dash.goto("/ui/fleet")
     card = page.locator(f'article[data-node="{NODE}"]')
@@ -189,6 +249,10 @@ def test_the_fleet_page_shows_nodes_by_vendor_and_class_and_cordons_from_the_ui(
     gpu = page.locator('article[data-node="gpu-a"]')
     expect(gpu).to_contain_text(f"8 × {GPU_CLASS}")
     expect(gpu).to_contain_text("gpu.nvidia.com")
+    expect(gpu.get_by_role("meter", name="GPU 3 utilisation")).to_have_attribute("aria-valuenow", "45")
+    expect(gpu).to_contain_text("330 W")
+    expect(gpu).to_contain_text("40 GiB / 80 GiB")
+    expect(gpu.get_by_role("meter", name="download of m-big")).to_have_attribute("aria-valuenow", "25")
     card.get_by_role("button", name="Cordon…").click()
     page.fill("#reason", "disk replacement, ticket 42")
     page.click("#reason-confirm")
