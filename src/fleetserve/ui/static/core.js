@@ -95,15 +95,20 @@ export async function api(method, path, body = undefined) {
   return data;
 }
 
-// Run `tick` now and every `ms` while the page is open; a failing tick shows its error in
-// `status` and the next one tries again. Returns a function that runs it at once.
+// Run `tick` now and every `ms` while the page is shown (a hidden tab is not polled; it catches
+// up when shown again); a failing tick shows its error in `status` and the next one tries again.
+// Returns a function that runs it at once.
 export function every(ms, tick, status) {
   let timer = null;
   let running = false;
+  document.addEventListener("visibilitychange", () => {
+    if (!document.hidden) run();
+  });
   async function run() {
     if (running) return;
-    running = true;
     clearTimeout(timer);
+    if (document.hidden) return;
+    running = true;
     try {
       await tick();
       if (status) setStatus(status, "live", `updated ${new Date().toLocaleTimeString()}`);
