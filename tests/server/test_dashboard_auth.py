@@ -17,6 +17,7 @@ from starlette.datastructures import Headers
 
 from fleetserve.server.app import create_app
 from fleetserve.server.auth import CSRF_HEADER, Admin, check_admin
+from fleetserve.server.reconciler import Reconciler
 from fleetserve.server.ui import PAGES
 from fleetserve.store import SqlStore, TokenKind
 
@@ -285,6 +286,20 @@ def test_the_front_end_has_no_inline_script_no_remote_asset_and_no_html_from_dat
             assert sink not in text, f"{sink} in {path.name}"
 
 
-def test_the_replica_metrics_route_answers_for_known_replicas_only(ui: Ui) -> None:
-    response = ui.client.get("/api/v1/replicas/nope-0/metrics", headers=ui.bearer)
-    assert response.status_code == 404
+def test_the_replica_metrics_route_shows_what_the_observer_scraped_for_known_replicas_only(ui: Ui) -> None:
+    docs = [
+        {"kind": "Model", "name": "m", "format": "gguf", "size": "1GB",
+         "architecture": {"layers": 2, "kvHeads": 1, "headDim": 8, "contextLength": 256}},
+        {"kind": "Deployment", "name": "d", "model": "m",
+         "profiles": [{"name": "cpu", "engine": "llama.cpp", "cpu": {"cores": 1}}]},
+    ]  # fmt: skip
+    assert ui.client.post("/api/v1/apply", json={"documents": docs}, headers=ui.bearer).status_code == 200
+    assert Reconciler(ui.store).run_once().leader
+    (replica,) = ui.client.get("/api/v1/replicas", headers=ui.bearer).json()
+    path = f"/api/v1/replicas/{replica['name']}/metrics"
+    assert ui.client.get(path, headers=ui.bearer).json() == {"replica": replica["name"], "metrics": {}}
+    observer = ui.client.app.state.observer  # type: ignore[attr-defined]
+    observer.engine_values = {replica["name"]: {"fleetserve_requests_running": 2.0}, "other-0": {"x": 1.0}}
+    shown = ui.client.get(path, headers=ui.bearer).json()
+    assert shown == {"replica": replica["name"], "metrics": {"fleetserve_requests_running": 2.0}}
+    assert ui.client.get("/api/v1/replicas/nope-0/metrics", headers=ui.bearer).status_code == 404

@@ -43,7 +43,7 @@ CSP = "; ".join(
         "default-src 'none'",
         "script-src 'self'",
         "style-src 'self'",
-        "img-src 'self' data:",
+        "img-src 'self'",
         "connect-src 'self'",
         "form-action 'self'",
         "frame-ancestors 'none'",

@@ -194,13 +194,18 @@ export function render(main, status) {
     ),
     el("section", { class: "card" }, log, el("form", { class: "chat-form", onsubmit: chat }, prompt, send), stats, error),
   );
-  api("GET", "/deployments")
-    .then((deps) => {
+  Promise.all([api("GET", "/deployments"), api("GET", "/replicas")])
+    .then(([deps, replicas]) => {
       if (!deps.length) {
         log.replaceChildren(empty("No deployment to chat with yet."));
         return;
       }
-      select.replaceChildren(...deps.map((d) => el("option", { value: d.name, text: d.name })));
+      const serving = new Set(replicas.filter((r) => r.state === "Running").map((r) => r.deployment));
+      // Deployments with a Running replica first: those answer at once.
+      const ordered = [...deps].sort((a, b) => Number(serving.has(b.name)) - Number(serving.has(a.name)));
+      select.replaceChildren(
+        ...ordered.map((d) => el("option", { value: d.name, text: serving.has(d.name) ? d.name : `${d.name} (no replica running)` })),
+      );
       showKey();
     })
     .catch((e) => error.replaceChildren(errorBox(e)));
