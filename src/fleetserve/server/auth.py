@@ -2,12 +2,14 @@
 and each node's own credential. All are Bearer tokens stored hashed.
 
 A middleware checks them before anything else — the request body included — so a caller
-without a token gets a 401 and the server never reads what it sent. The admin API also takes the
-dashboard's session cookie (``SESSION_COOKIE``), only when no Authorization header is sent, and
-then for every change (not GET or HEAD) the session's CSRF token in ``CSRF_HEADER``: the same
-admin API, no second one. The agents' API and the gateway never take the cookie. On the agents' API it
+without a token gets a 401 and the server never reads what it sent. On the agents' API it
 records who called (``Caller``) in the request's state: the routes authorise against it (a node
 speaks only for itself). The join token is accepted on ``ENROL_PATHS`` only.
+
+The admin API also takes the dashboard's session cookie (``SESSION_COOKIE``), only when no
+Authorization header is sent, and then, for every change (not GET or HEAD), the session's CSRF
+token in ``CSRF_HEADER``: the same admin API, no second one. The agents' API and the gateway never
+take the cookie.
 """
 
 from __future__ import annotations
