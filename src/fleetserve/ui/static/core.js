@@ -155,8 +155,8 @@ export function badge(text, kind = "") {
 }
 
 const GOOD = new Set(["Ready", "Running", "True", "Placed", "done", "complete"]);
-const BAD = new Set(["Lost", "Failed", "CrashLoop", "False", "Unschedulable", "error", "revoked"]);
-const WARN = new Set(["NotReady", "Pending", "Starting", "Draining", "cordoned", "downloading"]);
+const BAD = new Set(["Lost", "Failed", "CrashLoop", "Failing", "False", "Unschedulable", "error", "revoked"]);
+const WARN = new Set(["NotReady", "Pending", "Starting", "Draining", "Degraded", "cordoned", "downloading"]);
 
 export function badgeKind(text) {
   if (GOOD.has(text)) return "good";
@@ -212,13 +212,14 @@ export function query(name) {
   return new URLSearchParams(window.location.search).get(name);
 }
 
-// A deployment's summary state: Running when every desired replica runs, Pending while none
-// does, Degraded in between.
+// A deployment's summary state: Running when every desired replica runs; else Failing when a
+// replica failed or crash-loops, Pending while none runs, Degraded in between.
 export function deploymentState(dep, replicas) {
   const desired = dep.status && dep.status.desiredReplicas !== undefined ? dep.status.desiredReplicas : null;
   const running = replicas.filter((r) => r.state === "Running").length;
   if (desired === 0) return { text: "Scaled to zero", running, desired };
   if (desired !== null && running >= desired) return { text: "Running", running, desired };
+  if (replicas.some((r) => r.state === "Failed" || r.state === "CrashLoop")) return { text: "Failing", running, desired };
   if (running === 0) return { text: "Pending", running, desired };
   return { text: "Degraded", running, desired };
 }
