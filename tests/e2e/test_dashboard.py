@@ -4,7 +4,7 @@
 One server and one agent serve the whole module (a module-scoped fixture), and the tests run in
 file order on that one fleet: log in; watch a deployment go Pending → Running; cordon a node from
 the UI and see it in ``fleetserve get nodes``; read an unschedulable deployment's explanation;
-chat in the playground; create and revoke a key; the usage and events pages. Every page is
+chat in the playground; create and revoke a key; the usage and events pages; log out. Every page is
 screenshotted at 1,280 px and at 390 px (a phone) into the directory the run prints
 ($FLEETSERVE_ARTEFACTS, or a temporary one); at 390 px no page may scroll sideways.
 """
@@ -476,3 +476,17 @@ def test_every_page_fits_a_phone_without_sideways_scrolling(dash: Dashboard, pat
 
 def test_no_page_logged_a_script_error_or_a_csp_violation(dash: Dashboard) -> None:
     assert dash.console_errors == []
+
+
+def test_logging_out_ends_the_session_for_the_page_and_for_its_cookie(dash: Dashboard) -> None:
+    page = dash.page
+    dash.goto("/ui/fleet")
+    cookie = next(c["value"] for c in page.context.cookies() if c["name"] == "fs_session")
+    page.get_by_role("button", name="Log out").click()
+    expect(page).to_have_url(re.compile(r"/ui/login$"))
+    dash.goto("/ui/keys")
+    expect(page).to_have_url(re.compile(r"/ui/login$"))
+    refused = httpx.get(
+        f"{dash.server.url}/api/v1/nodes", headers={"Cookie": f"fs_session={cookie}"}, timeout=10
+    )
+    assert refused.status_code == 401
