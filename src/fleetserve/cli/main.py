@@ -306,7 +306,7 @@ def server_command(
     tls: TlsForceOpt = False,
     insecure: InsecureOpt = False,
 ) -> None:
-    """Run the control plane: admin REST API (OpenAPI at /docs), state store, reconciler.
+    """Run the control plane: admin REST API (OpenAPI at /docs), dashboard (/ui), state, reconciler.
 
     On first start it creates an admin token and a join token, written to --token-file (or shown
     once on a terminal); only their hashes are stored. Agents enrol with the join token and get a

@@ -1,17 +1,18 @@
 """The control plane's HTTP API (FastAPI): a versioned admin API and the agents' API.
 
-Admin routes need an admin token; agent routes a node's credential (the join token only
-enrols). ``create_gateway_app`` is the app of an extra gateway process; both apps answer
-``/healthz``, ``/metrics`` and /v1 over one ``Serving`` (fleetserve.server.process assembles the
-processes). Every error is JSON in one shape (``fleetserve.server.problems``); bad input is a 4xx
-naming the field.
+Admin routes need an admin token (or the dashboard's session, see ``server/auth.py``); agent
+routes a node's credential (the join token only enrols). The control plane also serves the web
+dashboard at /ui over that admin API (``server/ui.py``). ``create_gateway_app`` is the app of an
+extra gateway process; both apps answer ``/healthz``, ``/metrics`` and /v1 over one ``Serving``
+(fleetserve.server.process assembles the processes). Every error is JSON in one shape
+(``fleetserve.server.problems``); bad input is a 4xx naming the field.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -38,6 +39,7 @@ from fleetserve.server.modelfiles import ModelFiles
 from fleetserve.server.observer import Observer
 from fleetserve.server.params import TEXT_PATTERN, NameParam, NameQuery
 from fleetserve.server.records import build_records_router
+from fleetserve.server.ui import build_ui_router
 from fleetserve.spec.resources import Node, Replica
 from fleetserve.store.audit import AuditAction
 from fleetserve.store.credentials import ApiKey, TokenKind, TokenRecord
@@ -137,10 +139,14 @@ def _node_view(node: Node, store: SqlStore, replicas: list[Replica], beats: dict
 
 
 def build_admin_router(
-    store: SqlStore, files: ModelFiles, on_key_revoked: Callable[[], None] | None = None
+    store: SqlStore,
+    files: ModelFiles,
+    on_key_revoked: Callable[[], None] | None = None,
+    engine_values: Callable[[], Mapping[str, Mapping[str, float]]] | None = None,
 ) -> APIRouter:
     """Every admin route; each needs an admin token. Every change is recorded in the audit log
-    with its actor once it succeeded (``server.audit``)."""
+    with its actor once it succeeded (``server.audit``). ``engine_values``: per replica, the latest
+    canonical engine samples this process scraped (the observer's)."""
     api = APIRouter(prefix="/api/v1", dependencies=[admin])
 
     @api.post("/apply", tags=["apply"], summary="Apply documents, all or nothing")
@@ -409,6 +415,16 @@ def build_admin_router(
             "lines": status.stderr_tail,
         }
 
+    @api.get(
+        "/replicas/{name}/metrics",
+        tags=["replicas"],
+        summary="The replica's latest engine metrics as this server scraped them (canonical names)",
+    )
+    def replica_metrics(name: NameParam) -> dict[str, Any]:
+        store.get_replica(name)  # 404 for an unknown replica
+        values = engine_values() if engine_values is not None else {}
+        return {"replica": name, "metrics": dict(sorted(values.get(name, {}).items()))}
+
     @api.get("/replicas/{name}", tags=["replicas"])
     def get_replica(name: NameParam) -> dict[str, Any]:
         return {**_doc(store.get_replica(name)), "status": store.replica_status(name).stored()}
@@ -546,9 +562,15 @@ def create_app(
         store,
         serving,
         ca_pem,
-        build_admin_router(store, files, gw.forget_keys if gw is not None else None),
+        build_admin_router(
+            store,
+            files,
+            gw.forget_keys if gw is not None else None,
+            lambda: serving.observer.engine_values,
+        ),
         build_records_router(store),
         build_agent_router(store, files, enrolment or EnrolmentPolicy()),
+        build_ui_router(store),
     )
     return app
 

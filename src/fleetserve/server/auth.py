@@ -5,6 +5,11 @@ A middleware checks them before anything else — the request body included — 
 without a token gets a 401 and the server never reads what it sent. On the agents' API it
 records who called (``Caller``) in the request's state: the routes authorise against it (a node
 speaks only for itself). The join token is accepted on ``ENROL_PATHS`` only.
+
+The admin API also takes the dashboard's session cookie (``SESSION_COOKIE``), only when no
+Authorization header is sent, and then, for every change (not GET or HEAD), the session's CSRF
+token in ``CSRF_HEADER``: the same admin API, no second one. The agents' API and the gateway never
+take the cookie.
 """
 
 from __future__ import annotations
@@ -18,12 +23,13 @@ from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
+from starlette.requests import cookie_parser
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fleetserve.errors import StoreError
 from fleetserve.server.problems import Forbidden, Unauthorized, error_body
 from fleetserve.store.credentials import TokenKind
-from fleetserve.store.protocols import Tokens
+from fleetserve.store.protocols import AdminAuth, Sessions, Tokens
 from fleetserve.store.sql import SqlStore
 
 _bearer = HTTPBearer(
@@ -32,6 +38,13 @@ _bearer = HTTPBearer(
 )
 
 AGENT_PREFIX = "/api/v1/agent"
+# The dashboard's session cookie (HttpOnly), the cookie the page reads its CSRF token from (not
+# HttpOnly), and the header it sends that token back in.
+SESSION_COOKIE = "fs_session"
+CSRF_COOKIE = "fs_csrf"
+CSRF_HEADER = "X-CSRF-Token"
+# Methods that change nothing, so need no CSRF token.
+SAFE_METHODS = frozenset({"GET", "HEAD"})
 # The agent routes a join token may call: enrolment, and the classes it describes the node with.
 ENROL_PATHS = frozenset({f"{AGENT_PREFIX}/register", f"{AGENT_PREFIX}/classes"})
 
@@ -114,6 +127,39 @@ def check_bearer(store: Tokens, authorization: str | None, kind: TokenKind) -> i
     return token_id
 
 
+def check_session(store: Sessions, cookie: str, method: str, csrf: str | None) -> Admin:
+    """The admin behind a dashboard session cookie: Unauthorized unless the session is open and its
+    admin token valid; Forbidden when a change (not GET/HEAD) lacks the session's CSRF token."""
+    session = store.check_session(cookie)
+    if session is None:
+        raise Unauthorized(
+            "the dashboard session is not valid (logged out, expired, or its admin token was "
+            "revoked): log in again at /ui/login, or send 'Authorization: Bearer TOKEN'"
+        )
+    if method not in SAFE_METHODS and not session.csrf_matches(csrf):
+        raise Forbidden(
+            f"a change through a dashboard session needs header {CSRF_HEADER} with the session's "
+            f"CSRF token (the {CSRF_COOKIE} cookie)"
+        )
+    return Admin(session.token_id, via="ui session")
+
+
+def session_cookie(headers: Headers) -> str | None:
+    """The dashboard's session cookie a request carries, if any."""
+    value = cookie_parser(headers.get("cookie", "")).get(SESSION_COOKIE)
+    return value or None
+
+
+def check_admin(store: AdminAuth, headers: Headers, method: str) -> Admin:
+    """The caller of an admin route: an admin token in the Authorization header or, without that
+    header, a dashboard session (see ``check_session``)."""
+    authorization = headers.get("authorization")
+    cookie = session_cookie(headers) if authorization is None else None
+    if cookie is not None:
+        return check_session(store, cookie, method, headers.get(CSRF_HEADER))
+    return Admin(check_bearer(store, authorization, TokenKind.ADMIN))
+
+
 class TokenMiddleware:
     """Pure ASGI middleware that checks an API request's token before anything else runs.
 
@@ -121,7 +167,7 @@ class TokenMiddleware:
     a client's disconnect from the route, which the gateway needs to cancel upstream requests.
     """
 
-    def __init__(self, app: ASGIApp, store: Callable[[], Tokens]) -> None:
+    def __init__(self, app: ASGIApp, store: Callable[[], AdminAuth]) -> None:
         self.app = app
         self.store = store
 
@@ -129,15 +175,19 @@ class TokenMiddleware:
         path = scope.get("path", "")
         kind = kind_for(path) if scope["type"] == "http" else None
         if kind is not None:
-            header = Headers(scope=scope).get("authorization")
+            headers = Headers(scope=scope)
             response: JSONResponse | None = None
             try:
                 if kind is TokenKind.JOIN:
+                    header = headers.get("authorization")
                     caller = await run_in_threadpool(check_agent, self.store(), header, path)
                     scope.setdefault("state", {})["caller"] = caller
                 else:
-                    token_id = await run_in_threadpool(check_bearer, self.store(), header, kind)
-                    scope.setdefault("state", {})["admin"] = Admin(token_id)
+                    method = scope.get("method", "GET")
+                    who = await run_in_threadpool(check_admin, self.store(), headers, method)
+                    scope.setdefault("state", {})["admin"] = who
+            except Forbidden as exc:
+                response = JSONResponse(error_body("forbidden", str(exc)), status_code=403)
             except Unauthorized as exc:
                 response = JSONResponse(
                     error_body("unauthorized", str(exc)),

@@ -45,6 +45,8 @@ class Observer:
         self.interval = interval
         self.scraper = Scraper(interval=interval, timeout=min(2.0, interval * 2))
         self.loads: dict[str, ReplicaLoad] = {}
+        # Per replica, its latest canonical engine samples without labels (the dashboard's view).
+        self.engine_values: dict[str, dict[str, float]] = {}
         self._engines: dict[str, EngineKind] = {}
         self._restarts: dict[str, int] = {}
 
@@ -93,6 +95,7 @@ class Observer:
         """Map every fresh scrape onto the canonical names; publish them; keep the loads."""
         samples: list[SeriesValue] = []
         loads: dict[str, ReplicaLoad] = {}
+        values_of: dict[str, dict[str, float]] = {}
         targets = {t.key: t for t in self.scraper.targets()}
         for key, scrape in self.scraper.snapshot().items():
             target = targets.get(key)
@@ -110,6 +113,7 @@ class Observer:
             # Only the series the surface defines (the TTFT histogram is mapped but not yet exposed).
             samples.extend((s.name, dict(s.labels), s.value) for s in mapped if s.name in ENGINE_METRICS)
             values = {s.name: s.value for s in mapped}
+            values_of[key] = {n: v for n, v in values.items() if n in ENGINE_METRICS}
             loads[key] = ReplicaLoad(
                 deployment=labels.deployment,
                 running=values.get("fleetserve_requests_running", 0.0),
@@ -117,6 +121,7 @@ class Observer:
                 at=time.monotonic() - (scrape.age or 0.0),
             )
         self.loads = loads
+        self.engine_values = values_of
         try:
             self.metrics.set_engine_samples(samples)
         except ValueError as exc:

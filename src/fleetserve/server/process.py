@@ -293,7 +293,9 @@ def run_server(
     try:
         ensure_tokens(store, control.token_file, console)
         app = server_app(store, control, listen.tls.ca_pem if listen.tls else None, windows)
-        console.print(f"fleetserve server: {listen.url} (OpenAPI at /docs), state in {database_url}")
+        console.print(
+            f"fleetserve server: {listen.url} (OpenAPI at /docs, dashboard at /ui), state in {database_url}"
+        )
         print_tls(listen, console, "server")
         serve(app, listen, access_log=False)
     finally:

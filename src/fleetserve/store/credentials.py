@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import delete, or_, select, update
 
 from fleetserve.errors import (
     NotFound,
@@ -20,6 +20,7 @@ from fleetserve.store.base import SqlBase
 from fleetserve.store.tables import (
     ApiKeyRow,
     TokenRow,
+    UiSessionRow,
     stamp,
 )
 
@@ -119,13 +120,14 @@ class SqlCredentials(SqlBase):
             return found
 
     def revoke_token(self, token_id: int) -> None:
-        """Revoke a token for good; raises NotFound."""
+        """Revoke a token for good, ending the dashboard sessions opened with it; raises NotFound."""
         with self._write(f"revoking token {token_id}") as s:
             result = s.connection().execute(
                 update(TokenRow).where(TokenRow.id == token_id).values(revoked=True)
             )
             if result.rowcount == 0:
                 raise NotFound(f"no token with id {token_id} is stored")
+            s.connection().execute(delete(UiSessionRow).where(UiSessionRow.token_id == token_id))
 
     def list_tokens(self) -> list[TokenRecord]:
         """Every admin and join token (no secrets), by id."""

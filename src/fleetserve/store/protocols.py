@@ -9,6 +9,8 @@ the observer both read routes); each is small enough to fake in a few lines.
     ApiKeys          the gateway's key check          verify an API key
     AgentReports     the observer                     routes + the agents' GPU samples
     Tokens           auth, token bootstrap            verify, create, list tokens; node credentials
+    Sessions         auth, the dashboard's login      open, check, end dashboard sessions
+    AdminAuth        auth                             Tokens + Sessions
     Deployments      the reconciler                   models, deployments, status, decisions
     Heartbeats       the reconciler                   when each node was last heard from
     Lease            the reconciler                   one leader among servers
@@ -33,6 +35,7 @@ from fleetserve.store.audit import AuditEntry
 from fleetserve.store.credentials import ApiKey, IssuedToken, TokenKind, TokenRecord
 from fleetserve.store.deployments import StoredDeployment
 from fleetserve.store.reports import NodeHeartbeat
+from fleetserve.store.sessions import OpenedSession, UiSession
 from fleetserve.store.usage import UsageRecord
 
 if TYPE_CHECKING:
@@ -77,6 +80,22 @@ class Tokens(Protocol):
     def list_tokens(self) -> list[TokenRecord]: ...
 
     def node_for_credential(self, plaintext: str) -> str | None: ...
+
+
+class Sessions(Protocol):
+    """The dashboard's login sessions: opened with an admin token, checked on every request."""
+
+    def open_session(self, token_id: int, now: datetime, ttl: timedelta) -> OpenedSession: ...
+
+    def check_session(self, cookie: str, now: datetime | None = None) -> UiSession | None: ...
+
+    def end_session(self, cookie: str) -> bool: ...
+
+    def prune_sessions(self, now: datetime) -> int: ...
+
+
+class AdminAuth(Tokens, Sessions, Protocol):
+    """What the admin API's token check reads: admin tokens, and the dashboard's sessions."""
 
 
 class Deployments(Protocol):
@@ -139,13 +158,6 @@ if TYPE_CHECKING:
 
     def _conforms(
         store: SqlStore,
-    ) -> tuple[GatewayStore, AgentReports, Tokens, ReconcilerStore, UsageSink, AuditLog, Retention]:
-        return (
-            store,
-            store,
-            store,
-            store,
-            store,
-            store,
-            store,
-        )  # mypy checks that SqlStore provides every view
+    ) -> tuple[GatewayStore, AgentReports, Tokens, Sessions, ReconcilerStore, UsageSink, AuditLog, Retention]:
+        # mypy checks that SqlStore provides every view
+        return store, store, store, store, store, store, store, store

@@ -8,6 +8,7 @@
     ├── SqlCredentials store/credentials.py  tokens, API keys
     ├── SqlUsage     store/usage.py        the gateways' usage per minute, key and model
     ├── SqlAudit     store/audit.py        the audit log of admin actions
+    ├── SqlSessions  store/sessions.py     the dashboard's login sessions
     └── SqlLease     store/lease.py        the reconciler's lease
 
 Consumers depend on the narrow Protocols of ``store/protocols.py`` (and ``inventory.Inventory``),
@@ -30,6 +31,7 @@ from fleetserve.store.identity import SqlIdentity
 from fleetserve.store.lease import SqlLease
 from fleetserve.store.reports import SqlReports
 from fleetserve.store.schema import migrate
+from fleetserve.store.sessions import SqlSessions
 from fleetserve.store.tables import (
     DeviceClassRow,
     FabricRow,
@@ -43,7 +45,9 @@ if TYPE_CHECKING:
     from fleetserve.inventory.base import Inventory
 
 
-class SqlStore(SqlIdentity, SqlReports, SqlDeployments, SqlCredentials, SqlUsage, SqlAudit, SqlLease):
+class SqlStore(
+    SqlIdentity, SqlReports, SqlDeployments, SqlCredentials, SqlUsage, SqlAudit, SqlSessions, SqlLease
+):
     """The state store over a SQLAlchemy engine (SQLite or PostgreSQL), schema already migrated.
 
     The engine stays the caller's unless the store was made by ``open``; ``close`` disposes it."""

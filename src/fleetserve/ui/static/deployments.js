@@ -1,0 +1,219 @@
+// Deployments: the list, and one deployment in detail (?name=): its replicas with profile, node
+// and devices; conditions; the placement explanation; rollout state; the decision and
+// autoscaler logs.
+
+import {
+  POLL_MS,
+  api,
+  badge,
+  deploymentState,
+  el,
+  empty,
+  errorBox,
+  every,
+  fmtAgo,
+  fmtTime,
+  link,
+  query,
+  section,
+  table,
+} from "./core.js";
+
+function replicaRows(replicas) {
+  return replicas.map((r) => [
+    link(`/ui/replica?name=${encodeURIComponent(r.name)}`, r.name),
+    r.profile,
+    (r.shards || []).map((s) => s.node).join(", "),
+    (r.shards || []).map((s) => (s.devices && s.devices.length ? `${s.node}[${s.devices.join(",")}]` : "cpu")).join(" "),
+    r.revision || "—",
+    badge(r.state),
+  ]);
+}
+
+function listPage(main, status) {
+  const body = el("div", {});
+  main.append(el("h1", { text: "Deployments" }), body);
+  every(
+    POLL_MS,
+    async () => {
+      const [deps, replicas] = await Promise.all([api("GET", "/deployments"), api("GET", "/replicas")]);
+      if (!deps.length) {
+        body.replaceChildren(empty("No deployment yet: `fleetserve apply -f` one."));
+        return;
+      }
+      const rows = deps.map((d) => {
+        const own = replicas.filter((r) => r.deployment === d.name);
+        const state = deploymentState(d, own);
+        return [
+          link(`/ui/deployments?name=${encodeURIComponent(d.name)}`, d.name),
+          d.model,
+          badge(state.text),
+          `${state.running}/${state.desired ?? "?"}`,
+          (d.profiles || []).map((p) => `${p.name} (${p.engine}${p.deviceClass ? ", " + p.deviceClass : ""})`).join(", "),
+          scheduledMessage(d.status),
+        ];
+      });
+      body.replaceChildren(
+        table(["Name", "Model", "State", "Running", "Profiles", "Placement"], rows, { id: "deployments" }),
+      );
+    },
+    status,
+  );
+}
+
+function scheduledMessage(status) {
+  const cond = ((status && status.conditions) || []).find((c) => c.type === "Scheduled");
+  return cond ? cond.message : "not reconciled yet";
+}
+
+function reasonList(report) {
+  return el(
+    "ul",
+    { class: "reasons" },
+    (report.reasons || []).map((r) =>
+      el(
+        "li",
+        {},
+        el("strong", { text: String(r.count) }),
+        ` ${r.reason}${r.have !== null && r.have !== undefined ? ` (have ${r.have})` : ""}`,
+        el("span", { class: "muted", text: r.exhausted ? " — full now" : " — can never fit" }),
+      ),
+    ),
+  );
+}
+
+// One profile's attempt: "0/N nodes fit" with the counts behind it.
+function profileReport(report, verdict) {
+  return el(
+    "div",
+    { class: "report" },
+    el(
+      "p",
+      {},
+      el("strong", { text: `Profile ${report.profile}` }),
+      ` (${report.deviceClass || "cpu"}, ${report.devicesNeeded} per node × ${report.nodesNeeded} node${report.nodesNeeded === 1 ? "" : "s"}): `,
+      el("span", { class: "fit", text: `${report.nodesFit}/${report.nodesEvaluated} nodes fit` }),
+      verdict ? el("span", { class: "muted", text: ` — ${verdict}` }) : null,
+    ),
+    reasonList(report),
+    el("p", { class: "message muted", text: report.message }),
+  );
+}
+
+function accepted(decision) {
+  const cond = (decision.conditions || []).find((c) => c.type === "Accepted");
+  return cond && cond.message ? cond.message : "see the Accepted condition.";
+}
+
+function explanation(explain) {
+  const decision = explain.decision;
+  if (!decision) return empty("No placement decision recorded yet.");
+  const parts = [el("p", { class: "muted", text: `Decided ${fmtAgo(explain.decidedAt)} for generation ${explain.generation}.` })];
+  for (const p of decision.placed || []) {
+    parts.push(
+      el(
+        "div",
+        { class: "placed" },
+        el(
+          "p",
+          {},
+          badge("Placed"),
+          " ",
+          el("strong", { text: p.replica }),
+          ` on profile ${p.profile}: `,
+          (p.shards || []).map((s) => `${s.node}${s.devices && s.devices.length ? "[" + s.devices.join(",") + "]" : ""}`).join(", "),
+        ),
+        Object.keys(p.scores || {}).length
+          ? el("p", { class: "muted", text: `scores: ${Object.entries(p.scores).map(([k, v]) => `${k} ${Number(v).toFixed(2)}`).join(", ")}` })
+          : null,
+        (p.skipped || []).map((r) => profileReport(r, "skipped: tried first, did not fit")),
+      ),
+    );
+  }
+  for (const u of decision.unplaced || []) {
+    parts.push(
+      el(
+        "div",
+        { class: "unplaced" },
+        el("p", {}, badge("Unschedulable"), " ", el("strong", { text: u.replica }), " could not be placed:"),
+        (u.reports || []).length ? u.reports.map((r) => profileReport(r, "")) : empty(`No profile may be used: ${accepted(decision)}`),
+      ),
+    );
+  }
+  if (decision.kept && decision.kept.length) parts.push(el("p", { class: "muted", text: `Kept running: ${decision.kept.join(", ")}` }));
+  if (decision.lost && decision.lost.length) parts.push(el("p", { text: `Replaced (node lost): ${decision.lost.join(", ")}` }));
+  if (decision.surplus && decision.surplus.length) parts.push(el("p", { text: `Surplus, stopping: ${decision.surplus.join(", ")}` }));
+  return el("div", { id: "explanation" }, parts);
+}
+
+function keyValues(obj) {
+  const entries = Object.entries(obj || {});
+  if (!entries.length) return empty("none");
+  return el("dl", { class: "facts" }, entries.map(([k, v]) => [el("dt", { text: k }), el("dd", { text: typeof v === "object" && v !== null ? JSON.stringify(v) : String(v) })]));
+}
+
+function decisionSummary(d) {
+  const placed = (d.placed || []).map((p) => `${p.replica} → ${p.profile}`);
+  const unplaced = (d.unplaced || []).map((u) => `${u.replica} unschedulable`);
+  const scheduled = (d.conditions || []).find((c) => c.type === "Scheduled");
+  return [...placed, ...unplaced].join("; ") || (scheduled ? scheduled.message : "no change");
+}
+
+function detailPage(main, status, name) {
+  const head = el("div", { class: "card-head" });
+  const body = el("div", { class: "stack" });
+  main.append(el("p", {}, link("/ui/deployments", "← all deployments")), head, body);
+  const path = encodeURIComponent(name);
+  every(
+    POLL_MS,
+    async () => {
+      let dep;
+      try {
+        dep = await api("GET", `/deployments/${path}`);
+      } catch (e) {
+        head.replaceChildren(el("h1", { text: name }));
+        body.replaceChildren(errorBox(e));
+        return;
+      }
+      const [explain, decisions] = await Promise.all([
+        api("GET", `/deployments/${path}/explain`),
+        api("GET", `/decisions?deployment=${path}&limit=20`),
+      ]);
+      const replicas = dep.replicas || [];
+      const state = deploymentState(dep, replicas);
+      const st = dep.status || {};
+      head.replaceChildren(
+        el("h1", { text: dep.name }),
+        el("span", { id: "deployment-state" }, badge(state.text)),
+        el("span", { class: "muted", text: `model ${dep.model} · ${state.running}/${state.desired ?? "?"} running · generation ${dep.generation} · revision ${dep.revision}` }),
+      );
+      const conditions = (st.conditions || []).map((c) => [c.type, badge(String(c.status)), c.reason, c.message]);
+      const autoscaler = (st.autoscaler || []).slice().reverse().map((e) => [
+        e.at ? fmtTime(typeof e.at === "number" ? new Date(e.at * 1000).toISOString() : e.at) : "—",
+        String(e.desired ?? "—"),
+        e.reason || "—",
+        e.detail || "",
+        e.repeats > 1 ? `×${e.repeats}` : "",
+      ]);
+      body.replaceChildren(
+        section("Replicas", replicas.length ? table(["Replica", "Profile", "Node", "Devices", "Revision", "State"], replicaRows(replicas), { id: "replicas" }) : empty("No replica placed.")),
+        section("Conditions", conditions.length ? table(["Type", "Status", "Reason", "Message"], conditions) : empty("Not reconciled yet.")),
+        section("Placement explanation", explanation(explain)),
+        section("Rollout", keyValues(st.rollout)),
+        section("Failures", keyValues(st.failures)),
+        section(
+          "Decision log",
+          decisions.length ? table(["When", "What"], decisions.map((d) => [fmtTime(d.createdAt), decisionSummary(d.decision)])) : empty("No decision recorded."),
+        ),
+        section("Autoscaler log", autoscaler.length ? table(["When", "Desired", "Reason", "Detail", ""], autoscaler) : empty(dep.autoscale ? "No autoscaler decision yet." : "Not autoscaled.")),
+      );
+    },
+    status,
+  );
+}
+
+export function render(main, status) {
+  const name = query("name");
+  if (name) detailPage(main, status, name);
+  else listPage(main, status);
+}
