@@ -136,7 +136,8 @@ def profile_problems(profile: Profile, classes: Mapping[str, DeviceClass], locat
                     location,
                     f"{field}.nodes",
                     f"a profile without a deviceClass runs on one node's CPU: {profile.engine.value} "
-                    f"refuses multi-node there (nodes={profile.nodes}); use nodes: 1, or name a GPU deviceClass",
+                    f"refuses multi-node there (nodes={profile.nodes}); use nodes: 1, or name a GPU "
+                    "deviceClass",
                 )
             )
         return out

@@ -63,10 +63,14 @@ def test_the_tokenizer_round_trips_text_and_renders_the_chatml_template(tiny: Pa
     tokenizer = AutoTokenizer.from_pretrained(tiny, local_files_only=True)
     text = "Héllo, fleet! 123"
     assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert rendered == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     assert tokenizer.eos_token == "<|im_end|>"
-    assert tokenizer.convert_tokens_to_ids("<|im_end|>") < tokenizer.vocab_size + len(tokenizer.get_added_vocab())
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") < tokenizer.vocab_size + len(
+        tokenizer.get_added_vocab()
+    )
 
 
 def test_the_writer_is_deterministic(tmp_path: Path, tiny: Path) -> None:

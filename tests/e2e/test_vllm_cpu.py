@@ -71,7 +71,9 @@ def documents(gguf: Path) -> list[dict[str, Any]]:
             "name": VLLM_DEPLOYMENT,
             "model": VLLM_DEPLOYMENT,
             "replicas": 1,
-            "profiles": [{"name": "cpu", "engine": "vllm", "runtime": "cpu", "cpu": {"cores": 1}, "context": 256}],
+            "profiles": [
+                {"name": "cpu", "engine": "vllm", "runtime": "cpu", "cpu": {"cores": 1}, "context": 256}
+            ],
         },
         {"kind": "Model", "name": LLAMA_DEPLOYMENT, "source": str(gguf.resolve()), "format": "gguf"},
         {
@@ -126,7 +128,9 @@ def write_mirror(root: Path) -> Path:
     started = time.monotonic()
     out = run_cli("dev", "tiny-model", "--format", "safetensors", str(snapshot))
     assert out.returncode == 0, out.stderr
-    print(f"tiny safetensors model: {out.stdout.strip()} ({time.monotonic() - started:.1f} s with the CLI's start)")
+    print(
+        f"tiny safetensors model: {out.stdout.strip()} ({time.monotonic() - started:.1f} s with the CLI's start)"
+    )
     assert {p.name for p in snapshot.iterdir()} >= {
         "config.json",
         "generation_config.json",
@@ -168,7 +172,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         )
         fleet.start_seconds = time.monotonic() - applied
         print(f"vLLM (cpu) Running {fleet.start_seconds:.1f} s after apply")
-        wait_for(lambda: fleet.replica(LLAMA_DEPLOYMENT), timeout=120, what="the llama.cpp replica to be Running")
+        wait_for(
+            lambda: fleet.replica(LLAMA_DEPLOYMENT), timeout=120, what="the llama.cpp replica to be Running"
+        )
         yield fleet
     finally:
         orphans = agents.close()
@@ -269,7 +275,9 @@ def test_the_metric_surface_shows_the_vllm_replica_from_its_live_metrics(fleet: 
     engine_lines = [
         line
         for line in own.splitlines()
-        if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting{", "vllm:kv_cache_usage_perc"))
+        if line.startswith(
+            ("vllm:num_requests_running", "vllm:num_requests_waiting{", "vllm:kv_cache_usage_perc")
+        )
     ]
     print("engine /metrics:\n" + "\n".join(engine_lines))
     raw = series(own)
@@ -291,11 +299,39 @@ def test_the_metric_surface_shows_the_vllm_replica_from_its_live_metrics(fleet: 
     lines = wait_for(surfaced, timeout=60, what="the vLLM replica's series on the server's /metrics")
     print("fleetserve /metrics:\n" + "\n".join(lines))
     for line in lines:
-        assert 'engine="vllm"' in line and f'node="{NODE}"' in line and f'deployment="{VLLM_DEPLOYMENT}"' in line
+        assert (
+            'engine="vllm"' in line and f'node="{NODE}"' in line and f'deployment="{VLLM_DEPLOYMENT}"' in line
+        )
     idle = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in lines}
     # Nothing is in flight between tests: the engine's gauges read 0, and so do the canonical ones.
     assert idle["fleetserve_requests_running"] == 0.0
     assert 0.0 <= idle["fleetserve_kv_cache_usage_ratio"] <= 1.0
+
+    # The counters the earlier tests moved: the surface carries the engine's own live totals.
+    engine_tokens = {
+        "fleetserve_prompt_tokens_total": sum(
+            v for (n, _), v in raw.items() if n == "vllm:prompt_tokens_total"
+        ),
+        "fleetserve_generation_tokens_total": sum(
+            v for (n, _), v in raw.items() if n == "vllm:generation_tokens_total"
+        ),
+    }
+    assert engine_tokens["fleetserve_generation_tokens_total"] >= 12 + 16, engine_tokens
+
+    def totals() -> dict[str, float] | None:
+        with httpx.Client(timeout=30) as http:
+            surface = series(http.get(f"{fleet.server.url}/metrics").text)
+        got = {
+            name: value
+            for (name, labels), value in surface.items()
+            if name in engine_tokens and dict(labels).get("replica") == replica["name"]
+        }
+        return got if got == engine_tokens else None
+
+    print(
+        "token totals:",
+        wait_for(totals, timeout=60, what=f"the surface's token totals to be {engine_tokens}"),
+    )
 
 
 def test_a_vllm_and_a_llamacpp_replica_answer_through_one_gateway(fleet: Fleet) -> None:
@@ -336,7 +372,9 @@ def test_a_sigkilled_vllm_is_restarted_by_the_supervisor_and_serves_again(fleet:
         replica = fleet.replica(VLLM_DEPLOYMENT)
         return replica if replica is not None and replica["status"].get("restarts", 0) >= 1 else None
 
-    after = wait_for(restarted, timeout=VLLM_START_TIMEOUT, what="the vLLM replica to be Running again", interval=1.0)
+    after = wait_for(
+        restarted, timeout=VLLM_START_TIMEOUT, what="the vLLM replica to be Running again", interval=1.0
+    )
     print(f"vLLM Running again {time.monotonic() - killed_at:.1f} s after SIGKILL")
     assert after["name"] == before["name"]
     assert not engine.is_running()

@@ -344,7 +344,13 @@ MIB = 1 << 20
 
 def test_vllm_cpu_runs_the_module_entry_point_of_the_python_it_is_installed_in():
     spec = launch(
-        EngineKind.VLLM, RuntimeVariant.CPU, Driver.CPU, cpu_cores=3, context=256, memory=4 * GIB, binary=PYTHON
+        EngineKind.VLLM,
+        RuntimeVariant.CPU,
+        Driver.CPU,
+        cpu_cores=3,
+        context=256,
+        memory=4 * GIB,
+        binary=PYTHON,
     )
     assert spec.argv == (
         PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL),
@@ -353,7 +359,10 @@ def test_vllm_cpu_runs_the_module_entry_point_of_the_python_it_is_installed_in()
     )  # fmt: skip
     assert "--gpu-memory-utilization" not in spec.argv  # on the CPU it reserves the machine's memory
     assert spec.sidecars == ()
-    assert (spec.health_url, spec.metrics_url) == (f"http://{HOST}:{PORT}/health", f"http://{HOST}:{PORT}/metrics")
+    assert (spec.health_url, spec.metrics_url) == (
+        f"http://{HOST}:{PORT}/health",
+        f"http://{HOST}:{PORT}/metrics",
+    )
 
 
 def test_vllm_cpu_given_a_vllm_executable_runs_vllm_serve():

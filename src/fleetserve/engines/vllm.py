@@ -12,9 +12,8 @@ the module entry point, ``PYTHON -m vllm.entrypoints.openai.api_server``, with t
 environment it is installed in (this one, or ``--engine-binary vllm/cpu=PYTHON``); a ``vllm``
 executable given there runs ``vllm serve`` as on a GPU. A profile runs on it only when it says
 ``runtime: cpu`` (an omitted device class alone stays refused); one node, no tensor parallel. Its KV
-cache is sized from the memory placement gave the replica (``VLLM_CPU_KVCACHE_SPACE``, GiB), its
-threads from the placed cores (``OMP_NUM_THREADS``, not bound to particular cores: the node's other
-replicas share them).
+cache is sized from the memory placement gave the replica, its threads from the placed cores
+(``OMP_NUM_THREADS``, not bound to particular cores: the node's other replicas share them).
 
 On the CPU, ``--gpu-memory-utilization`` is the share of the machine's memory vLLM reserves and
 checks is free at start (0.9 by default: a shared machine fails); an explicit KV cache size
@@ -46,6 +45,8 @@ HEALTH_PATH = "/health"
 METRICS_PATH = "/metrics"
 # vllm serve's --api-key from its environment: the OpenAI routes (/v1/...) then need
 # "Authorization: Bearer KEY"; /health and /metrics stay open (the observer sends the key anyway).
+# Seen on vLLM 0.32's CPU build (tests/e2e/test_vllm_cpu.py): /v1/models 401 without the key, 200
+# with it; /health and /metrics 200 either way.
 API_KEY_ENV = "VLLM_API_KEY"
 # The CPU build: its distribution's name, and the module its OpenAI server runs as.
 CPU_DISTRIBUTION = "vllm-cpu"
