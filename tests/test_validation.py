@@ -135,11 +135,56 @@ def test_an_absent_list_of_served_drivers_is_empty_not_everything():
     assert "dra.cpu" in result.accepted.message
 
 
-def test_vllm_has_no_cpu_variant_so_a_cpu_class_is_unsupported_not_refused():
+def test_vllm_runs_on_a_cpu_class_only_when_its_runtime_says_cpu():
     classes = {**CLASSES, "cpu-class": DeviceClass(name="cpu-class", driver="dra.cpu", memory=0)}
-    dep = deployment(engine="vllm", deviceClass="cpu-class")
+    problems = validate_deployment(deployment(engine="vllm", deviceClass="cpu-class"), classes)
+    assert [(p.field, p.message) for p in problems] == [
+        (
+            "profiles.p.runtime",
+            "engine vllm runs on class cpu-class (dra.cpu) only when asked: say runtime: cpu",
+        )
+    ]
+    dep = deployment(engine="vllm", deviceClass="cpu-class", runtime="cpu")
     assert validate_deployment(dep, classes) == []
-    assert gate(dep, classes, set(Driver)).accepted.reason == "UnsupportedDevices"
+    resolved = resolve_profile(dep.profiles[0], classes)
+    assert (resolved.variant, resolved.driver) == (RuntimeVariant.CPU, Driver.CPU)
+
+
+def test_vllm_without_a_class_runs_on_the_cpu_when_its_runtime_says_cpu():
+    dep = deployment(engine="vllm", runtime="cpu", cpu={"cores": 2})
+    assert validate_deployment(dep, CLASSES) == []
+    resolved = resolve_profile(dep.profiles[0], CLASSES)
+    assert (resolved.variant, resolved.driver, resolved.on_cpu) == (RuntimeVariant.CPU, Driver.CPU, True)
+    assert resolved.cpu is not None and resolved.cpu.cores == 2
+
+
+@pytest.mark.parametrize(
+    ("profile", "field", "words"),
+    [
+        pytest.param(
+            {"devicesPerNode": 2},
+            "profiles.p.devicesPerNode",
+            "a profile without a deviceClass runs on one node's CPU: vllm refuses tensor parallel there (devicesPerNode=2)",
+            id="tensor-parallel",
+        ),
+        pytest.param(
+            {"nodes": 3},
+            "profiles.p.nodes",
+            "a profile without a deviceClass runs on one node's CPU: vllm refuses multi-node there (nodes=3)",
+            id="multi-node",
+        ),
+    ],
+)
+def test_vllm_on_the_cpu_refuses_tensor_parallel_and_multi_node(profile, field, words):
+    problems = validate_deployment(deployment(engine="vllm", runtime="cpu", **profile), CLASSES)
+    assert [p.field for p in problems] == [field]
+    assert words in problems[0].message
+
+
+def test_vllm_without_a_class_and_with_a_gpu_runtime_is_still_refused_as_a_typo():
+    problems = validate_deployment(deployment(engine="vllm", runtime="cuda"), CLASSES)
+    assert [p.field for p in problems] == ["profiles.p.deviceClass"]
+    assert "say runtime: cpu to run vLLM's CPU build" in problems[0].message
 
 
 def test_profiles_are_tried_by_priority_then_as_written():

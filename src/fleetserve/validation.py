@@ -104,7 +104,9 @@ def profile_problems(profile: Profile, classes: Mapping[str, DeviceClass], locat
                 )
             )
     if profile.device_class is None:
-        if not caps.cpu_without_class:
+        # An engine that does not default to the CPU runs there only when its runtime says so.
+        named_cpu = profile.runtime is not None and caps.variants.get(profile.runtime) == host_driver()
+        if not caps.cpu_without_class and not named_cpu:
             out.append(Problem(location, f"{field}.deviceClass", caps.why_no_cpu))
         elif profile.runtime is not None and _needs_accelerator(caps.variants.get(profile.runtime)):
             out.append(
@@ -114,6 +116,28 @@ def profile_problems(profile: Profile, classes: Mapping[str, DeviceClass], locat
                     f"runtime {profile.runtime.value} computes on "
                     f"{caps.variants[profile.runtime].value}, but a profile without a "
                     "deviceClass runs on the CPU; name a deviceClass or use runtime cpu",
+                )
+            )
+        # One node's CPU: the splits an engine does across GPUs do not apply (the engine's own
+        # refusal, when it has one, already said so).
+        if caps.tensor_parallel and profile.devices_per_node > 1:
+            out.append(
+                Problem(
+                    location,
+                    f"{field}.devicesPerNode",
+                    f"a profile without a deviceClass runs on one node's CPU: {profile.engine.value} "
+                    f"refuses tensor parallel there (devicesPerNode={profile.devices_per_node}); "
+                    "use devicesPerNode: 1, or name a GPU deviceClass",
+                )
+            )
+        if caps.multi_node and profile.nodes > 1:
+            out.append(
+                Problem(
+                    location,
+                    f"{field}.nodes",
+                    f"a profile without a deviceClass runs on one node's CPU: {profile.engine.value} "
+                    f"refuses multi-node there (nodes={profile.nodes}); use nodes: 1, or name a GPU "
+                    "deviceClass",
                 )
             )
         return out
@@ -131,6 +155,16 @@ def profile_problems(profile: Profile, classes: Mapping[str, DeviceClass], locat
     driver = parse_driver(cls.driver)
     if driver is None or driver not in caps.drivers():
         return out  # the gate reports it as UnsupportedDevices, not a refusal
+    if profile.runtime is None and driver not in caps.default_variant:
+        fits = [v.value for v, d in caps.variants.items() if d == driver]
+        out.append(
+            Problem(
+                location,
+                f"{field}.runtime",
+                f"engine {profile.engine.value} runs on class {cls.name} ({driver.value}) only when "
+                f"asked: say runtime: {' or '.join(fits)}",
+            )
+        )
     if profile.runtime is not None and profile.runtime in caps.variants:
         runtime_driver = caps.variants[profile.runtime]
         if runtime_driver != driver:

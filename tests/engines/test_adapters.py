@@ -38,6 +38,9 @@ def launch(
     engine_args: tuple[str, ...] = (),
     peers: tuple[str, ...] = (),
     engine_key: str | None = None,
+    memory: int = 0,
+    binary: str | None = None,
+    model: Path = MODEL,
 ) -> LaunchSpec:
     """The launch spec the engine's adapter builds for one shard of a replica of ``chat``."""
     replica = Replica(
@@ -46,7 +49,8 @@ def launch(
         profile="p",
         device_class=None if driver is Driver.CPU else "gpu",
         shards=tuple(
-            Shard(node=f"node-{i}", devices=devices, cpu_cores=cpu_cores) for i, devices in enumerate(shards)
+            Shard(node=f"node-{i}", devices=devices, cpu_cores=cpu_cores, memory=memory)
+            for i, devices in enumerate(shards)
         ),
     )
     profile = Profile(
@@ -65,8 +69,8 @@ def launch(
         profile=profile,
         variant=variant,
         driver=driver,
-        model_path=MODEL,
-        binary=LLAMA_BINARY if engine is EngineKind.LLAMACPP else VLLM_BINARY,
+        model_path=model,
+        binary=binary or (LLAMA_BINARY if engine is EngineKind.LLAMACPP else VLLM_BINARY),
         host=HOST,
         port=PORT,
         context=context,
@@ -317,6 +321,7 @@ def test_validation_accepts_allowed_engine_args(engine, args):
             EngineKind.LLAMACPP, RuntimeVariant.CPU, Driver.CPU, (), "LLAMA_API_KEY", id="llama.cpp"
         ),
         pytest.param(EngineKind.VLLM, RuntimeVariant.CUDA, Driver.NVIDIA, (0, 1), "VLLM_API_KEY", id="vllm"),
+        pytest.param(EngineKind.VLLM, RuntimeVariant.CPU, Driver.CPU, (), "VLLM_API_KEY", id="vllm-cpu"),
     ],
 )
 def test_the_replicas_engine_key_is_in_the_engines_environment_never_on_its_argv(
@@ -328,3 +333,69 @@ def test_the_replicas_engine_key_is_in_the_engines_environment_never_on_its_argv
     assert not [arg for arg in spec.argv if key in arg] and "--api-key" not in spec.argv
     assert key not in repr(spec)
     assert variable not in launch(engine, variant, driver, (devices,)).env  # placed before engine keys
+
+
+# --- vLLM's CPU build ----------------------------------------------------------------------------
+
+PYTHON = "/opt/fleetserve/.venv/bin/python3.11"
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+def test_vllm_cpu_runs_the_module_entry_point_of_the_python_it_is_installed_in():
+    spec = launch(
+        EngineKind.VLLM,
+        RuntimeVariant.CPU,
+        Driver.CPU,
+        cpu_cores=3,
+        context=256,
+        memory=4 * GIB,
+        binary=PYTHON,
+    )
+    assert spec.argv == (
+        PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL),
+        "--host", HOST, "--port", str(PORT), "--served-model-name", DEPLOYMENT,
+        "--kv-cache-memory-bytes", str(2 * GIB), "--max-model-len", "256",
+    )  # fmt: skip
+    assert "--gpu-memory-utilization" not in spec.argv  # on the CPU it reserves the machine's memory
+    assert spec.sidecars == ()
+    assert (spec.health_url, spec.metrics_url) == (
+        f"http://{HOST}:{PORT}/health",
+        f"http://{HOST}:{PORT}/metrics",
+    )
+
+
+def test_vllm_cpu_given_a_vllm_executable_runs_vllm_serve():
+    spec = launch(EngineKind.VLLM, RuntimeVariant.CPU, Driver.CPU, cpu_cores=1, binary="/usr/local/bin/vllm")
+    assert spec.argv[:3] == ("/usr/local/bin/vllm", "serve", str(MODEL))
+    assert "-m" not in spec.argv and "--max-model-len" not in spec.argv
+
+
+@pytest.mark.parametrize("cores", [1, 2, 7])
+def test_vllm_cpu_threads_are_the_placed_cores_unbound(cores):
+    env = launch(EngineKind.VLLM, RuntimeVariant.CPU, Driver.CPU, cpu_cores=cores, binary=PYTHON).env
+    assert env["OMP_NUM_THREADS"] == str(cores)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert "--tensor-parallel-size" not in launch(EngineKind.VLLM, RuntimeVariant.CPU, Driver.CPU).argv
+
+
+@pytest.mark.parametrize(
+    ("memory", "weights", "kv"),
+    [
+        pytest.param(6 * GIB, 0, 3 * GIB, id="half-of-6-GiB"),
+        pytest.param(9 * GIB, 3 * GIB, 3 * GIB, id="half-of-what-the-weights-leave"),
+        pytest.param(300 * MIB + 3 * MIB - 1, 0, 151 * MIB, id="whole-MiB-rounded-down"),
+        pytest.param(100 * MIB, 0, 64 * MIB, id="at-least-64-MiB"),
+        pytest.param(1 * GIB, 2 * GIB, 64 * MIB, id="weights-over-the-placement"),
+    ],
+)
+def test_vllm_cpu_kv_cache_size_comes_from_the_placed_memory_less_the_weights(tmp_path, memory, weights, kv):
+    model = tmp_path / "tiny"
+    model.mkdir()
+    with open(model / "model.safetensors", "wb") as f:
+        f.truncate(weights)  # a sparse file: its size is what counts
+    (model / "config.json").write_text("{}")  # 2 bytes
+    argv = launch(
+        EngineKind.VLLM, RuntimeVariant.CPU, Driver.CPU, cpu_cores=1, memory=memory + 2, model=model
+    ).argv
+    assert value_of(argv, "--kv-cache-memory-bytes") == str(kv)

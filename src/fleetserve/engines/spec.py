@@ -11,7 +11,7 @@ registry (``engines/registry.py``) lists them. Nothing outside ``engines/`` bran
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
@@ -84,6 +84,10 @@ class EngineSpec:
     # Whether the engine loads a model from a directory (a whole repository: weights, config,
     # tokenizer), not only from one file.
     serves_directory: bool = False
+    # The variants whose binary may be the ``binary`` found on PATH (None: every variant).
+    path_lookup: frozenset[RuntimeVariant] | None = None
+    # What to install when a variant's binary is missing, where there is more to say than PATH.
+    install_hint: Mapping[RuntimeVariant, str] = field(default_factory=dict)
 
     def drivers(self) -> frozenset[Driver]:
         """Every driver this engine has a variant for."""

