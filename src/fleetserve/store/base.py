@@ -9,7 +9,7 @@ rows it changes (``SELECT … FOR UPDATE``). Times are passed in (``now``); noth
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -22,16 +22,24 @@ from fleetserve.errors import (
     NotFound,
     UnknownNode,
 )
+from fleetserve.protocol import AgentStatus, ReplicaStatus
 from fleetserve.spec.resources import (
     Cordon,
     Node,
     Replica,
 )
 from fleetserve.store.db import converted, read_only
+from fleetserve.store.doccache import ParseCache, ReplicaDocs, ReplicaKey
 from fleetserve.store.tables import (
     Base,
     NodeRow,
+    ReplicaRow,
 )
+
+# Names per ``IN (...)`` list: well inside every driver's limit on bound parameters.
+IN_CHUNK = 500
+
+NodeRaw = tuple[dict[str, Any], str, str | None, str | None]  # spec, state, cordon reason, cordon by
 
 
 def doc(model: BaseModel, exclude: set[str] | None = None) -> dict[str, Any]:
@@ -41,10 +49,24 @@ def doc(model: BaseModel, exclude: set[str] | None = None) -> dict[str, Any]:
 
 def node_of(row: NodeRow) -> Node:
     """A node row as the Node document, with its state and cordon."""
-    cordon = None
-    if row.cordon_reason is not None:
-        cordon = Cordon(reason=row.cordon_reason, by=row.cordon_by or "operator")
-    return Node.model_validate({**row.spec, "state": row.state, "cordon": cordon})
+    return node_from((row.spec, row.state, row.cordon_reason, row.cordon_by))
+
+
+def node_from(raw: NodeRaw) -> Node:
+    """A node's stored columns (spec, state, cordon reason and author) as the Node document."""
+    spec, state, reason, by = raw
+    cordon = None if reason is None else Cordon(reason=reason, by=by or "operator")
+    return Node.model_validate({**spec, "state": state, "cordon": cordon})
+
+
+def status_from(raw: dict[str, Any] | None) -> ReplicaStatus:
+    """A replica's stored status as the typed value (empty when never reported)."""
+    return ReplicaStatus.model_validate(raw or {})
+
+
+def agent_status_from(raw: dict[str, Any] | None) -> AgentStatus:
+    """A node's stored agent status as the typed value (empty when never reported)."""
+    return AgentStatus.model_validate(raw or {})
 
 
 def replica_of(spec: dict[str, Any], state: str) -> Replica:
@@ -60,6 +82,11 @@ class SqlBase:
         self._reader = read_only(engine)
         self._postgres = engine.dialect.name == "postgresql"
         self._owned = False
+        # Parsed documents kept between whole-fleet reads (``doccache``): one store per process.
+        self._replica_docs = ReplicaDocs()
+        self._node_docs: ParseCache[str, Node] = ParseCache(node_from)
+        self._statuses: ParseCache[str, ReplicaStatus] = ParseCache(status_from)
+        self._agent_statuses: ParseCache[str, AgentStatus] = ParseCache(agent_status_from)
 
     @property
     def engine(self) -> Engine:
@@ -76,6 +103,21 @@ class SqlBase:
     def _read(self, action: str) -> Iterator[Session]:
         with converted(action), Session(self._reader) as session, session.begin():
             yield session
+
+    def _replicas_of(self, s: Session, rows: Sequence[tuple[str, str | None, str]]) -> dict[str, Replica]:
+        """Per replica name, its document, for (name, engine key, state) rows read in ``s``: the
+        JSON of only the allocations not kept already is fetched, in the same transaction."""
+        keys: list[ReplicaKey] = [(name, key) for name, key, _ in rows]
+        missing = self._replica_docs.missing(keys)
+        fetched: dict[ReplicaKey, dict[str, Any]] = {}
+        for i in range(0, len(missing), IN_CHUNK):
+            names = [name for name, _ in missing[i : i + IN_CHUNK]]
+            query = select(ReplicaRow.name, ReplicaRow.engine_key, ReplicaRow.spec).where(
+                ReplicaRow.name.in_(names)
+            )
+            for name, key, spec in s.execute(query):
+                fetched[(name, key)] = spec
+        return self._replica_docs.resolve((((name, key), state) for name, key, state in rows), fetched)
 
     def _insert_new(self, session: Session, entity: type[Base], **values: Any) -> bool:
         """Insert a row unless its key exists; whether it was inserted. Race-free on both

@@ -13,6 +13,7 @@ the observer both read routes); each is small enough to fake in a few lines.
     Heartbeats       the reconciler                   when each node was last heard from
     Lease            the reconciler                   one leader among servers
     Drains           the reconciler                   turn replicas Draining (out of the routes)
+    AssignmentSource held assignment polls            what every node's assignments are built from
     ReconcilerStore  the reconciler                   Inventory + the four above
 """
 
@@ -28,7 +29,7 @@ from fleetserve.routing import ReplicaEndpoint
 from fleetserve.spec.resources import Model
 from fleetserve.store.credentials import ApiKey, IssuedToken, TokenKind, TokenRecord
 from fleetserve.store.deployments import StoredDeployment
-from fleetserve.store.reports import NodeHeartbeat
+from fleetserve.store.reports import AssignmentInputs, NodeHeartbeat
 
 if TYPE_CHECKING:
     from fleetserve.store.sql import SqlStore
@@ -106,11 +107,19 @@ class Drains(Protocol):
     def start_draining(self, names: Sequence[str], now: datetime) -> list[str]: ...
 
 
+class AssignmentSource(Protocol):
+    """What wakes held assignment polls: the inputs of every node's assignments, in one read."""
+
+    def assignment_inputs(self) -> AssignmentInputs: ...
+
+
 class ReconcilerStore(Inventory, Deployments, Heartbeats, Lease, Drains, Protocol):
     """Everything the reconciler reads and writes."""
 
 
 if TYPE_CHECKING:
 
-    def _conforms(store: SqlStore) -> tuple[GatewayStore, AgentReports, Tokens, ReconcilerStore]:
-        return store, store, store, store  # mypy checks that SqlStore provides every view
+    def _conforms(
+        store: SqlStore,
+    ) -> tuple[GatewayStore, AgentReports, Tokens, ReconcilerStore, AssignmentSource]:
+        return store, store, store, store, store  # mypy checks that SqlStore provides every view

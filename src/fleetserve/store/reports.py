@@ -5,6 +5,7 @@ status (``protocol.AgentStatus``), and the replicas' endpoints.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -26,6 +27,9 @@ from fleetserve.spec.resources import (
 )
 from fleetserve.store.base import SqlBase, replica_of
 from fleetserve.store.tables import (
+    DeploymentRow,
+    DeviceClassRow,
+    ModelRow,
     NodeRow,
     ReplicaRow,
     ReplicaShardRow,
@@ -41,6 +45,26 @@ class NodeHeartbeat:
     state: NodeState
     epoch: int
     last_heartbeat: datetime | None
+
+
+@dataclass(frozen=True)
+class AssignmentInputs:
+    """What every node's assignments are built from, read in one transaction: enough to tell,
+    without building them, whether a node's assignments may have changed (``server.assignwatch``).
+
+    A replica's document never changes once allocated (its state is not part of an assignment's
+    revision), an address changes only with a registration (which bumps the epoch), and an
+    engine key never changes: so the replicas on a node, their deployments' specs, the epochs of
+    their nodes, and the models and classes cover everything an assignment holds."""
+
+    shards: tuple[tuple[str, str, str], ...]  # (replica, node, deployment), one per shard
+    epochs: Mapping[str, int]  # per registered node
+    deployments: Mapping[str, str]  # per deployment, its spec as canonical JSON
+    shared: str  # every model and device class, as canonical JSON
+
+
+def _canonical(rows: Sequence[tuple[str, object]]) -> str:
+    return json.dumps(sorted(rows), sort_keys=True, separators=(",", ":"))
 
 
 class SqlReports(SqlBase):
@@ -78,6 +102,26 @@ class SqlReports(SqlBase):
             names = select(ReplicaShardRow.replica).where(ReplicaShardRow.node == node)
             rows = s.scalars(select(ReplicaRow).where(ReplicaRow.name.in_(names)))
             return sorted((replica_of(r.spec, r.state) for r in rows), key=lambda r: r.name)
+
+    def assignment_inputs(self) -> AssignmentInputs:
+        """Everything every node's assignments are built from, in one read (no document parsed)."""
+        with self._read("reading what assignments are built from") as s:
+            shards = s.execute(
+                select(ReplicaShardRow.replica, ReplicaShardRow.node, ReplicaRow.deployment).join(
+                    ReplicaRow, ReplicaRow.name == ReplicaShardRow.replica
+                )
+            )
+            shard_rows = tuple((replica, node, dep) for replica, node, dep in shards)
+            epochs = {name: epoch for name, epoch in s.execute(select(NodeRow.name, NodeRow.epoch))}
+            deployments = {
+                name: json.dumps(spec, sort_keys=True, separators=(",", ":"))
+                for name, spec in s.execute(select(DeploymentRow.name, DeploymentRow.spec))
+            }
+            models = [(name, spec) for name, spec in s.execute(select(ModelRow.name, ModelRow.spec))]
+            classes = [
+                (name, spec) for name, spec in s.execute(select(DeviceClassRow.name, DeviceClassRow.spec))
+            ]
+        return AssignmentInputs(shard_rows, epochs, deployments, _canonical(models) + _canonical(classes))
 
     def report(
         self,
@@ -129,7 +173,7 @@ class SqlReports(SqlBase):
         """Every node's last agent report beyond replica states, in one read."""
         with self._read("reading the agents' reports") as s:
             rows = s.execute(select(NodeRow.name, NodeRow.agent_status))
-            return {name: AgentStatus.model_validate(status or {}) for name, status in rows}
+            return self._agent_statuses.parse_all((name, status) for name, status in rows)
 
     def agent_status(self, node: str) -> AgentStatus:
         """What the node's agent last reported beyond replica states (downloads, problems)."""
@@ -158,14 +202,24 @@ class SqlReports(SqlBase):
         """Every replica with the address of its first shard's node, its reported status and the
         state of its least healthy node (a node no longer stored counts as Lost)."""
         with self._read("listing replica endpoints") as s:
+            # Only the columns routes need (not every node's hardware document), and replica
+            # documents parsed once per allocation (``doccache``): read every second.
+            address = NodeRow.spec["address"].as_string()
             nodes = {
-                r.name: (r.spec.get("address", ""), NodeState(r.state)) for r in s.scalars(select(NodeRow))
+                name: (addr or "", NodeState(state))
+                for name, state, addr in s.execute(select(NodeRow.name, NodeRow.state, address))
             }
-            out = []
-            for row in s.scalars(select(ReplicaRow)):
-                replica = replica_of(row.spec, row.state)
-                address = nodes.get(replica.shards[0].node, ("", NodeState.LOST))[0]
-                states = [nodes.get(shard.node, ("", NodeState.LOST))[1] for shard in replica.shards]
-                status = ReplicaStatus.model_validate(row.status or {})
-                out.append(ReplicaEndpoint(replica, address, status, row.engine_key, least_healthy(states)))
+            rows = s.execute(
+                select(ReplicaRow.name, ReplicaRow.engine_key, ReplicaRow.state, ReplicaRow.status)
+            ).all()
+            docs = self._replicas_of(s, [(r.name, r.engine_key, r.state) for r in rows])
+        statuses = self._statuses.parse_all((r.name, r.status) for r in rows)
+        out = []
+        for row in rows:
+            replica = docs[row.name]
+            first = nodes.get(replica.shards[0].node, ("", NodeState.LOST))[0]
+            states = [nodes.get(shard.node, ("", NodeState.LOST))[1] for shard in replica.shards]
+            out.append(
+                ReplicaEndpoint(replica, first, statuses[row.name], row.engine_key, least_healthy(states))
+            )
         return sorted(out, key=lambda e: e.replica.name)
