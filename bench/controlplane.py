@@ -460,11 +460,15 @@ async def admin(origin: Origin, token: str, method: str, path: str, body: Any) -
 
 
 async def metrics_text(origin: Origin) -> str:
+    """The server's /metrics; empty (figures shown as '-') when it does not answer in 60 s."""
     client = HttpClient()
     try:
         request = f"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:{origin.port}\r\n\r\n".encode()
-        response = await client.request(origin, request, 30)
+        response = await client.request(origin, request, 60)
         return (await response.read()).decode()
+    except UpstreamError as exc:
+        print(f"  /metrics of :{origin.port} did not answer: {exc}", file=sys.stderr, flush=True)
+        return ""
     finally:
         await client.aclose()
 
@@ -692,17 +696,24 @@ async def main_async(args: argparse.Namespace) -> int:
                     if kind == "postgres" and src is None and "pair" not in skip
                     else None
                 )
-                if kind == "postgres":
-                    url, drop = create_database()
-                    try:
-                        columns.append(await run_column(label, url, work, snapshot, args, src, None, pair))
-                    finally:
-                        drop()
-                else:
-                    db = work / "state.db"
-                    columns.append(
-                        await run_column(label, f"sqlite:///{db}", work, snapshot, args, src, db, None)
-                    )
+                try:
+                    if kind == "postgres":
+                        url, drop = create_database()
+                        try:
+                            columns.append(
+                                await run_column(label, url, work, snapshot, args, src, None, pair)
+                            )
+                        finally:
+                            drop()
+                    else:
+                        db = work / "state.db"
+                        columns.append(
+                            await run_column(label, f"sqlite:///{db}", work, snapshot, args, src, db, None)
+                        )
+                except (RuntimeError, OSError, UpstreamError, psycopg.Error) as exc:
+                    print(f"  [{label}] failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+                    columns.append(Column(label, {"enrolment: nodes/s": f"failed: {type(exc).__name__}"}))
+                    pair = None
                 if pair is not None:
                     columns.append(pair)
         finally:
@@ -739,6 +750,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--connections", type=int, default=64, help="connections for requests other than long-polls (64)"
     )
+    parser.add_argument("--apply", type=int, help="replicas of the timed first apply (1000; quick 200)")
+    parser.add_argument(
+        "--quiet",
+        type=float,
+        default=15.0,
+        help="seconds without a new assignment that end the scale-up (15)",
+    )
     parser.add_argument("--seed", type=int, default=1, help="seed of the fleet and the workload (1)")
     parser.add_argument(
         "--skip", default="", help="comma-separated columns to leave out: postgres, pair, sqlite"
@@ -751,8 +769,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.gpus = args.gpus or 8 * args.nodes
     args.replicas = args.replicas or (3000 if args.quick else 50_000)
     args.steady = args.steady or (15.0 if args.quick else 60.0)
-    args.apply = 200 if args.quick else 1000
-    args.quiet = 15.0
+    args.apply = args.apply or (200 if args.quick else 1000)
     args.settle_timeout = 120.0 if args.quick else 300.0
     return uvloop.run(main_async(args))
 

@@ -237,12 +237,21 @@ class Placer:
                 set(pre.names) | set(self.state.names()),
                 self.snapshot.next_ordinals.get(dep.name, 0),
             )
+            failed: Unplaced | None = None
             for _ in range(missing):
-                outcome = self.place_one(next(names), dep.name, demands, dep.template_revision())
+                name = next(names)
+                if failed is not None:
+                    # Nothing was taken since the last replica failed: the search would see the same
+                    # state and explain the same way, so every later replica gets that explanation
+                    # (at a large fleet, thousands of searches a cycle saved).
+                    unplaced.append(Unplaced(name, failed.reports))
+                    continue
+                outcome = self.place_one(name, dep.name, demands, dep.template_revision())
                 if isinstance(outcome, Placement):
                     placed.append(outcome)
                 else:
                     unplaced.append(outcome)
+                    failed = outcome
         ok = not unplaced
         extra.append(
             Condition(

@@ -41,7 +41,7 @@ from fleetserve.spec.resources import (
     Replica,
     ReplicaState,
 )
-from fleetserve.store.base import IN_CHUNK, SqlBase, doc, node_of, replica_of
+from fleetserve.store.base import IN_CHUNK, SqlBase, as_text, doc, node_of, replica_of
 from fleetserve.store.db import describe
 from fleetserve.store.tables import (
     DeviceAllocationRow,
@@ -400,7 +400,13 @@ class SqlInventory(SqlBase):
             # Unchanged rows are not parsed again (``doccache``): at thousands of nodes and tens of
             # thousands of replicas, parsing was most of a cycle.
             node_rows = s.execute(
-                select(NodeRow.name, NodeRow.spec, NodeRow.state, NodeRow.cordon_reason, NodeRow.cordon_by)
+                select(
+                    NodeRow.name,
+                    as_text(NodeRow.spec),
+                    NodeRow.state,
+                    NodeRow.cordon_reason,
+                    NodeRow.cordon_by,
+                )
             )
             by_name = self._node_docs.parse_all((r[0], (r[1], r[2], r[3], r[4])) for r in node_rows)
             nodes = sorted(by_name.values(), key=lambda n: n.name)
@@ -409,7 +415,7 @@ class SqlInventory(SqlBase):
                     ReplicaRow.name,
                     ReplicaRow.engine_key,
                     ReplicaRow.state,
-                    ReplicaRow.status,
+                    as_text(ReplicaRow.status).label("status"),
                     ReplicaRow.reported_at,
                     ReplicaRow.draining_since,
                 )

@@ -25,7 +25,7 @@ from fleetserve.spec.resources import (
     Replica,
     ReplicaState,
 )
-from fleetserve.store.base import SqlBase, replica_of
+from fleetserve.store.base import SqlBase, as_text, replica_of
 from fleetserve.store.tables import (
     DeploymentRow,
     DeviceClassRow,
@@ -75,26 +75,27 @@ class SqlReports(SqlBase):
         StaleEpoch when ``epoch`` is given and is not the node's current registration."""
         when = stamp(now)
         with self._write(f"recording a heartbeat of node {name}") as s:
-            row = s.get(NodeRow, name)
-            if row is None:
+            # The columns the check needs, not the node's hardware document: the most frequent call.
+            found = s.execute(select(NodeRow.epoch, NodeRow.state).where(NodeRow.name == name)).one_or_none()
+            if found is None:
                 raise UnknownNode(f"no node named {name!r} is registered")
-            self._check_epoch(row, epoch)
+            self._check_epoch(name, found.epoch, found.state, epoch)
             s.connection().execute(update(NodeRow).where(NodeRow.name == name).values(last_heartbeat=when))
 
     @staticmethod
-    def _check_epoch(row: NodeRow, epoch: int | None) -> None:
+    def _check_epoch(name: str, current: int, state: str, epoch: int | None) -> None:
         if epoch is None:
             return
-        if epoch != row.epoch:
+        if epoch != current:
             # The message never names the current epoch: it is the node's to know, not a caller's.
             raise StaleEpoch(
-                f"node {row.name} registered again since this registration; "
+                f"node {name} registered again since this registration; "
                 "register again and stop every replica not assigned"
             )
-        if row.state != NodeState.READY.value:
+        if state != NodeState.READY.value:
             # Judged NotReady or Lost while silent: only a registration brings it back, and tells
             # the agent which of its replicas were moved away meanwhile.
-            raise StaleEpoch(f"node {row.name} was marked {row.state} while silent; register again")
+            raise StaleEpoch(f"node {name} was marked {state} while silent; register again")
 
     def assignments(self, node: str) -> list[Replica]:
         """The replicas with a shard on ``node``, by name: what its agent must run."""
@@ -139,7 +140,7 @@ class SqlReports(SqlBase):
         when = stamp(now)
         with self._write(f"recording a status report of node {node}") as s:
             row = self._locked_node(s, node)
-            self._check_epoch(row, epoch)
+            self._check_epoch(row.name, row.epoch, row.state, epoch)
             row.last_heartbeat = when
             if model_cache is not None:
                 row.spec = {**row.spec, "modelCache": sorted(set(model_cache))}
@@ -172,7 +173,7 @@ class SqlReports(SqlBase):
     def agent_statuses(self) -> dict[str, AgentStatus]:
         """Every node's last agent report beyond replica states, in one read."""
         with self._read("reading the agents' reports") as s:
-            rows = s.execute(select(NodeRow.name, NodeRow.agent_status))
+            rows = s.execute(select(NodeRow.name, as_text(NodeRow.agent_status)))
             return self._agent_statuses.parse_all((name, status) for name, status in rows)
 
     def agent_status(self, node: str) -> AgentStatus:
@@ -210,7 +211,12 @@ class SqlReports(SqlBase):
                 for name, state, addr in s.execute(select(NodeRow.name, NodeRow.state, address))
             }
             rows = s.execute(
-                select(ReplicaRow.name, ReplicaRow.engine_key, ReplicaRow.state, ReplicaRow.status)
+                select(
+                    ReplicaRow.name,
+                    ReplicaRow.engine_key,
+                    ReplicaRow.state,
+                    as_text(ReplicaRow.status).label("status"),
+                )
             ).all()
             docs = self._replicas_of(s, [(r.name, r.engine_key, r.state) for r in rows])
         statuses = self._statuses.parse_all((r.name, r.status) for r in rows)
