@@ -357,7 +357,7 @@ class Fleet:
                         report = {
                             "node": name,
                             "epoch": self.epochs[i],
-                            "replicas": {r: {"state": "running"} for r in self.assigned[i]},
+                            "replicas": {r: {"state": "Running"} for r in self.assigned[i]},
                         }
                         await self.call(i, "POST", "/status", report, self.credentials[i], "report")
                     else:
@@ -743,7 +743,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, help="agents (5000)")
     parser.add_argument("--gpus", type=int, help="GPUs in the fleet (8 per node)")
     parser.add_argument("--replicas", type=int, help="desired replicas after the scale-up (50000)")
-    parser.add_argument("--steady", type=float, help="seconds of each steady phase (60)")
+    parser.add_argument("--steady", type=float, help="seconds of each steady phase (30)")
     parser.add_argument(
         "--heartbeat", type=float, default=10.0, help="seconds between an agent's heartbeats (10)"
     )
@@ -768,7 +768,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.nodes = args.nodes or (300 if args.quick else 5000)
     args.gpus = args.gpus or 8 * args.nodes
     args.replicas = args.replicas or (3000 if args.quick else 50_000)
-    args.steady = args.steady or (15.0 if args.quick else 60.0)
+    args.steady = args.steady or (15.0 if args.quick else 30.0)
     args.apply = args.apply or (200 if args.quick else 1000)
     args.settle_timeout = 120.0 if args.quick else 300.0
     return uvloop.run(main_async(args))
