@@ -662,3 +662,35 @@ def test_a_cycle_times_its_snapshot_plan_and_commit_phases_on_metrics(
     text = metrics.render()[0].decode()
     for phase in CyclePhase:
         assert f'fleetserve_reconcile_phase_seconds_count{{phase="{phase.value}"}} 1.0' in text
+
+
+class CountingStatusStore(SqlStore):
+    """The real store, counting status writes."""
+
+    writes = 0
+
+    def set_deployment_status(self, name: str, status: Mapping[str, Any]) -> None:
+        self.writes += 1
+        super().set_deployment_status(name, status)
+
+
+def test_a_steady_cycle_does_not_write_back_the_status_it_read(store: SqlStore, clock: FakeClock) -> None:
+    counting = CountingStatusStore(store.engine)
+    setup(counting, [gpu_node("gpu-a")], [deployment("chat", replicas=3)])  # 2 fit, 1 unschedulable
+    loop = reconciler(counting, clock)
+
+    loop.run_once()
+    clock.advance(5)
+    loop.run_once()  # the rollout's progress counts the replicas placed by the first
+    settled = counting.writes
+    for _ in range(3):
+        clock.advance(5)
+        loop.run_once()
+    assert counting.writes == settled
+    assert counting.get_deployment("chat").status["replicas"] == ["chat-0", "chat-1"]
+
+    counting.put_deployment(deployment("chat", replicas=1))  # a change: a new status
+    clock.advance(5)
+    loop.run_once()
+    assert counting.writes > settled
+    assert counting.get_deployment("chat").status["desiredReplicas"] == 1

@@ -92,6 +92,14 @@ class DeploymentDecision:
         def cond(c: Condition) -> dict[str, Any]:
             return {"type": c.type.value, "status": c.status, "reason": c.reason.value, "message": c.message}
 
+        # Replicas beyond what fits share one explanation (``plan``): render it once.
+        explained: dict[int, list[dict[str, Any]]] = {}
+
+        def explain(reports: tuple[ProfileReport, ...]) -> list[dict[str, Any]]:
+            if id(reports) not in explained:
+                explained[id(reports)] = [r.to_dict() for r in reports]
+            return explained[id(reports)]
+
         return {
             "deployment": self.deployment,
             "desired": self.desired,
@@ -111,9 +119,7 @@ class DeploymentDecision:
                 }
                 for p in self.placed
             ],
-            "unplaced": [
-                {"replica": u.name, "reports": [r.to_dict() for r in u.reports]} for u in self.unplaced
-            ],
+            "unplaced": [{"replica": u.name, "reports": explain(u.reports)} for u in self.unplaced],
         }
 
 

@@ -143,6 +143,7 @@ class Reconciler:
         allocated = set(result.allocated)
         generations = {d.deployment.name: d.generation for d in stored}
         previous = {d.deployment.name: d.previous for d in stored}
+        stored_status = {d.deployment.name: dict(d.status) for d in stored}
         for decision in plan.decisions:
             data = decision.to_dict()
             life = plan.lifecycles.get(decision.deployment)
@@ -163,10 +164,13 @@ class Reconciler:
                 ),
                 "unschedulable": len(decision.unplaced),
             }
-            try:
-                self.store.set_deployment_status(decision.deployment, status)
-            except FleetserveError:
-                continue  # deleted meanwhile
+            # A steady cycle computes the status it read (thousands of replica names at a large
+            # fleet): writing it again would only churn the database.
+            if status != stored_status.get(decision.deployment):
+                try:
+                    self.store.set_deployment_status(decision.deployment, status)
+                except FleetserveError:
+                    continue  # deleted meanwhile
             # Keep a decision when it did something or says something new; a cycle that only
             # kept what runs would bury the decision that placed it.
             interesting = {k: data[k] for k in ("conditions", "placed", "unplaced", "lost", "surplus")}
