@@ -339,10 +339,16 @@ class Fleet:
         self.revisions[i] = got["revision"]
         self.assigned[i] = [a["replica"]["name"] for a in got["assignments"]]
 
-    async def enrol_all(self) -> float:
-        """Enrol every node (bounded by the connection limit); the seconds it took."""
+    async def enrol_all(self, interval: float, report_every: int) -> float:
+        """Enrol every node (bounded by the connection limit), each agent starting its heartbeats
+        and long-poll as soon as it has enrolled, as a real one does; the seconds it took."""
+
+        async def one(i: int) -> None:
+            await self.register(i)
+            self.start(i, interval, report_every)
+
         began = time.perf_counter()
-        await asyncio.gather(*(self.register(i) for i in range(len(self.nodes))))
+        await asyncio.gather(*(one(i) for i in range(len(self.nodes))))
         return time.perf_counter() - began
 
     async def _beats(self, i: int, interval: float, report_every: int) -> None:
@@ -396,10 +402,9 @@ class Fleet:
                 self.stats.fail("long-poll", exc)
                 await asyncio.sleep(1)
 
-    def start(self, interval: float, report_every: int) -> None:
-        for i in range(len(self.nodes)):
-            self._tasks.append(asyncio.create_task(self._beats(i, interval, report_every)))
-            self._tasks.append(asyncio.create_task(self._polls(i)))
+    def start(self, i: int, interval: float, report_every: int) -> None:
+        self._tasks.append(asyncio.create_task(self._beats(i, interval, report_every)))
+        self._tasks.append(asyncio.create_task(self._polls(i)))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -574,14 +579,13 @@ async def run_column(
         fleet = Fleet(nodes, tokens["join"], origin, args.connections)
         fleet.stats.recording = True
         print(f"  [{label}] enrolling {len(nodes):,} nodes ...", file=sys.stderr, flush=True)
-        took = await fleet.enrol_all()
+        took = await fleet.enrol_all(args.heartbeat, 3)
         reg = sorted(fleet.stats.latencies.get("register", []))
         col.figures["enrolment: nodes/s"] = f"{len(nodes) / took:,.0f}"
         col.figures["enrolment p50 / p99 ms"] = (
             f"{quantile(reg, 50) * 1e3:.1f} / {quantile(reg, 99) * 1e3:.1f}"
         )
         fleet.stats.recording = False
-        fleet.start(args.heartbeat, 3)
         await asyncio.sleep(2)
 
         print(f"  [{label}] apply {args.apply:,} replicas ...", file=sys.stderr, flush=True)

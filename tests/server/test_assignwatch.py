@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 
 from builders import cpu_8c_32g, safetensors_8gb
 from builders import deployment as build_deployment
+from fleetserve.protocol import AssignmentSet
 from fleetserve.server.app import create_app
 from fleetserve.server.assignwatch import AssignmentWatch, fingerprints
 from fleetserve.server.enrolment import EnrolmentPolicy
@@ -173,3 +174,26 @@ def test_a_held_poll_of_an_unchanged_node_answers_its_own_set_at_the_deadline(
         headers=headers,
     )
     assert held.status_code == 200 and held.json()["revision"] == first["revision"]
+
+
+def test_a_kept_answer_serves_a_re_issued_poll_only_while_nothing_it_was_built_from_moved() -> None:
+    source = CountingSource()
+    answer = AssignmentSet(revision="r1", epoch=1, assignments=[], keep=[])
+
+    async def scenario() -> list[bool]:
+        watch = AssignmentWatch(source, tick=0.05)
+        await watch.changed("n1", None, 5)  # the first tick
+        watch.remember("n1", watch.current("n1"), answer)
+        got = [
+            watch.answered("n1", 1, "r1") is answer,
+            watch.answered("n1", 1, "r0") is None,  # the agent holds another set
+            watch.answered("n1", 2, "r1") is None,  # another registration
+            watch.answered("n2", 1, "r1") is None,  # nothing kept for n2
+        ]
+        source.inputs = inputs(shards=(("d-0", "n1", "d"), ("d-9", "n1", "d")))
+        await watch.changed("n1", watch.current("n1"), 5)
+        got.append(watch.answered("n1", 1, "r1") is None)  # built from inputs that moved
+        await watch.aclose()
+        return got
+
+    assert asyncio.run(scenario()) == [True, True, True, True, True]

@@ -268,19 +268,25 @@ def build_agent_router(
         while True:
             # Taken before the build: a change while building moves it, and wakes the poll below.
             seen = watch.current(node)
-            current = await run_in_threadpool(store.epoch, node)
-            if current == 0:
-                raise NotFound(f"no node named {node!r} is registered; register first")
-            if current != epoch:
-                # The same check as heartbeats: an older registration must register again.
-                await run_in_threadpool(store.heartbeat, node, datetime.now(UTC), epoch)
-            assigned = await run_in_threadpool(store.assignments, node)
-            entries = await run_in_threadpool(assignment_entries, store, assigned)
-            keep = kept(assigned, entries)
-            revision = revision_of(entries, keep)
-            answer = AssignmentSet(revision=revision, epoch=current, assignments=entries, keep=keep)
-            if revision != since:
-                return answer
+            held = watch.answered(node, epoch, since)
+            if held is not None:
+                answer = held  # the agent has this set, and nothing it is built from moved
+            else:
+                current = await run_in_threadpool(store.epoch, node)
+                if current == 0:
+                    raise NotFound(f"no node named {node!r} is registered; register first")
+                if current != epoch:
+                    # The same check as heartbeats: an older registration must register again.
+                    await run_in_threadpool(store.heartbeat, node, datetime.now(UTC), epoch)
+                assigned = await run_in_threadpool(store.assignments, node)
+                entries = await run_in_threadpool(assignment_entries, store, assigned)
+                keep = kept(assigned, entries)
+                answer = AssignmentSet(
+                    revision=revision_of(entries, keep), epoch=current, assignments=entries, keep=keep
+                )
+                watch.remember(node, seen, answer)
+                if answer.revision != since:
+                    return answer
             # Held: woken when the node's fingerprint moves; between wakes, look at the request
             # itself (a server shutting down answers at once: a held poll would hold its shutdown).
             while True:

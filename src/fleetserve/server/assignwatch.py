@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from starlette.concurrency import run_in_threadpool
 
 from fleetserve.errors import FleetserveError
+from fleetserve.protocol import AssignmentSet
 from fleetserve.store.protocols import AssignmentSource
 from fleetserve.store.reports import AssignmentInputs
 
@@ -82,6 +83,8 @@ class AssignmentWatch:
         self.tick = tick
         self._prints: Fingerprints | None = None
         self._waiters: dict[str, list[tuple[Fingerprint | None, asyncio.Future[None]]]] = {}
+        # Per node, the last answer built and the fingerprint taken before building it.
+        self._answers: dict[str, tuple[Fingerprint, AssignmentSet]] = {}
         self._task: asyncio.Task[None] | None = None
         self.reads = 0  # store reads made, for tests and the curious
 
@@ -89,6 +92,22 @@ class AssignmentWatch:
         """The node's fingerprint as of the last tick (None before the first): take it BEFORE
         building the assignments it stands for."""
         return None if self._prints is None else self._prints.of(node)
+
+    def remember(self, node: str, seen: Fingerprint | None, answer: AssignmentSet) -> None:
+        """Keep the answer built after taking ``seen``, for ``answered``."""
+        if seen is not None:
+            self._answers[node] = (seen, answer)
+
+    def answered(self, node: str, epoch: int, since: str | None) -> AssignmentSet | None:
+        """The answer last built for the node, if the agent holds it already (``since``, for
+        ``epoch``) and nothing it was built from has moved since: a re-issued poll then waits at
+        once instead of building the same set again (thousands of agents re-poll every 20 s)."""
+        kept = self._answers.get(node)
+        now = self.current(node)
+        if kept is None or now is None or kept[0] != now:
+            return None
+        answer = kept[1]
+        return answer if answer.epoch == epoch and answer.revision == since else None
 
     async def changed(self, node: str, seen: Fingerprint | None, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the node's fingerprint to move from ``seen``;
@@ -122,6 +141,8 @@ class AssignmentWatch:
                 inputs = await run_in_threadpool(self.store.assignment_inputs)
                 self.reads += 1
                 self._prints = await run_in_threadpool(fingerprints, inputs)
+                for node in [n for n in self._answers if n not in self._prints.per_node]:
+                    del self._answers[node]  # deleted nodes
                 self._wake()
             except FleetserveError as exc:
                 log.warning("checking the held assignment polls failed: %s", exc)
