@@ -302,6 +302,9 @@ class Fleet:
         self.origins = [origin] * len(nodes)
         self.client = HttpClient(max_idle_per_origin=len(nodes) + connections)
         self.short = asyncio.Semaphore(connections)
+        # Enrolments have their own connections: a thousand waiting to enrol must not hold back
+        # the heartbeats of the agents already enrolled (real agents do not queue behind each other).
+        self.enrolling = asyncio.Semaphore(max(1, connections // 2))
         self.credentials: list[str] = [""] * len(nodes)
         self.epochs = [0] * len(nodes)
         self.revisions: list[str | None] = [None] * len(nodes)
@@ -331,7 +334,7 @@ class Fleet:
 
     async def register(self, i: int) -> None:
         token = self.credentials[i] or self.join_token
-        async with self.short:
+        async with self.enrolling:
             got = await self.call(i, "POST", "/register", self.nodes[i], token, "register", 120.0)
         if got.get("credential"):
             self.credentials[i] = got["credential"]
