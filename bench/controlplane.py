@@ -79,6 +79,7 @@ PYTHON = sys.executable
 POSTGRES = os.environ.get("FLEETSERVE_BENCH_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test")
 API = "/api/v1/agent"
 POLL_WAIT = 20.0
+MAX_REPLICAS = 10_000  # a deployment's replica count is at most this (spec/resources.py)
 
 
 def free_port() -> int:
@@ -133,16 +134,25 @@ def model_docs() -> list[dict[str, Any]]:
 
 
 def deployment_docs(snapshot: ClusterSnapshot, total: int, seed: int) -> list[dict[str, Any]]:
-    """The placement benchmark's deployments, replica counts from its seeded mix of ``total``."""
+    """The placement benchmark's deployments, replica counts from its seeded mix of ``total``; a
+    count above a deployment's limit (``MAX_REPLICAS``) is split over copies named ``NAME-2``..."""
     counts: dict[str, int] = {}
     for request in fleetgen.build_workload(snapshot, total, seed):
         counts[request.deployment] = counts.get(request.deployment, 0) + 1
-    return [
-        spec_doc(
-            "Deployment", Deployment(name=name, model=model, replicas=counts.get(name, 0), profiles=profiles)
-        )
-        for name, model, _, profiles in fleetgen.DEPLOYMENTS
-    ]
+    docs = []
+    for name, model, _, profiles in fleetgen.DEPLOYMENTS:
+        left, copy = counts.get(name, 0), 1
+        while True:
+            part = min(left, MAX_REPLICAS)
+            named = name if copy == 1 else f"{name}-{copy}"
+            docs.append(
+                spec_doc("Deployment", Deployment(name=named, model=model, replicas=part, profiles=profiles))
+            )
+            left -= part
+            copy += 1
+            if left <= 0:
+                break
+    return docs
 
 
 # --- the server -----------------------------------------------------------------------------------
