@@ -41,5 +41,5 @@ def test_a_small_run_prints_every_figure_for_both_databases(
         assert row in rows, out
     # Every agent enrolled and was heard from; none of their requests failed.
     assert rows["failed requests"].split()[-2:] == ["0", "0"], out
-    assert "apply 10 -> all assigned s" in out and ">" not in rows["apply 10 -> all assigned s"], out
+    assert "placed)" in rows["apply 10 -> all assigned s"], out
     assert sys.modules["controlplane"] is controlplane
