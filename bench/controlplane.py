@@ -190,7 +190,8 @@ def start_server(url: str, work: Path, name: str, token_file: Path, src: Path | 
         "--token-file", str(token_file), "--models-dir", str(work / "models"),
         "--not-ready-after", "60", "--lost-after", "300", "--log-level", "warning",
     ]  # fmt: skip
-    proc = subprocess.Popen(args, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=work, env=env)
+    with log.open("wb") as out:  # the child keeps its own descriptor
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=work, env=env)
     server = Server(proc, port, log)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:

@@ -4,6 +4,7 @@ every figure, never the figures themselves (speed belongs to the benchmark)."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -27,7 +28,7 @@ def test_a_small_run_prints_every_figure_for_both_databases(
     assert code == 0, out
     header = next(line for line in out.splitlines() if line.strip().startswith("postgres"))
     assert header.split() == ["postgres", "sqlite"]
-    rows = {line.split("  ")[0].strip(): line for line in out.splitlines()}
+    rows = {re.split(r"\s{2,}", line.strip())[0]: line for line in out.splitlines() if line.strip()}
     for row in (
         "apply 10 -> all assigned s",
         "heartbeat p50 / p99 ms",
