@@ -285,6 +285,7 @@ def test_a_full_render_exposes_exactly_the_declared_names() -> None:
     m.engine_restart("chat", "chat-0")
     m.observe_placement(0.1)
     m.observe_reconcile(0.1)
+    m.observe_reconcile_phase("plan", 0.1)
     m.gateway_stream("chat", "chat-0", "vllm", 0.05, 0.01)
     m.gateway_key_request("team-a", "chat", 0.1, 10, 20)
     m.set_ratelimit_shared(False)

@@ -19,10 +19,12 @@ from builders import (
 )
 from builders import deployment as build_deployment
 from fleetserve.modelfacts import ModelFacts
-from fleetserve.placement.placer import DeploymentDecision, SearchKind, plan
+from fleetserve.placement.demand import demand_for
+from fleetserve.placement.placer import DeploymentDecision, Placer, SearchKind, Unplaced, plan
 from fleetserve.placement.report import Reason, render_report
 from fleetserve.snapshot import ClusterSnapshot
 from fleetserve.spec.resources import Deployment, DeviceClass, Fabric, Node, Replica, Shard
+from fleetserve.validation import gate
 
 GiB = 1 << 30
 CLASSES = {
@@ -310,3 +312,25 @@ def test_a_cpu_memory_claim_below_what_the_model_needs_is_raised_to_it(kind):
     assert d.unplaced[0].reports[0].counts() == {(Reason.INSUFFICIENT_MEMORY, None): 1}
     [d] = decide([node("large", 32, "256GiB")], [deployment("d", 1, prof, model="big")], kind)
     assert d.placed[0].replica.shards[0].memory > 100 * GiB
+
+
+@both
+def test_replicas_beyond_what_fits_are_all_unplaced_with_the_explanation_one_by_one_would_give(kind):
+    nodes = [nvidia_h100_80gb_x8("g1"), nvidia_h100_80gb_x8("g2")]
+    whole = deployment("chat", 5, {"name": "p", "engine": "vllm", "deviceClass": "h100", "devicesPerNode": 8})
+    [d] = decide(nodes, [whole], kind)
+    snap = ClusterSnapshot(
+        classes=MappingProxyType(CLASSES), nodes=tuple(nodes), fabrics=MappingProxyType(FABRICS)
+    )
+    placer = Placer(snap, kind)
+    usable = gate(whole, snap.classes, snap.served_drivers()).usable
+    demands = [demand_for(p, SMALL, CLASSES["h100"]) for p in usable]
+    one_by_one = [placer.place_one(f"chat-{i}", "chat", demands) for i in range(5)]
+
+    assert [p.replica.name for p in d.placed] == ["chat-0", "chat-1"]
+    assert [u.name for u in d.unplaced] == ["chat-2", "chat-3", "chat-4"]
+    expected = [o for o in one_by_one if isinstance(o, Unplaced)]
+    assert len(expected) == 3
+    assert [[r.to_dict() for r in u.reports] for u in d.unplaced] == [
+        [r.to_dict() for r in u.reports] for u in expected
+    ]

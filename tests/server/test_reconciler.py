@@ -15,13 +15,14 @@ import pytest
 
 from builders import deployment as build_deployment
 from builders import gpu_host_32c_256g, safetensors_8gb
+from fleetserve.metrics.exposition import FleetMetrics
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.protocol import ReplicaStatus
 from fleetserve.reconcile.core import reconcile
 from fleetserve.reconcile.health import HeartbeatPolicy
 from fleetserve.routing import routable
 from fleetserve.server.apply import apply_batch
-from fleetserve.server.reconciler import LEASE, CycleResult, Reconciler
+from fleetserve.server.reconciler import LEASE, CyclePhase, CycleResult, Reconciler
 from fleetserve.snapshot import ClusterSnapshot
 from fleetserve.spec.resources import Deployment, DeviceClass, Node, NodeState, Replica, ReplicaState
 from fleetserve.store import SqlStore
@@ -638,3 +639,58 @@ def test_a_scaled_down_replica_drains_until_its_agent_reports_no_request_then_is
     )
     assert loop.run_once().released == ["chat-1"]
     assert [r.name for r in store.replicas()] == ["chat-0"]
+
+
+# --- timing --------------------------------------------------------------------------------------
+
+
+def test_a_cycle_times_its_snapshot_plan_and_commit_phases_on_metrics(
+    store: SqlStore, clock: FakeClock
+) -> None:
+    setup(store, [gpu_node("gpu-a")], [deployment("chat", replicas=2)])
+    metrics = FleetMetrics()
+    leader = Reconciler(store, policy=POLICY, lease_ttl=TTL, clock=clock.now, holder="one", metrics=metrics)
+    follower = Reconciler(store, policy=POLICY, lease_ttl=TTL, clock=clock.now, holder="two", metrics=metrics)
+
+    led = leader.run_once()
+    followed = follower.run_once()
+
+    assert sorted(led.allocated) == ["chat-0", "chat-1"]
+    assert list(led.phases) == [CyclePhase.SNAPSHOT, CyclePhase.PLAN, CyclePhase.COMMIT]
+    assert sum(led.phases.values()) == pytest.approx(led.seconds)
+    assert not followed.leader and followed.phases == {}
+    text = metrics.render()[0].decode()
+    for phase in CyclePhase:
+        assert f'fleetserve_reconcile_phase_seconds_count{{phase="{phase.value}"}} 1.0' in text
+
+
+class CountingStatusStore(SqlStore):
+    """The real store, counting status writes."""
+
+    writes = 0
+
+    def set_deployment_status(self, name: str, status: Mapping[str, Any]) -> None:
+        self.writes += 1
+        super().set_deployment_status(name, status)
+
+
+def test_a_steady_cycle_does_not_write_back_the_status_it_read(store: SqlStore, clock: FakeClock) -> None:
+    counting = CountingStatusStore(store.engine)
+    setup(counting, [gpu_node("gpu-a")], [deployment("chat", replicas=3)])  # 2 fit, 1 unschedulable
+    loop = reconciler(counting, clock)
+
+    loop.run_once()
+    clock.advance(5)
+    loop.run_once()  # the rollout's progress counts the replicas placed by the first
+    settled = counting.writes
+    for _ in range(3):
+        clock.advance(5)
+        loop.run_once()
+    assert counting.writes == settled
+    assert counting.get_deployment("chat").status["replicas"] == ["chat-0", "chat-1"]
+
+    counting.put_deployment(deployment("chat", replicas=1))  # a change: a new status
+    clock.advance(5)
+    loop.run_once()
+    assert counting.writes > settled
+    assert counting.get_deployment("chat").status["desiredReplicas"] == 1

@@ -9,10 +9,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from fleetserve.errors import AllocationConflict
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.snapshot import ClusterSnapshot
 from fleetserve.spec.resources import DeviceClass, Fabric, Node, NodeState, Replica
@@ -57,6 +58,11 @@ class Inventory(Protocol):
     def allocate(self, replica: Replica) -> None:
         """Take every shard of a replica at once; raise AllocationConflict and take nothing if
         any device is allocated, unhealthy or missing, or any node lacks the CPU or memory."""
+
+    def allocate_all(self, replicas: Sequence[Replica]) -> list[AllocationConflict | None]:
+        """Take each replica whole, in order, as ``allocate`` one after another would (each checked
+        against what the ones before it took); per replica, None or the conflict that refused it.
+        A store may take them in fewer transactions."""
 
     def release(self, name: str) -> Replica:
         """Give back every shard of a replica at once; raises UnknownReplica."""

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
 from pydantic import ValidationError as PydanticValidationError
 
-from fleetserve.errors import ConfigError, Problem, UnknownNode, UnknownReplica
+from fleetserve.errors import AllocationConflict, ConfigError, Problem, UnknownNode, UnknownReplica
 from fleetserve.inventory.base import Registration
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.placement.state import WorkingState
@@ -84,6 +84,16 @@ class InMemoryInventory:
             self._next_ordinals[replica.deployment] = max(
                 self._next_ordinals.get(replica.deployment, 0), ordinal + 1
             )
+
+    def allocate_all(self, replicas: Sequence[Replica]) -> list[AllocationConflict | None]:
+        out: list[AllocationConflict | None] = []
+        for replica in replicas:
+            try:
+                self.allocate(replica)
+                out.append(None)
+            except AllocationConflict as exc:
+                out.append(exc)
+        return out
 
     def release(self, name: str) -> Replica:
         try:

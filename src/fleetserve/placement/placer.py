@@ -92,6 +92,14 @@ class DeploymentDecision:
         def cond(c: Condition) -> dict[str, Any]:
             return {"type": c.type.value, "status": c.status, "reason": c.reason.value, "message": c.message}
 
+        # Replicas beyond what fits share one explanation (``plan``): render it once.
+        explained: dict[int, list[dict[str, Any]]] = {}
+
+        def explain(reports: tuple[ProfileReport, ...]) -> list[dict[str, Any]]:
+            if id(reports) not in explained:
+                explained[id(reports)] = [r.to_dict() for r in reports]
+            return explained[id(reports)]
+
         return {
             "deployment": self.deployment,
             "desired": self.desired,
@@ -111,9 +119,7 @@ class DeploymentDecision:
                 }
                 for p in self.placed
             ],
-            "unplaced": [
-                {"replica": u.name, "reports": [r.to_dict() for r in u.reports]} for u in self.unplaced
-            ],
+            "unplaced": [{"replica": u.name, "reports": explain(u.reports)} for u in self.unplaced],
         }
 
 
@@ -237,12 +243,21 @@ class Placer:
                 set(pre.names) | set(self.state.names()),
                 self.snapshot.next_ordinals.get(dep.name, 0),
             )
+            failed: Unplaced | None = None
             for _ in range(missing):
-                outcome = self.place_one(next(names), dep.name, demands, dep.template_revision())
+                name = next(names)
+                if failed is not None:
+                    # Nothing was taken since the last replica failed: the search would see the same
+                    # state and explain the same way, so every later replica gets that explanation
+                    # (at a large fleet, thousands of searches a cycle saved).
+                    unplaced.append(Unplaced(name, failed.reports))
+                    continue
+                outcome = self.place_one(name, dep.name, demands, dep.template_revision())
                 if isinstance(outcome, Placement):
                     placed.append(outcome)
                 else:
                     unplaced.append(outcome)
+                    failed = outcome
         ok = not unplaced
         extra.append(
             Condition(

@@ -16,7 +16,6 @@ the registration's tells the epoch.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import time
@@ -40,12 +39,13 @@ from fleetserve.protocol import (
     StatusReply,
     StatusReport,
 )
+from fleetserve.server.assignwatch import RECHECK_SECONDS, AssignmentWatch
 from fleetserve.server.auth import agent, caller_of, node_of, speaks_for
 from fleetserve.server.enrolment import AddressVerdict, EnrolmentPolicy
 from fleetserve.server.modelfiles import ModelFiles
 from fleetserve.server.params import NameParam
 from fleetserve.server.problems import EnrolmentRefused, Forbidden
-from fleetserve.spec.resources import NAME_PATTERN, Node, Replica
+from fleetserve.spec.resources import NAME_PATTERN, Deployment, Model, Node, Replica
 from fleetserve.store.identity import Refusal, Refused
 from fleetserve.store.sql import SqlStore
 from fleetserve.validation import resolve_profile
@@ -78,22 +78,38 @@ def kept(replicas: list[Replica], entries: list[Assignment]) -> list[str]:
 def assignment_entries(store: SqlStore, replicas: list[Replica]) -> list[Assignment]:
     """What an agent needs to run each replica: the replica, its profile with the runtime variant
     worked out, the model document, the addresses of the replica's nodes (shard order) and its
-    engine's API key."""
-    snapshot = store.snapshot()
-    nodes = {n.name: n for n in snapshot.nodes}
+    engine's API key. Reads only what these replicas name: the classes, their nodes, their
+    deployments and models (each once), never the whole fleet."""
+    if not replicas:
+        return []
+    classes = store.device_classes()
+    addresses = store.node_addresses([s.node for r in replicas for s in r.shards])
     keys = store.engine_keys([r.name for r in replicas])
+    deployments: dict[str, Deployment | None] = {}
+    models: dict[str, Model | None] = {}
     out = []
     for replica in replicas:
-        try:
-            deployment = store.get_deployment(replica.deployment).deployment
-            model = store.get_model(deployment.model)
-        except NotFound:
-            continue  # deleted meanwhile: the next reconcile cycle releases the replica
+        if replica.deployment not in deployments:
+            try:
+                deployments[replica.deployment] = store.get_deployment(replica.deployment).deployment
+            except NotFound:
+                deployments[replica.deployment] = None  # deleted: the next cycle releases its replicas
+        deployment = deployments[replica.deployment]
+        if deployment is None:
+            continue
+        if deployment.model not in models:
+            try:
+                models[deployment.model] = store.get_model(deployment.model)
+            except NotFound:
+                models[deployment.model] = None
+        model = models[deployment.model]
+        if model is None:
+            continue
         profile = next((p for p in deployment.profiles if p.name == replica.profile), None)
         if profile is None:
             continue
         try:
-            resolved = resolve_profile(profile, snapshot.classes)
+            resolved = resolve_profile(profile, classes)
         except (InternalError, KeyError):
             continue  # its class changed under it: the gate reports it; keep what runs
         out.append(
@@ -104,7 +120,7 @@ def assignment_entries(store: SqlStore, replicas: list[Replica]) -> list[Assignm
                 driver=resolved.driver,
                 model=model,
                 context=profile.context,
-                peers=[nodes[s.node].address if s.node in nodes else "" for s in replica.shards],
+                peers=[addresses.get(s.node, "") for s in replica.shards],
                 engine_key=keys.get(replica.name),
             )
         )
@@ -171,9 +187,13 @@ def check_gpu_samples(store: SqlStore, report: StatusReport) -> None:
         raise ConfigError(problems)
 
 
-def build_agent_router(store: SqlStore, files: ModelFiles, policy: EnrolmentPolicy) -> APIRouter:
-    """The routes agents use: the join token enrols, the node's credential does the rest."""
+def build_agent_router(
+    store: SqlStore, files: ModelFiles, policy: EnrolmentPolicy, watch: AssignmentWatch | None = None
+) -> APIRouter:
+    """The routes agents use: the join token enrols, the node's credential does the rest. Held
+    assignment polls are woken by ``watch`` (one per process; made here if not given)."""
     api = APIRouter(prefix="/api/v1/agent", dependencies=[agent], tags=["agent"])
+    watch = watch or AssignmentWatch(store)
 
     def own_model(request: Request, name: str) -> None:
         node = node_of(request)
@@ -228,7 +248,7 @@ def build_agent_router(store: SqlStore, files: ModelFiles, policy: EnrolmentPoli
 
     @api.get("/classes", summary="Device classes, for matching discovered devices")
     def classes() -> list[dict[str, Any]]:
-        return [_doc(c) for c in sorted(store.snapshot().classes.values(), key=lambda c: c.name)]
+        return [_doc(c) for c in sorted(store.device_classes().values(), key=lambda c: c.name)]
 
     @api.get("/models/{name}", summary="A model document, for fetching it (one the node's replicas serve)")
     def model(request: Request, name: NameParam) -> dict[str, Any]:
@@ -246,26 +266,36 @@ def build_agent_router(store: SqlStore, files: ModelFiles, policy: EnrolmentPoli
         speaks_for(request, node)
         deadline = time.monotonic() + wait
         while True:
-            current = await run_in_threadpool(store.epoch, node)
-            if current == 0:
-                raise NotFound(f"no node named {node!r} is registered; register first")
-            if current != epoch:
-                # The same check as heartbeats: an older registration must register again.
-                await run_in_threadpool(store.heartbeat, node, datetime.now(UTC), epoch)
-            assigned = await run_in_threadpool(store.assignments, node)
-            entries = await run_in_threadpool(assignment_entries, store, assigned)
-            keep = kept(assigned, entries)
-            revision = revision_of(entries, keep)
-            # A server shutting down answers at once: a held poll would hold its shutdown.
-            stopping = bool(getattr(request.app.state, "stopping", False))
-            if (
-                revision != since
-                or time.monotonic() >= deadline
-                or stopping
-                or await request.is_disconnected()
-            ):
-                return AssignmentSet(revision=revision, epoch=current, assignments=entries, keep=keep)
-            await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+            # Taken before the build: a change while building moves it, and wakes the poll below.
+            seen = watch.current(node)
+            held = watch.answered(node, epoch, since)
+            if held is not None:
+                answer = held  # the agent has this set, and nothing it is built from moved
+            else:
+                current = await run_in_threadpool(store.epoch, node)
+                if current == 0:
+                    raise NotFound(f"no node named {node!r} is registered; register first")
+                if current != epoch:
+                    # The same check as heartbeats: an older registration must register again.
+                    await run_in_threadpool(store.heartbeat, node, datetime.now(UTC), epoch)
+                assigned = await run_in_threadpool(store.assignments, node)
+                entries = await run_in_threadpool(assignment_entries, store, assigned)
+                keep = kept(assigned, entries)
+                answer = AssignmentSet(
+                    revision=revision_of(entries, keep), epoch=current, assignments=entries, keep=keep
+                )
+                watch.remember(node, seen, answer)
+                if answer.revision != since:
+                    return answer
+            # Held: woken when the node's fingerprint moves; between wakes, look at the request
+            # itself (a server shutting down answers at once: a held poll would hold its shutdown).
+            while True:
+                left = deadline - time.monotonic()
+                stopping = bool(getattr(request.app.state, "stopping", False))
+                if left <= 0 or stopping or await request.is_disconnected():
+                    return answer
+                if await watch.changed(node, seen, min(left, RECHECK_SECONDS)):
+                    break
 
     @api.post("/status", summary="Report replica states, cache contents, downloads and GPU samples")
     def status(request: Request, body: StatusReport) -> StatusReply:

@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from enum import StrEnum
 from typing import Any
 
 from fleetserve.autoscale import AutoscaleState, DecisionLog, Signals, decide_for, render_decision
@@ -43,6 +44,14 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+class CyclePhase(StrEnum):
+    """The parts of a cycle timed apart (``fleetserve_reconcile_phase_seconds``)."""
+
+    SNAPSHOT = "snapshot"  # liveness from heartbeats, deployments, models and the snapshot: reads
+    PLAN = "plan"  # the pure decision: lifecycles and placement
+    COMMIT = "commit"  # drains, releases, allocations, statuses and decisions: writes
+
+
 @dataclass
 class CycleResult:
     """What one cycle did, for logs, metrics and tests."""
@@ -54,6 +63,8 @@ class CycleResult:
     draining: list[str] = field(default_factory=list)
     conflicts: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    # Seconds per phase (a follower's cycle has none).
+    phases: dict[CyclePhase, float] = field(default_factory=dict)
 
 
 class Reconciler:
@@ -112,9 +123,12 @@ class Reconciler:
         deployments = [self._autoscale(d.deployment, snapshot.replicas) for d in stored]
         failures = {d.deployment.name: FailureHistory.from_status(d.status.get("failures")) for d in stored}
         placing = time.perf_counter()
+        result.phases[CyclePhase.SNAPSHOT] = placing - started
         plan = reconcile(deployments, snapshot, now, failures)
+        committing = time.perf_counter()
+        result.phases[CyclePhase.PLAN] = committing - placing
         if self.metrics is not None:
-            self.metrics.observe_placement(time.perf_counter() - placing)
+            self.metrics.observe_placement(committing - placing)
         if plan.drain:
             result.draining = self.store.start_draining(plan.drain, now)
             for name in result.draining:
@@ -125,19 +139,11 @@ class Reconciler:
                 result.released.append(name)
             except UnknownReplica:
                 pass  # released by someone else meanwhile: the goal is reached
-        for replica in plan.allocate:
-            try:
-                self.store.allocate(replica)
-                result.allocated.append(replica.name)
-            except AllocationConflict as exc:
-                result.conflicts.append(replica.name)
-                log.info("plan for %s went stale (%s); the next cycle decides again", replica.name, exc)
-            except FleetserveError as exc:
-                # One replica the store refuses must not keep every other one from being placed.
-                result.conflicts.append(replica.name)
-                log.error("could not store replica %s: %s", replica.name, exc)
+        self._allocate(plan.allocate, result)
+        allocated = set(result.allocated)
         generations = {d.deployment.name: d.generation for d in stored}
         previous = {d.deployment.name: d.previous for d in stored}
+        stored_status = {d.deployment.name: dict(d.status) for d in stored}
         for decision in plan.decisions:
             data = decision.to_dict()
             life = plan.lifecycles.get(decision.deployment)
@@ -153,15 +159,18 @@ class Reconciler:
                 "replicas": sorted(
                     [
                         *decision.kept,
-                        *(p.replica.name for p in decision.placed if p.replica.name in result.allocated),
+                        *(p.replica.name for p in decision.placed if p.replica.name in allocated),
                     ]
                 ),
                 "unschedulable": len(decision.unplaced),
             }
-            try:
-                self.store.set_deployment_status(decision.deployment, status)
-            except FleetserveError:
-                continue  # deleted meanwhile
+            # A steady cycle computes the status it read (thousands of replica names at a large
+            # fleet): writing it again would only churn the database.
+            if status != stored_status.get(decision.deployment):
+                try:
+                    self.store.set_deployment_status(decision.deployment, status)
+                except FleetserveError:
+                    continue  # deleted meanwhile
             # Keep a decision when it did something or says something new; a cycle that only
             # kept what runs would bury the decision that placed it.
             interesting = {k: data[k] for k in ("conditions", "placed", "unplaced", "lost", "surplus")}
@@ -171,11 +180,41 @@ class Reconciler:
             if new_conditions or (acted and last != interesting):
                 self.store.record_decision(decision.deployment, data, now)
                 self._last_recorded[decision.deployment] = interesting
-        result.seconds = time.perf_counter() - started
+        ended = time.perf_counter()
+        result.phases[CyclePhase.COMMIT] = ended - committing
+        result.seconds = ended - started
         if self.metrics is not None:
             self.metrics.observe_reconcile(result.seconds)
+            for phase, seconds in result.phases.items():
+                self.metrics.observe_reconcile_phase(phase.value, seconds)
             self.metrics.set_desired_replicas({d.name: d.desired_replicas for d in deployments})
         return result
+
+    def _allocate(self, replicas: tuple[Replica, ...], result: CycleResult) -> None:
+        """Commit the plan's new replicas, in batches; each refused one is recorded as a conflict."""
+        outcomes: list[FleetserveError | None]
+        try:
+            outcomes = list(self.store.allocate_all(replicas))
+        except FleetserveError as exc:
+            log.warning("allocating %d replicas at once failed (%s); one by one instead", len(replicas), exc)
+            outcomes = [self._allocate_one(replica) for replica in replicas]
+        for replica, outcome in zip(replicas, outcomes, strict=True):
+            if outcome is None:
+                result.allocated.append(replica.name)
+                continue
+            result.conflicts.append(replica.name)
+            if isinstance(outcome, AllocationConflict):
+                log.info("plan for %s went stale (%s); the next cycle decides again", replica.name, outcome)
+            else:
+                log.error("could not store replica %s: %s", replica.name, outcome)
+
+    def _allocate_one(self, replica: Replica) -> FleetserveError | None:
+        # One replica the store refuses must not keep every other one from being placed.
+        try:
+            self.store.allocate(replica)
+        except FleetserveError as exc:
+            return exc
+        return None
 
     def _autoscale(self, dep: Deployment, replicas: tuple[Replica, ...]) -> Deployment:
         """The deployment with the autoscaler's replica count, for a {min, max} range; as is otherwise."""

@@ -41,7 +41,7 @@ from fleetserve.spec.resources import (
     Replica,
     ReplicaState,
 )
-from fleetserve.store.base import SqlBase, doc, node_of, replica_of
+from fleetserve.store.base import IN_CHUNK, SqlBase, as_text, doc, node_of, replica_of
 from fleetserve.store.db import describe
 from fleetserve.store.tables import (
     DeviceAllocationRow,
@@ -56,17 +56,26 @@ from fleetserve.store.tables import (
 )
 
 
-def _facts(row: ReplicaRow) -> ReplicaFacts:
-    status = ReplicaStatus.model_validate(row.status or {})
-    read_at = row.reported_at
+def _facts(
+    status: ReplicaStatus, reported_at: datetime | None, draining_since: datetime | None
+) -> ReplicaFacts:
+    read_at = reported_at
     if read_at is not None and status.in_flight_age is not None:
         read_at -= timedelta(seconds=status.in_flight_age)  # when the agent read the count
     return ReplicaFacts(
         message=status.message,
         in_flight=status.in_flight,
         reported_at=read_at,
-        draining_since=row.draining_since,
+        draining_since=draining_since,
     )
+
+
+# Replicas per transaction in ``allocate_all``: short enough that nodes stay locked only briefly.
+ALLOCATE_BATCH = 200
+
+
+class _BatchRefused(Exception):
+    """The database refused a batch the checks accepted (a concurrent writer): take it one by one."""
 
 
 class SqlInventory(SqlBase):
@@ -112,6 +121,20 @@ class SqlInventory(SqlBase):
     def nodes(self) -> list[Node]:
         with self._read("listing nodes") as s:
             return sorted((node_of(r) for r in s.scalars(select(NodeRow))), key=lambda n: n.name)
+
+    def device_classes(self) -> dict[str, DeviceClass]:
+        """Every device class, by name."""
+        with self._read("listing device classes") as s:
+            return {r.name: DeviceClass.model_validate(r.spec) for r in s.scalars(select(DeviceClassRow))}
+
+    def node_addresses(self, names: Sequence[str]) -> dict[str, str]:
+        """The addresses of the named nodes that are registered (one read of those rows only)."""
+        wanted = sorted(set(names))
+        if not wanted:
+            return {}
+        with self._read("reading node addresses") as s:
+            rows = s.execute(select(NodeRow.name, NodeRow.spec).where(NodeRow.name.in_(wanted)))
+            return {name: str(spec.get("address", "")) for name, spec in rows}
 
     def epoch(self, name: str) -> int:
         """The node's registration epoch (0 if never registered)."""
@@ -202,6 +225,106 @@ class SqlInventory(SqlBase):
                     f"replica {replica.name}: taken concurrently by another allocation ({describe(exc)})"
                 ) from exc
 
+    def allocate_all(self, replicas: Sequence[Replica]) -> list[AllocationConflict | None]:
+        """Take each replica whole, in order, ``ALLOCATE_BATCH`` to a transaction; per replica,
+        None or the conflict that refused it (it then takes nothing).
+
+        One transaction per replica cost a cycle ten round trips each, which at thousands of new
+        replicas made the commit phase the longest of a cycle (``bench/controlplane.py``). Within a
+        batch every replica is checked against the capacity the ones before it left, exactly as
+        one ``allocate`` after another would be; the database's keys still refuse a device taken
+        twice, and should that ever fire, the batch is rolled back and taken one by one."""
+        out: list[AllocationConflict | None] = []
+        for i in range(0, len(replicas), ALLOCATE_BATCH):
+            batch = replicas[i : i + ALLOCATE_BATCH]
+            try:
+                with self._write(f"allocating {len(batch)} replicas") as s:
+                    out += self._allocate_batch(s, batch)
+            except _BatchRefused:
+                for replica in batch:
+                    try:
+                        self.allocate(replica)
+                        out.append(None)
+                    except AllocationConflict as exc:
+                        out.append(exc)
+        return out
+
+    def _allocate_batch(self, s: Session, batch: Sequence[Replica]) -> list[AllocationConflict | None]:
+        names = sorted({shard.node for replica in batch for shard in replica.shards})
+        rows: list[NodeRow] = []
+        for i in range(0, len(names), IN_CHUNK):
+            # Lock the nodes first, in name order (chunks are in order too): no deadlock with others.
+            chunk = names[i : i + IN_CHUNK]
+            query = select(NodeRow).where(NodeRow.name.in_(chunk)).order_by(NodeRow.name).with_for_update()
+            rows += s.scalars(query).all()
+        wanted = [replica.name for replica in batch]
+        existing: set[str] = set()
+        for i in range(0, len(wanted), IN_CHUNK):
+            chunk = wanted[i : i + IN_CHUNK]
+            existing |= set(s.scalars(select(ReplicaRow.name).where(ReplicaRow.name.in_(chunk))))
+        state = self._free_capacity(s, rows)
+        epochs = {row.name: row.epoch for row in rows}
+        outcomes: list[AllocationConflict | None] = []
+        taken: list[Replica] = []
+        for replica in batch:
+            try:
+                if replica.name in existing:
+                    raise AllocationConflict(f"replica {replica.name} is already allocated")
+                state.allocate(replica)  # checks against what the batch took before it
+            except AllocationConflict as exc:
+                outcomes.append(exc)
+                continue
+            existing.add(replica.name)
+            taken.append(replica)
+            outcomes.append(None)
+        if not taken:
+            return outcomes
+        conn = s.connection()
+        replica_rows = [
+            {
+                "name": r.name,
+                "deployment": r.deployment,
+                "profile": r.profile,
+                "spec": doc(r, exclude={"state"}),
+                "state": r.state.value,
+                "engine_key": new_engine_key(),
+            }
+            for r in taken
+        ]
+        shard_rows = [
+            {
+                "replica": r.name,
+                "shard": i,
+                "node": shard.node,
+                "cpu_cores": shard.cpu_cores,
+                "memory": shard.memory,
+                "node_epoch": epochs[shard.node],
+            }
+            for r in taken
+            for i, shard in enumerate(r.shards)
+        ]
+        devices = [
+            {"node": shard.node, "device_index": index, "replica": r.name}
+            for r in taken
+            for shard in r.shards
+            for index in shard.devices
+        ]
+        ordinals: dict[str, int] = {}
+        for r in taken:
+            ordinal = replica_ordinal(r.deployment, r.name)
+            if ordinal is not None:
+                ordinals[r.deployment] = max(ordinals.get(r.deployment, 0), ordinal + 1)
+        try:
+            conn.execute(insert(ReplicaRow), replica_rows)
+            conn.execute(insert(ReplicaShardRow), shard_rows)
+            if devices:
+                conn.execute(insert(DeviceAllocationRow), devices)
+            for deployment, at_least in sorted(ordinals.items()):
+                self._bump_ordinal(s, deployment, at_least)
+        except IntegrityError as exc:
+            raise _BatchRefused(describe(exc)) from exc
+        return outcomes
+
     def _bump_ordinal(self, s: Session, deployment: str, at_least: int) -> None:
         dialect_insert = postgresql.insert if self._postgres else sqlite.insert
         stmt = dialect_insert(ReplicaOrdinalRow).values(deployment=deployment, next_ordinal=at_least)
@@ -220,25 +343,29 @@ class SqlInventory(SqlBase):
     def _free_capacity(session: Session, rows: Sequence[NodeRow]) -> WorkingState:
         """The free devices, cores and memory of the locked nodes, as a ``WorkingState``."""
         state = WorkingState(ClusterSnapshot(classes=MappingProxyType({}), nodes=tuple(map(node_of, rows))))
-        names = [row.name for row in rows]
-        taken = select(DeviceAllocationRow.node, DeviceAllocationRow.device_index).where(
-            DeviceAllocationRow.node.in_(names)
-        )
-        for node, index in session.execute(taken):
-            work = state.by_name[node]
-            cls = work.class_of.get(index)
-            if cls is not None and cls in work.free:
-                work.free[cls].discard(index)
-        used = (
-            select(
-                ReplicaShardRow.node, func.sum(ReplicaShardRow.cpu_cores), func.sum(ReplicaShardRow.memory)
+        all_names = [row.name for row in rows]
+        for i in range(0, len(all_names), IN_CHUNK):
+            names = all_names[i : i + IN_CHUNK]
+            taken = select(DeviceAllocationRow.node, DeviceAllocationRow.device_index).where(
+                DeviceAllocationRow.node.in_(names)
             )
-            .where(ReplicaShardRow.node.in_(names))
-            .group_by(ReplicaShardRow.node)
-        )
-        for node, cores, memory in session.execute(used):
-            state.by_name[node].used_cores = int(cores or 0)
-            state.by_name[node].used_memory = int(memory or 0)
+            for node, index in session.execute(taken):
+                work = state.by_name[node]
+                cls = work.class_of.get(index)
+                if cls is not None and cls in work.free:
+                    work.free[cls].discard(index)
+            used = (
+                select(
+                    ReplicaShardRow.node,
+                    func.sum(ReplicaShardRow.cpu_cores),
+                    func.sum(ReplicaShardRow.memory),
+                )
+                .where(ReplicaShardRow.node.in_(names))
+                .group_by(ReplicaShardRow.node)
+            )
+            for node, cores, memory in session.execute(used):
+                state.by_name[node].used_cores = int(cores or 0)
+                state.by_name[node].used_memory = int(memory or 0)
         return state
 
     def release(self, name: str) -> Replica:
@@ -270,10 +397,33 @@ class SqlInventory(SqlBase):
         with self._read("taking a snapshot") as s:
             classes = {r.name: DeviceClass.model_validate(r.spec) for r in s.scalars(select(DeviceClassRow))}
             fabrics = {r.name: Fabric.model_validate(r.spec) for r in s.scalars(select(FabricRow))}
-            nodes = sorted((node_of(r) for r in s.scalars(select(NodeRow))), key=lambda n: n.name)
-            rows = list(s.scalars(select(ReplicaRow)))
-            replicas = sorted((replica_of(r.spec, r.state) for r in rows), key=lambda r: r.name)
-            facts = {r.name: _facts(r) for r in rows}
+            # Unchanged rows are not parsed again (``doccache``): at thousands of nodes and tens of
+            # thousands of replicas, parsing was most of a cycle.
+            node_rows = s.execute(
+                select(
+                    NodeRow.name,
+                    as_text(NodeRow.spec),
+                    NodeRow.state,
+                    NodeRow.cordon_reason,
+                    NodeRow.cordon_by,
+                )
+            )
+            by_name = self._node_docs.parse_all((r[0], (r[1], r[2], r[3], r[4])) for r in node_rows)
+            nodes = sorted(by_name.values(), key=lambda n: n.name)
+            rows = s.execute(
+                select(
+                    ReplicaRow.name,
+                    ReplicaRow.engine_key,
+                    ReplicaRow.state,
+                    as_text(ReplicaRow.status).label("status"),
+                    ReplicaRow.reported_at,
+                    ReplicaRow.draining_since,
+                )
+            ).all()
+            docs = self._replicas_of(s, [(r.name, r.engine_key, r.state) for r in rows])
+            replicas = sorted(docs.values(), key=lambda r: r.name)
+            statuses = self._statuses.parse_all((r.name, r.status) for r in rows)
+            facts = {r.name: _facts(statuses[r.name], r.reported_at, r.draining_since) for r in rows}
             ordinal_rows = s.execute(select(ReplicaOrdinalRow.deployment, ReplicaOrdinalRow.next_ordinal))
             ordinals = {name: n for name, n in ordinal_rows}
         return ClusterSnapshot(

@@ -15,6 +15,7 @@ the observer both read routes); each is small enough to fake in a few lines.
     Heartbeats       the reconciler                   when each node was last heard from
     Lease            the reconciler                   one leader among servers
     Drains           the reconciler                   turn replicas Draining (out of the routes)
+    AssignmentSource held assignment polls            what every node's assignments are built from
     ReconcilerStore  the reconciler                   Inventory + the four above
     UsageSink        the gateway's usage flush        add counts per minute, key and model
     AuditLog         the admin API                    record an admin action
@@ -34,7 +35,7 @@ from fleetserve.spec.resources import Model
 from fleetserve.store.audit import AuditEntry
 from fleetserve.store.credentials import ApiKey, IssuedToken, TokenKind, TokenRecord
 from fleetserve.store.deployments import StoredDeployment
-from fleetserve.store.reports import NodeHeartbeat
+from fleetserve.store.reports import AssignmentInputs, NodeHeartbeat
 from fleetserve.store.sessions import OpenedSession, UiSession
 from fleetserve.store.usage import UsageRecord
 
@@ -130,6 +131,12 @@ class Drains(Protocol):
     def start_draining(self, names: Sequence[str], now: datetime) -> list[str]: ...
 
 
+class AssignmentSource(Protocol):
+    """What wakes held assignment polls: the inputs of every node's assignments, in one read."""
+
+    def assignment_inputs(self) -> AssignmentInputs: ...
+
+
 class ReconcilerStore(Inventory, Deployments, Heartbeats, Lease, Drains, Protocol):
     """Everything the reconciler reads and writes."""
 
@@ -158,6 +165,16 @@ if TYPE_CHECKING:
 
     def _conforms(
         store: SqlStore,
-    ) -> tuple[GatewayStore, AgentReports, Tokens, Sessions, ReconcilerStore, UsageSink, AuditLog, Retention]:
+    ) -> tuple[
+        GatewayStore,
+        AgentReports,
+        Tokens,
+        Sessions,
+        ReconcilerStore,
+        AssignmentSource,
+        UsageSink,
+        AuditLog,
+        Retention,
+    ]:
         # mypy checks that SqlStore provides every view
-        return store, store, store, store, store, store, store, store
+        return store, store, store, store, store, store, store, store, store

@@ -5,6 +5,7 @@ status (``protocol.AgentStatus``), and the replicas' endpoints.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -24,8 +25,11 @@ from fleetserve.spec.resources import (
     Replica,
     ReplicaState,
 )
-from fleetserve.store.base import SqlBase, replica_of
+from fleetserve.store.base import SqlBase, as_text, replica_of
 from fleetserve.store.tables import (
+    DeploymentRow,
+    DeviceClassRow,
+    ModelRow,
     NodeRow,
     ReplicaRow,
     ReplicaShardRow,
@@ -43,6 +47,26 @@ class NodeHeartbeat:
     last_heartbeat: datetime | None
 
 
+@dataclass(frozen=True)
+class AssignmentInputs:
+    """What every node's assignments are built from, read in one transaction: enough to tell,
+    without building them, whether a node's assignments may have changed (``server.assignwatch``).
+
+    A replica's document never changes once allocated (its state is not part of an assignment's
+    revision), an address changes only with a registration (which bumps the epoch), and an
+    engine key never changes: so the replicas on a node, their deployments' specs, the epochs of
+    their nodes, and the models and classes cover everything an assignment holds."""
+
+    shards: tuple[tuple[str, str, str], ...]  # (replica, node, deployment), one per shard
+    epochs: Mapping[str, int]  # per registered node
+    deployments: Mapping[str, str]  # per deployment, its spec as canonical JSON
+    shared: str  # every model and device class, as canonical JSON
+
+
+def _canonical(rows: Sequence[tuple[str, object]]) -> str:
+    return json.dumps(sorted(rows), sort_keys=True, separators=(",", ":"))
+
+
 class SqlReports(SqlBase):
     """Heartbeats, assignments and the agents' status reports, over SQL."""
 
@@ -51,26 +75,27 @@ class SqlReports(SqlBase):
         StaleEpoch when ``epoch`` is given and is not the node's current registration."""
         when = stamp(now)
         with self._write(f"recording a heartbeat of node {name}") as s:
-            row = s.get(NodeRow, name)
-            if row is None:
+            # The columns the check needs, not the node's hardware document: the most frequent call.
+            found = s.execute(select(NodeRow.epoch, NodeRow.state).where(NodeRow.name == name)).one_or_none()
+            if found is None:
                 raise UnknownNode(f"no node named {name!r} is registered")
-            self._check_epoch(row, epoch)
+            self._check_epoch(name, found.epoch, found.state, epoch)
             s.connection().execute(update(NodeRow).where(NodeRow.name == name).values(last_heartbeat=when))
 
     @staticmethod
-    def _check_epoch(row: NodeRow, epoch: int | None) -> None:
+    def _check_epoch(name: str, current: int, state: str, epoch: int | None) -> None:
         if epoch is None:
             return
-        if epoch != row.epoch:
+        if epoch != current:
             # The message never names the current epoch: it is the node's to know, not a caller's.
             raise StaleEpoch(
-                f"node {row.name} registered again since this registration; "
+                f"node {name} registered again since this registration; "
                 "register again and stop every replica not assigned"
             )
-        if row.state != NodeState.READY.value:
+        if state != NodeState.READY.value:
             # Judged NotReady or Lost while silent: only a registration brings it back, and tells
             # the agent which of its replicas were moved away meanwhile.
-            raise StaleEpoch(f"node {row.name} was marked {row.state} while silent; register again")
+            raise StaleEpoch(f"node {name} was marked {state} while silent; register again")
 
     def assignments(self, node: str) -> list[Replica]:
         """The replicas with a shard on ``node``, by name: what its agent must run."""
@@ -78,6 +103,26 @@ class SqlReports(SqlBase):
             names = select(ReplicaShardRow.replica).where(ReplicaShardRow.node == node)
             rows = s.scalars(select(ReplicaRow).where(ReplicaRow.name.in_(names)))
             return sorted((replica_of(r.spec, r.state) for r in rows), key=lambda r: r.name)
+
+    def assignment_inputs(self) -> AssignmentInputs:
+        """Everything every node's assignments are built from, in one read (no document parsed)."""
+        with self._read("reading what assignments are built from") as s:
+            shards = s.execute(
+                select(ReplicaShardRow.replica, ReplicaShardRow.node, ReplicaRow.deployment).join(
+                    ReplicaRow, ReplicaRow.name == ReplicaShardRow.replica
+                )
+            )
+            shard_rows = tuple((replica, node, dep) for replica, node, dep in shards)
+            epochs = {name: epoch for name, epoch in s.execute(select(NodeRow.name, NodeRow.epoch))}
+            deployments = {
+                name: json.dumps(spec, sort_keys=True, separators=(",", ":"))
+                for name, spec in s.execute(select(DeploymentRow.name, DeploymentRow.spec))
+            }
+            models = [(name, spec) for name, spec in s.execute(select(ModelRow.name, ModelRow.spec))]
+            classes = [
+                (name, spec) for name, spec in s.execute(select(DeviceClassRow.name, DeviceClassRow.spec))
+            ]
+        return AssignmentInputs(shard_rows, epochs, deployments, _canonical(models) + _canonical(classes))
 
     def report(
         self,
@@ -95,7 +140,7 @@ class SqlReports(SqlBase):
         when = stamp(now)
         with self._write(f"recording a status report of node {node}") as s:
             row = self._locked_node(s, node)
-            self._check_epoch(row, epoch)
+            self._check_epoch(row.name, row.epoch, row.state, epoch)
             row.last_heartbeat = when
             if model_cache is not None:
                 row.spec = {**row.spec, "modelCache": sorted(set(model_cache))}
@@ -128,8 +173,8 @@ class SqlReports(SqlBase):
     def agent_statuses(self) -> dict[str, AgentStatus]:
         """Every node's last agent report beyond replica states, in one read."""
         with self._read("reading the agents' reports") as s:
-            rows = s.execute(select(NodeRow.name, NodeRow.agent_status))
-            return {name: AgentStatus.model_validate(status or {}) for name, status in rows}
+            rows = s.execute(select(NodeRow.name, as_text(NodeRow.agent_status)))
+            return self._agent_statuses.parse_all((name, status) for name, status in rows)
 
     def agent_status(self, node: str) -> AgentStatus:
         """What the node's agent last reported beyond replica states (downloads, problems)."""
@@ -158,14 +203,29 @@ class SqlReports(SqlBase):
         """Every replica with the address of its first shard's node, its reported status and the
         state of its least healthy node (a node no longer stored counts as Lost)."""
         with self._read("listing replica endpoints") as s:
+            # Only the columns routes need (not every node's hardware document), and replica
+            # documents parsed once per allocation (``doccache``): read every second.
+            address = NodeRow.spec["address"].as_string()
             nodes = {
-                r.name: (r.spec.get("address", ""), NodeState(r.state)) for r in s.scalars(select(NodeRow))
+                name: (addr or "", NodeState(state))
+                for name, state, addr in s.execute(select(NodeRow.name, NodeRow.state, address))
             }
-            out = []
-            for row in s.scalars(select(ReplicaRow)):
-                replica = replica_of(row.spec, row.state)
-                address = nodes.get(replica.shards[0].node, ("", NodeState.LOST))[0]
-                states = [nodes.get(shard.node, ("", NodeState.LOST))[1] for shard in replica.shards]
-                status = ReplicaStatus.model_validate(row.status or {})
-                out.append(ReplicaEndpoint(replica, address, status, row.engine_key, least_healthy(states)))
+            rows = s.execute(
+                select(
+                    ReplicaRow.name,
+                    ReplicaRow.engine_key,
+                    ReplicaRow.state,
+                    as_text(ReplicaRow.status).label("status"),
+                )
+            ).all()
+            docs = self._replicas_of(s, [(r.name, r.engine_key, r.state) for r in rows])
+        statuses = self._statuses.parse_all((r.name, r.status) for r in rows)
+        out = []
+        for row in rows:
+            replica = docs[row.name]
+            first = nodes.get(replica.shards[0].node, ("", NodeState.LOST))[0]
+            states = [nodes.get(shard.node, ("", NodeState.LOST))[1] for shard in replica.shards]
+            out.append(
+                ReplicaEndpoint(replica, first, statuses[row.name], row.engine_key, least_healthy(states))
+            )
         return sorted(out, key=lambda e: e.replica.name)

@@ -1,0 +1,804 @@
+"""Control-plane benchmark: a real ``fleetserve server`` under thousands of simulated agents.
+
+Run from the repository root (PostgreSQL on 127.0.0.1:5432 with trust auth, as the tests use)::
+
+    .venv/bin/python bench/controlplane.py                  # 1,000 nodes, 10,000 desired replicas
+    .venv/bin/python bench/controlplane.py --quick          # 300 nodes, 3,000 replicas, short phases
+    .venv/bin/python bench/controlplane.py --nodes 5000     # the fleet the targets are set for
+    .venv/bin/python bench/controlplane.py --baseline main  # and a column of main's server, same run
+
+Columns, each a fresh database: ``postgres`` (a database ``fleetserve_bench_<pid>_<n>`` it creates
+and drops), ``postgres, 2 servers`` (a second server started on that same database, half the agents
+moved to it, a second steady phase), ``sqlite`` (a file in a temporary directory) and, with
+``--baseline REF``, ``postgres @REF``: the server of a git ref (a temporary ``git worktree`` run
+with PYTHONPATH at its ``src``) under the same load, for before/after figures in one run.
+
+The fleet and the deployments are the placement benchmark's (``bench/placement.py``: its
+``build_snapshot`` and ``build_workload``, its models and profiles): a mixed fleet of NVIDIA, AMD
+and CPU nodes, and eight deployments whose replica counts follow its seeded mix.
+
+The agents are coroutines of this one process (uvloop, ``fleetserve.httpclient``: real HTTP on
+keep-alive connections), each speaking the agents' API as ``agent/client.py`` does: it enrols with
+the join token (the server runs with ``--approve-new-nodes``) and keeps the credential it gets;
+then, spread over the interval, a heartbeat every ``--heartbeat`` seconds (every third one a full
+status report instead, which doubles as a heartbeat, as the real agent's does, reporting each
+assigned replica Running), and one assignments long-poll held open at a time (``wait=20``). Short
+requests go through at most ``--connections`` connections; each agent holds one long-poll.
+
+Phases per column: enrol every node; apply the deployments scaled to 1,000 replicas and time
+until every placed replica is in some agent's assignments; scale them to ``--replicas`` and wait
+until the placements settle; then a steady phase of ``--steady`` seconds, over which the table's
+latencies, request rate, reconcile cycles (from the server's ``/metrics`` histograms, differenced
+over the phase; p50/p99 interpolated in buckets as PromQL's histogram_quantile does), CPU and RSS
+(from /proc) are measured. Then the database's rows and size.
+
+The default is 1,000 agents, not 5,000: on the 2-core development machine (shared with other
+work) one server process saturates its core well before 5,000 agents are enrolled (about ten
+enrolments a second while the enrolled agents' heartbeats come in), nodes go NotReady for want of
+their heartbeats, and the run would not end in ten minutes. ``--nodes 5000`` runs the full fleet
+where there are cores for it (or with two servers: the pair column).
+
+This prints figures; it asserts nothing (the machine may be shared and noisy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import psycopg
+import uvloop
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from fleetserve.httpclient import HttpClient, Origin, UpstreamError
+from fleetserve.snapshot import ClusterSnapshot
+from fleetserve.spec.resources import Deployment
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import contextlib
+
+import placement as fleetgen
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+POSTGRES = os.environ.get("FLEETSERVE_BENCH_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test")
+API = "/api/v1/agent"
+POLL_WAIT = 20.0
+MAX_REPLICAS = 10_000  # a deployment's replica count is at most this (spec/resources.py)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def request_bytes(method: str, path: str, port: int, token: str, body: Any) -> bytes:
+    """One HTTP/1.1 request, JSON body (None: none)."""
+    payload = b"" if body is None else json.dumps(body).encode()
+    head = (
+        f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer {token}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+    )
+    return head.encode() + payload
+
+
+def quantile(sorted_values: Sequence[float], q: float) -> float:
+    return fleetgen.percentile(sorted_values, q)
+
+
+# --- documents ------------------------------------------------------------------------------------
+
+
+def spec_doc(kind: str, resource: Any) -> dict[str, Any]:
+    return {"kind": kind, **resource.model_dump(mode="json", by_alias=True, exclude_none=True)}
+
+
+def model_docs() -> list[dict[str, Any]]:
+    """Model documents whose declared facts are the placement benchmark's ``MODELS``."""
+    out = []
+    for m in fleetgen.MODELS.values():
+        # kv bytes per token = layers * kvHeads * 2 * headDim * 2 (f16): one head of 128.
+        layers = max(1, m.kv_bytes_per_token // (2 * 128 * 2))
+        out.append(
+            {
+                "kind": "Model",
+                "name": m.name,
+                "source": f"hf://bench/{m.name}",
+                "format": "gguf" if m.name.endswith("gguf") else "safetensors",
+                "size": m.weight_bytes,
+                "architecture": {
+                    "layers": layers,
+                    "kvHeads": 1,
+                    "headDim": 128,
+                    "contextLength": m.context_length,
+                },
+            }
+        )
+    return out
+
+
+def deployment_docs(snapshot: ClusterSnapshot, total: int, seed: int) -> list[dict[str, Any]]:
+    """The placement benchmark's deployments, replica counts from its seeded mix of ``total``; a
+    count above a deployment's limit (``MAX_REPLICAS``) is split over copies named ``NAME-2``..."""
+    counts: dict[str, int] = {}
+    for request in fleetgen.build_workload(snapshot, total, seed):
+        counts[request.deployment] = counts.get(request.deployment, 0) + 1
+    docs = []
+    for name, model, _, profiles in fleetgen.DEPLOYMENTS:
+        left, copy = counts.get(name, 0), 1
+        while True:
+            part = min(left, MAX_REPLICAS)
+            named = name if copy == 1 else f"{name}-{copy}"
+            docs.append(
+                spec_doc("Deployment", Deployment(name=named, model=model, replicas=part, profiles=profiles))
+            )
+            left -= part
+            copy += 1
+            if left <= 0:
+                break
+    return docs
+
+
+# --- the server -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[bytes]
+    port: int
+    log: Path
+
+    @property
+    def origin(self) -> Origin:
+        return Origin("127.0.0.1", self.port)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def start_server(url: str, work: Path, name: str, token_file: Path, src: Path | None) -> Server:
+    port = free_port()
+    env = dict(os.environ)
+    if src is not None:  # the baseline: another checkout's package first
+        env["PYTHONPATH"] = str(src)
+    log = work / f"{name}.log"
+    args = [
+        PYTHON, "-c", "from fleetserve.cli.main import app; app()", "server",
+        "--database-url", url, "--port", str(port), "--approve-new-nodes",
+        "--token-file", str(token_file), "--models-dir", str(work / "models"),
+        "--not-ready-after", "60", "--lost-after", "300", "--log-level", "warning",
+    ]  # fmt: skip
+    with log.open("wb") as out:  # the child keeps its own descriptor
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=work, env=env)
+    server = Server(proc, port, log)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server {name} exited with {proc.returncode}: {log.read_text()[-2000:]}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return server
+        except OSError:
+            time.sleep(0.2)
+    server.stop()
+    raise RuntimeError(f"server {name} did not listen within 90 s")
+
+
+def create_database() -> tuple[str, Callable[[], None]]:
+    """A fresh PostgreSQL database and the function that drops it."""
+    name = f"fleetserve_bench_{os.getpid()}_{random.randrange(10**6)}"
+    with psycopg.connect(POSTGRES, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    base = POSTGRES.rsplit("/", 1)[0]
+
+    def drop() -> None:
+        with psycopg.connect(POSTGRES, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    return f"{base}/{name}", drop
+
+
+def database_figures(url: str, sqlite_file: Path | None) -> tuple[int, int, str]:
+    """(rows in all tables, bytes on disk, the biggest tables) of the benchmark's database."""
+    from sqlalchemy import func, select
+
+    from fleetserve.store.db import make_engine
+    from fleetserve.store.tables import Base
+
+    engine = make_engine(url)
+    counts: dict[str, int] = {}
+    try:
+        with engine.connect() as conn:
+            for table in Base.metadata.sorted_tables:
+                counts[table.name] = int(conn.execute(select(func.count()).select_from(table)).scalar() or 0)
+            if sqlite_file is None:
+                size = int(conn.exec_driver_sql("SELECT pg_database_size(current_database())").scalar() or 0)
+    finally:
+        engine.dispose()
+    if sqlite_file is not None:
+        size = sum(p.stat().st_size for p in sqlite_file.parent.glob(sqlite_file.name + "*"))
+    top = sorted(counts.items(), key=lambda kv: -kv[1])[:3]
+    return sum(counts.values()), size, ", ".join(f"{k} {v:,}" for k, v in top)
+
+
+# --- metrics of the server ------------------------------------------------------------------------
+
+Buckets = dict[str, list[tuple[float, float]]]  # histogram (with its phase label) -> cumulative buckets
+
+
+def read_histograms(text: str) -> tuple[Buckets, dict[str, tuple[float, float]]]:
+    """The reconcile histograms of a /metrics text: buckets, and (sum, count) per series."""
+    buckets: Buckets = {}
+    totals: dict[str, tuple[float, float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name not in ("fleetserve_reconcile_seconds", "fleetserve_reconcile_phase_seconds"):
+            continue
+        for s in family.samples:
+            key = family.name + (f"/{s.labels['phase']}" if "phase" in s.labels else "")
+            if s.name.endswith("_bucket"):
+                le = float("inf") if s.labels["le"] in ("+Inf", "inf") else float(s.labels["le"])
+                buckets.setdefault(key, []).append((le, s.value))
+            elif s.name.endswith("_sum"):
+                totals[key] = (s.value, totals.get(key, (0.0, 0.0))[1])
+            elif s.name.endswith("_count"):
+                totals[key] = (totals.get(key, (0.0, 0.0))[0], s.value)
+    return buckets, totals
+
+
+def bucket_quantile(q: float, cumulative: list[tuple[float, float]]) -> float | None:
+    """histogram_quantile: linear interpolation within the bucket the rank falls in."""
+    cumulative = sorted(cumulative)
+    if not cumulative or cumulative[-1][1] <= 0:
+        return None
+    rank = q * cumulative[-1][1]
+    lower, below = 0.0, 0.0
+    for le, count in cumulative:
+        if count >= rank:
+            if le == float("inf"):
+                return lower
+            return lower + (le - lower) * ((rank - below) / (count - below) if count > below else 0.0)
+        lower, below = le, count
+    return lower
+
+
+# --- the agents -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Stats:
+    """What the load saw: latencies per request kind while recording, counts, failures."""
+
+    recording: bool = False
+    latencies: dict[str, list[float]] = field(default_factory=dict)
+    requests: int = 0
+    failures: dict[str, int] = field(default_factory=dict)
+    first_error: dict[str, str] = field(default_factory=dict)
+    reregistered: int = 0
+
+    def record(self, kind: str, seconds: float) -> None:
+        if self.recording:
+            self.latencies.setdefault(kind, []).append(seconds)
+            self.requests += 1
+
+    def fail(self, kind: str, error: BaseException) -> None:
+        self.failures[kind] = self.failures.get(kind, 0) + 1
+        self.first_error.setdefault(kind, f"{type(error).__name__}: {error}"[:300])
+
+
+class StaleRegistration(Exception):
+    """The server answered 409: register again."""
+
+
+class Fleet:
+    """Simulated agents over one HTTP client: enrolment, heartbeats, reports, long-polls."""
+
+    def __init__(self, nodes: Sequence[dict[str, Any]], join_token: str, origin: Origin, connections: int):
+        self.nodes = nodes
+        self.join_token = join_token
+        self.origins = [origin] * len(nodes)
+        self.client = HttpClient(max_idle_per_origin=len(nodes) + connections)
+        self.short = asyncio.Semaphore(connections)
+        # Enrolments have their own connections: a thousand waiting to enrol must not hold back
+        # the heartbeats of the agents already enrolled (real agents do not queue behind each other).
+        self.enrolling = asyncio.Semaphore(max(1, connections // 2))
+        self.credentials: list[str] = [""] * len(nodes)
+        self.epochs = [0] * len(nodes)
+        self.revisions: list[str | None] = [None] * len(nodes)
+        self.assigned: list[list[str]] = [[] for _ in nodes]
+        self.stats = Stats()
+        self.changed = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def assigned_total(self) -> int:
+        return sum(len(a) for a in self.assigned)
+
+    async def call(
+        self, i: int, method: str, path: str, body: Any, token: str, kind: str, timeout: float = 30.0
+    ) -> Any:
+        origin = self.origins[i]
+        request = request_bytes(method, API + path, origin.port, token, body)
+        began = time.perf_counter()
+        response = await self.client.request(origin, request, timeout)
+        data = await response.read()
+        took = time.perf_counter() - began
+        if response.status == 409:
+            raise StaleRegistration()
+        if response.status >= 400:
+            raise RuntimeError(f"{method} {path}: {response.status} {data[:300]!r}")
+        self.stats.record(kind, took)
+        return json.loads(data)
+
+    async def register(self, i: int) -> None:
+        token = self.credentials[i] or self.join_token
+        async with self.enrolling:
+            got = await self.call(i, "POST", "/register", self.nodes[i], token, "register", 120.0)
+        if got.get("credential"):
+            self.credentials[i] = got["credential"]
+        self.epochs[i] = got["epoch"]
+        self.revisions[i] = got["revision"]
+        self.assigned[i] = [a["replica"]["name"] for a in got["assignments"]]
+
+    async def enrol_all(self, interval: float, report_every: int) -> float:
+        """Enrol every node (bounded by the connection limit), each agent starting its heartbeats
+        and long-poll as soon as it has enrolled, as a real one does; the seconds it took."""
+
+        async def one(i: int) -> None:
+            await self.register(i)
+            self.start(i, interval, report_every)
+
+        began = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(len(self.nodes))))
+        return time.perf_counter() - began
+
+    async def _beats(self, i: int, interval: float, report_every: int) -> None:
+        name = self.nodes[i]["name"]
+        await asyncio.sleep(random.random() * interval)  # spread over the interval
+        n = 0
+        while True:
+            n += 1
+            try:
+                async with self.short:
+                    if n % report_every == 0:
+                        report = {
+                            "node": name,
+                            "epoch": self.epochs[i],
+                            "replicas": {r: {"state": "Running"} for r in self.assigned[i]},
+                        }
+                        await self.call(i, "POST", "/status", report, self.credentials[i], "report")
+                    else:
+                        beat = {"node": name, "epoch": self.epochs[i]}
+                        await self.call(i, "POST", "/heartbeat", beat, self.credentials[i], "heartbeat")
+            except StaleRegistration:
+                self.stats.reregistered += 1
+                await self._safe_register(i)
+            except (UpstreamError, RuntimeError, OSError) as exc:
+                self.stats.fail("report" if n % report_every == 0 else "heartbeat", exc)
+            await asyncio.sleep(interval)
+
+    async def _safe_register(self, i: int) -> None:
+        try:
+            await self.register(i)
+        except (UpstreamError, RuntimeError, OSError, StaleRegistration) as exc:
+            self.stats.fail("register", exc)
+
+    async def _polls(self, i: int) -> None:
+        name = self.nodes[i]["name"]
+        await asyncio.sleep(random.random() * 2)
+        while True:
+            query = f"/assignments?node={name}&epoch={self.epochs[i]}&wait={POLL_WAIT:g}"
+            if self.revisions[i]:
+                query += f"&since={self.revisions[i]}"
+            try:
+                got = await self.call(i, "GET", query, None, self.credentials[i], "long-poll", POLL_WAIT + 30)
+                if got["revision"] != self.revisions[i]:
+                    self.revisions[i] = got["revision"]
+                    self.assigned[i] = [a["replica"]["name"] for a in got["assignments"]]
+                    self.changed.set()
+            except StaleRegistration:
+                self.stats.reregistered += 1
+                await self._safe_register(i)
+            except (UpstreamError, RuntimeError, OSError) as exc:
+                self.stats.fail("long-poll", exc)
+                await asyncio.sleep(1)
+
+    def start(self, i: int, interval: float, report_every: int) -> None:
+        self._tasks.append(asyncio.create_task(self._beats(i, interval, report_every)))
+        self._tasks.append(asyncio.create_task(self._polls(i)))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        await self.client.aclose()
+
+
+async def settle(
+    fleet: Fleet, want: int | None, quiet: float, timeout: float, began: float | None = None
+) -> tuple[float, int]:
+    """Wait until the agents hold ``want`` assigned replicas in all (or, without ``want``, until
+    their total has not changed for ``quiet`` seconds); (seconds, total)."""
+    began = time.perf_counter() if began is None else began
+    last_total, last_change = -1, began
+    while time.perf_counter() - began < timeout:
+        total = fleet.assigned_total()
+        now = time.perf_counter()
+        if want is not None and total >= want:
+            return now - began, total
+        if total != last_total:
+            last_total, last_change = total, now
+        elif want is None and total > 0 and now - last_change >= quiet:
+            return last_change - began, total
+        fleet.changed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(fleet.changed.wait(), timeout=0.5)
+    return time.perf_counter() - began, fleet.assigned_total()
+
+
+# --- one column -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Column:
+    label: str
+    figures: dict[str, str] = field(default_factory=dict)
+
+
+def cpu_of(procs: Sequence[psutil.Process]) -> float:
+    total = 0.0
+    for p in procs:
+        t = p.cpu_times()
+        total += t.user + t.system
+    return total
+
+
+async def admin(origin: Origin, token: str, method: str, path: str, body: Any) -> Any:
+    client = HttpClient()
+    request = request_bytes(method, f"/api/v1{path}", origin.port, token, body)
+    try:
+        response = await client.request(origin, request, 300)
+        data = await response.read()
+        if response.status >= 400:
+            raise RuntimeError(f"{method} {path}: {response.status} {data[:500]!r}")
+        return json.loads(data)
+    finally:
+        await client.aclose()
+
+
+async def metrics_text(origin: Origin) -> str:
+    """The server's /metrics; empty (figures shown as '-') when it does not answer in 60 s."""
+    client = HttpClient()
+    try:
+        request = f"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:{origin.port}\r\n\r\n".encode()
+        response = await client.request(origin, request, 60)
+        return (await response.read()).decode()
+    except UpstreamError as exc:
+        print(f"  /metrics of :{origin.port} did not answer: {exc}", file=sys.stderr, flush=True)
+        return ""
+    finally:
+        await client.aclose()
+
+
+async def steady(fleet: Fleet, servers: Sequence[Server], seconds: float, col: Column) -> None:
+    """The steady phase: latencies, request rate, reconcile cycles, CPU and RSS."""
+    procs = [psutil.Process(s.proc.pid) for s in servers]
+    before_text = await metrics_text(servers[0].origin)
+    fleet.stats = Stats(recording=True, reregistered=fleet.stats.reregistered)
+    cpu0, t0 = cpu_of(procs), time.perf_counter()
+    rss: list[float] = []
+    end = t0 + seconds
+    while time.perf_counter() < end:
+        rss.append(sum(p.memory_info().rss for p in procs) / 2**20)
+        await asyncio.sleep(min(2.0, max(0.0, end - time.perf_counter())))
+    elapsed = time.perf_counter() - t0
+    cpu = cpu_of(procs) - cpu0
+    rss.append(sum(p.memory_info().rss for p in procs) / 2**20)
+    fleet.stats.recording = False
+    # The leader's histograms: whichever server holds the lease reconciles.
+    texts = [await metrics_text(s.origin) for s in servers]
+    b0, s0 = read_histograms(before_text)
+    stats = fleet.stats
+    f = col.figures
+    for kind in ("heartbeat", "report", "long-poll"):
+        values = sorted(stats.latencies.get(kind, []))
+        if kind == "long-poll":
+            f[f"{kind}s answered"] = f"{len(values):,}"
+            continue
+        f[f"{kind} p50 / p99 ms"] = (
+            f"{quantile(values, 50) * 1e3:.1f} / {quantile(values, 99) * 1e3:.1f}" if values else "-"
+        )
+        f[f"{kind}s sent"] = f"{len(values):,}"
+    f["failed requests"] = ", ".join(f"{k} {v}" for k, v in sorted(stats.failures.items())) or "0"
+    for kind, error in sorted(stats.first_error.items()):
+        print(f"  [{col.label}] first {kind} failure: {error}", file=sys.stderr, flush=True)
+    f["requests/s sustained"] = f"{stats.requests / elapsed:,.0f}"
+    b1: Buckets = {}
+    s1: dict[str, tuple[float, float]] = {}
+    for text in texts:
+        bk, sm = read_histograms(text)
+        if (
+            sm.get("fleetserve_reconcile_seconds", (0, 0))[1]
+            > s1.get("fleetserve_reconcile_seconds", (0, 0))[1]
+        ):
+            b1, s1 = bk, sm
+    if servers[0] is not servers[-1]:
+        b0 = {}  # the leader's counts at the start: not known per server when two run; whole life
+        s0 = {}
+    for key, label in (
+        ("fleetserve_reconcile_seconds", "reconcile cycle"),
+        ("fleetserve_reconcile_phase_seconds/snapshot", "  snapshot"),
+        ("fleetserve_reconcile_phase_seconds/plan", "  plan"),
+        ("fleetserve_reconcile_phase_seconds/commit", "  commit"),
+    ):
+        if key not in b1:
+            f[f"{label} p50 / p99 s (mean)"] = "-"
+            continue
+        start = dict(b0.get(key, []))
+        diff = [(le, count - start.get(le, 0.0)) for le, count in b1[key]]
+        total_sum = s1[key][0] - s0.get(key, (0.0, 0.0))[0]
+        count = s1[key][1] - s0.get(key, (0.0, 0.0))[1]
+        p50, p99 = bucket_quantile(0.5, diff), bucket_quantile(0.99, diff)
+        if p50 is None or p99 is None or count <= 0:
+            f[f"{label} p50 / p99 s (mean)"] = "-"
+        else:
+            f[f"{label} p50 / p99 s (mean)"] = f"{p50:.2f} / {p99:.2f} ({total_sum / count:.2f})"
+        if label == "reconcile cycle":
+            f["reconcile cycles"] = f"{count:,.0f}"
+    f["server CPU (cores busy)"] = f"{cpu / elapsed:.2f}"
+    f["server RSS MiB start/end"] = f"{rss[0]:,.0f} / {rss[-1]:,.0f}"
+    f["re-registrations (409)"] = str(stats.reregistered)
+
+
+def write_documents(snapshot: ClusterSnapshot) -> list[dict[str, Any]]:
+    docs = [spec_doc("DeviceClass", c) for c in snapshot.classes.values()]
+    docs += [spec_doc("Fabric", f) for f in snapshot.fabrics.values()]
+    return docs + model_docs()
+
+
+async def run_column(
+    label: str,
+    url: str,
+    work: Path,
+    snapshot: ClusterSnapshot,
+    args: argparse.Namespace,
+    src: Path | None,
+    sqlite_file: Path | None,
+    pair: Column | None,
+) -> Column:
+    col = Column(label)
+    token_file = work / "tokens.yaml"
+    servers = [start_server(url, work, "server-a", token_file, src)]
+    fleet: Fleet | None = None
+    try:
+        tokens = yaml.safe_load(token_file.read_text())
+        origin = servers[0].origin
+        await admin(origin, tokens["admin"], "POST", "/apply", {"documents": write_documents(snapshot)})
+        nodes = [
+            n.model_dump(mode="json", by_alias=True, exclude={"state"}, exclude_none=True)
+            for n in snapshot.nodes
+        ]
+        fleet = Fleet(nodes, tokens["join"], origin, args.connections)
+        fleet.stats.recording = True
+        print(f"  [{label}] enrolling {len(nodes):,} nodes ...", file=sys.stderr, flush=True)
+        took = await fleet.enrol_all(args.heartbeat, 3)
+        reg = sorted(fleet.stats.latencies.get("register", []))
+        col.figures["enrolment: nodes/s"] = f"{len(nodes) / took:,.0f}"
+        col.figures["enrolment p50 / p99 ms"] = (
+            f"{quantile(reg, 50) * 1e3:.1f} / {quantile(reg, 99) * 1e3:.1f}"
+        )
+        fleet.stats.recording = False
+        await asyncio.sleep(2)
+
+        print(f"  [{label}] apply {args.apply:,} replicas ...", file=sys.stderr, flush=True)
+        began = time.perf_counter()
+        await admin(
+            origin,
+            tokens["admin"],
+            "POST",
+            "/apply",
+            {"documents": deployment_docs(snapshot, args.apply, args.seed)},
+        )
+        # Until the last replica placed is in its agent's assignments (some of a mixed fleet's
+        # replicas may not fit: the figure says how many were placed).
+        seconds, total = await settle(fleet, None, min(args.quiet, 8.0), args.settle_timeout, began)
+        col.figures[f"apply {args.apply:,} -> all assigned s"] = f"{seconds:.1f} ({total:,} placed)"
+
+        print(f"  [{label}] scale to {args.replicas:,} replicas ...", file=sys.stderr, flush=True)
+        began = time.perf_counter()
+        await admin(
+            origin,
+            tokens["admin"],
+            "POST",
+            "/apply",
+            {"documents": deployment_docs(snapshot, args.replicas, args.seed)},
+        )
+        seconds, total = await settle(fleet, None, args.quiet, args.settle_timeout, began)
+        col.figures[f"scale to {args.replicas:,}: placed"] = f"{total:,} in {seconds:.0f} s"
+
+        print(f"  [{label}] steady {args.steady:.0f} s ...", file=sys.stderr, flush=True)
+        await steady(fleet, servers, args.steady, col)
+
+        if pair is not None:
+            print(
+                f"  [{label}] a second server, half the agents moved to it ...", file=sys.stderr, flush=True
+            )
+            servers.append(start_server(url, work, "server-b", token_file, src))
+            for i in range(1, len(nodes), 2):
+                fleet.origins[i] = servers[1].origin
+            await asyncio.sleep(3)
+            await steady(fleet, servers, args.steady, pair)
+    finally:
+        if fleet is not None:
+            await fleet.stop()
+        for s in servers:
+            s.stop()
+    rows, size, top = database_figures(url, sqlite_file)
+    col.figures["database rows"] = f"{rows:,}"
+    col.figures["database size MiB"] = f"{size / 2**20:,.1f}"
+    col.figures["  largest tables"] = top
+    if pair is not None:
+        pair.figures.update({k: v for k, v in col.figures.items() if k.startswith(("database", "  largest"))})
+    return col
+
+
+def baseline_checkout(ref: str, into: Path) -> Path:
+    """A git worktree of ``ref`` (detached); its ``src``."""
+    subprocess.run(
+        ["git", "-C", str(ROOT), "worktree", "add", "--detach", "--quiet", str(into), ref], check=True
+    )
+    return into / "src"
+
+
+def table(columns: Sequence[Column]) -> list[str]:
+    names: list[str] = []
+    for c in columns:
+        names += [n for n in c.figures if n not in names]
+    width = max(len(n) for n in names)
+    cols = [max(len(c.label), *(len(v) for v in c.figures.values())) for c in columns]
+    lines = [" " * width + "".join(f"  {c.label:>{w}}" for c, w in zip(columns, cols, strict=True))]
+    for n in names:
+        lines.append(
+            f"{n:<{width}}"
+            + "".join(f"  {c.figures.get(n, '-'):>{w}}" for c, w in zip(columns, cols, strict=True))
+        )
+    return lines
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    snapshot = fleetgen.build_snapshot(args.nodes, args.gpus, fleetgen.MODELS, args.seed)
+    gpus = sum(len(n.devices) for n in snapshot.nodes)
+    print(
+        f"fleetserve control-plane benchmark (seed {args.seed}{', quick' if args.quick else ''}): "
+        f"{len(snapshot.nodes):,} agents, {gpus:,} GPUs, {args.replicas:,} desired replicas in "
+        f"{len(fleetgen.DEPLOYMENTS)} deployments; heartbeat every {args.heartbeat:g} s (every 3rd a "
+        f"status report), one long-poll per agent (wait {POLL_WAIT:g} s), {args.connections} connections "
+        f"for the rest; steady phase {args.steady:g} s",
+        flush=True,
+    )
+    columns: list[Column] = []
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    with tempfile.TemporaryDirectory(prefix="fleetserve-bench-cp-") as tmp:
+        plan: list[tuple[str, str, Path | None]] = []
+        if args.baseline:
+            plan.append(
+                (
+                    f"postgres @{args.baseline}",
+                    "postgres",
+                    baseline_checkout(args.baseline, Path(tmp) / "baseline"),
+                )
+            )
+        if "postgres" not in skip:
+            plan.append(("postgres", "postgres", None))
+        if "sqlite" not in skip:
+            plan.append(("sqlite", "sqlite", None))
+        try:
+            for n, (label, kind, src) in enumerate(plan):
+                work = Path(tmp) / f"col{n}"
+                work.mkdir()
+                pair = (
+                    Column("postgres, 2 servers")
+                    if kind == "postgres" and src is None and "pair" not in skip
+                    else None
+                )
+                try:
+                    if kind == "postgres":
+                        url, drop = create_database()
+                        try:
+                            columns.append(
+                                await run_column(label, url, work, snapshot, args, src, None, pair)
+                            )
+                        finally:
+                            drop()
+                    else:
+                        db = work / "state.db"
+                        columns.append(
+                            await run_column(label, f"sqlite:///{db}", work, snapshot, args, src, db, None)
+                        )
+                except (RuntimeError, OSError, UpstreamError, psycopg.Error) as exc:
+                    print(f"  [{label}] failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+                    columns.append(Column(label, {"enrolment: nodes/s": f"failed: {type(exc).__name__}"}))
+                    pair = None
+                if pair is not None:
+                    columns.append(pair)
+        finally:
+            if args.baseline:
+                subprocess.run(
+                    ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(Path(tmp) / "baseline")],
+                    check=False,
+                )
+    print()
+    for line in table(columns):
+        print(line)
+    print(
+        "\nlatencies: this process's view (request written to answer read), over the steady phase only;\n"
+        "reconcile figures: the leader's /metrics histograms over the steady phase (p50/p99 interpolated\n"
+        "in buckets; for '2 servers' over the leader's whole life); CPU: user+system of the server\n"
+        "processes over the steady phase, in cores; RSS: sampled every 2 s; targets: reconcile cycle\n"
+        "<= 1 s, heartbeat p99 <= 50 ms, RSS flat over cycles"
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="a small run: 300 nodes, 3,000 replicas, 15 s phases"
+    )
+    parser.add_argument("--nodes", type=int, help="agents (1000; see the module's docstring for 5000)")
+    parser.add_argument("--gpus", type=int, help="GPUs in the fleet (8 per node)")
+    parser.add_argument("--replicas", type=int, help="desired replicas after the scale-up (10 per node)")
+    parser.add_argument("--steady", type=float, help="seconds of each steady phase (30)")
+    parser.add_argument(
+        "--heartbeat", type=float, default=10.0, help="seconds between an agent's heartbeats (10)"
+    )
+    parser.add_argument(
+        "--connections", type=int, default=64, help="connections for requests other than long-polls (64)"
+    )
+    parser.add_argument("--apply", type=int, help="replicas of the timed first apply (1000; quick 200)")
+    parser.add_argument(
+        "--quiet",
+        type=float,
+        default=15.0,
+        help="seconds without a new assignment that end the scale-up (15)",
+    )
+    parser.add_argument("--seed", type=int, default=1, help="seed of the fleet and the workload (1)")
+    parser.add_argument(
+        "--skip", default="", help="comma-separated columns to leave out: postgres, pair, sqlite"
+    )
+    parser.add_argument(
+        "--baseline", metavar="REF", help="also run the server of this git ref (e.g. main) first"
+    )
+    args = parser.parse_args(argv)
+    args.nodes = args.nodes or (300 if args.quick else 1000)
+    args.gpus = args.gpus or 8 * args.nodes
+    args.replicas = args.replicas or 10 * args.nodes
+    args.steady = args.steady or (15.0 if args.quick else 30.0)
+    args.apply = args.apply or (200 if args.quick else 1000)
+    args.settle_timeout = 120.0 if args.quick else 300.0
+    return uvloop.run(main_async(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""A smoke run of bench/controlplane.py: a real server on PostgreSQL and on SQLite under a dozen
+simulated agents, every phase once, the table printed. It checks the run completes and reports
+every figure, never the figures themselves (speed belongs to the benchmark)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.mark.slow
+def test_a_small_run_prints_every_figure_for_both_databases(
+    postgres_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(BENCH))
+    import controlplane
+
+    monkeypatch.setattr(controlplane, "POSTGRES", postgres_url)
+    args = ["--quick", "--nodes", "12", "--replicas", "40", "--apply", "10", "--steady", "4"]
+    code = controlplane.main([*args, "--heartbeat", "1", "--quiet", "4", "--skip", "pair"])
+
+    out = capsys.readouterr().out
+    assert code == 0, out
+    header = next(line for line in out.splitlines() if line.strip().startswith("postgres"))
+    assert header.split() == ["postgres", "sqlite"]
+    rows = {re.split(r"\s{2,}", line.strip())[0]: line for line in out.splitlines() if line.strip()}
+    for row in (
+        "apply 10 -> all assigned s",
+        "heartbeat p50 / p99 ms",
+        "report p50 / p99 ms",
+        "requests/s sustained",
+        "reconcile cycle p50 / p99 s (mean)",
+        "snapshot p50 / p99 s (mean)",
+        "server RSS MiB start/end",
+        "database rows",
+    ):
+        assert row in rows, out
+    # Every agent enrolled and was heard from; none of their requests failed.
+    assert rows["failed requests"].split()[-2:] == ["0", "0"], out
+    assert "placed)" in rows["apply 10 -> all assigned s"], out
+    assert sys.modules["controlplane"] is controlplane
