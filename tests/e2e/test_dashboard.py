@@ -363,7 +363,8 @@ def test_the_usage_and_events_pages(dash: Dashboard) -> None:
 
 def test_usage_of_the_playground_and_key_requests_is_shown(dash: Dashboard) -> None:
     """Needs the usage store (GET /api/v1/usage); skipped where the server has none.
-    TODO(coordinator, after issue 17a merges): assert the per-key and per-model rows here."""
+    The playground's and the key test's requests, counted by the gateway and flushed, appear per
+    model; the cordon made from the UI appears in the audit log with its session actor."""
     with dash.server.client() as api:
         if api.get("/usage").status_code == 404 or api.get("/events").status_code == 404:
             pytest.skip("this server has no usage or audit records (GET /api/v1/usage or /events is 404)")
@@ -375,7 +376,7 @@ def test_usage_of_the_playground_and_key_requests_is_shown(dash: Dashboard) -> N
 
 
 def contract_usage(now: datetime) -> dict[str, Any]:
-    """A GET /api/v1/usage answer in the shape issue 17a's endpoint returns: two keys, two models,
+    """A GET /api/v1/usage answer in the shape server/records.py returns: two keys, two models,
     three minutes."""
     rows = []
     for minutes_ago, key, name, model, requests in [
@@ -384,9 +385,9 @@ def contract_usage(now: datetime) -> dict[str, Any]:
         at = (now - timedelta(minutes=minutes_ago)).replace(second=0, microsecond=0)
         rows.append(
             {
-                "at": at.isoformat(),
+                "start": at.isoformat(),
                 "keyId": key,
-                "keyName": name,
+                "key": name,
                 "model": model,
                 "requests": requests,
                 "errors": 0,
@@ -400,11 +401,11 @@ def contract_usage(now: datetime) -> dict[str, Any]:
         return {f: sum(int(r[f]) for r in group) for f in fields}
 
     by_key = [
-        {"keyId": k, "keyName": n, **total([r for r in rows if r["keyId"] == k])}
+        {"keyId": k, "key": n, **total([r for r in rows if r["keyId"] == k])}
         for k, n in ((1, "team-a"), (2, "team-b"))
     ]
     by_model = [{"model": m, **total([r for r in rows if r["model"] == m])} for m in ("big", "tiny")]
-    return {"rows": rows, "byKey": by_key, "byModel": by_model}
+    return {"rows": rows, "totals": {"keys": by_key, "models": by_model}}
 
 
 def test_the_usage_and_events_pages_draw_the_usage_contract(dash: Dashboard) -> None:

@@ -11,7 +11,7 @@ function usageSince(hours) {
 async function usageByKey() {
   try {
     const usage = await api("GET", `/usage?since=${encodeURIComponent(usageSince(24))}&step=hour`);
-    return new Map((usage.byKey || []).map((k) => [k.keyId, k]));
+    return new Map(((usage.totals || {}).keys || []).map((k) => [k.keyId, k]));
   } catch (e) {
     if (e instanceof ApiError && e.status === 404) return null;
     throw e;

@@ -23,7 +23,7 @@ export function seriesOf(rows, groupOf, valueOf, start, end, step) {
   for (const row of rows) {
     const group = groupOf(row);
     if (!series.has(group)) series.set(group, new Array(buckets.length).fill(0));
-    const i = Math.floor((new Date(row.at).getTime() - first) / stepMs);
+    const i = Math.floor((new Date(row.start).getTime() - first) / stepMs);
     if (i >= 0 && i < buckets.length) series.get(group)[i] += valueOf(row);
   }
   return { buckets, series };
@@ -112,14 +112,14 @@ export function render(main, status) {
         throw e;
       }
       const rows = usage.rows || [];
-      const group = groupBy.value === "key" ? (r) => r.keyName || `key ${r.keyId}` : (r) => r.model;
+      const group = groupBy.value === "key" ? (r) => r.key || `key ${r.keyId}` : (r) => r.model;
       // The chart's inner width: the figure's, less its padding and border.
       const width = Math.max(280, body.clientWidth - 28);
       body.replaceChildren(
         lineChart("Requests", seriesOf(rows, group, (r) => r.requests, start, end, step), step, width),
         lineChart("Tokens (prompt + completion)", seriesOf(rows, group, (r) => r.promptTokens + r.completionTokens, start, end, step), step, width),
-        section("Per key", (usage.byKey || []).length ? table(["Key", "Requests", "Errors", "Prompt tokens", "Completion tokens"], totals(usage.byKey, (r) => r.keyName || `key ${r.keyId}`), { id: "usage-by-key" }) : empty("No requests.")),
-        section("Per model", (usage.byModel || []).length ? table(["Model", "Requests", "Errors", "Prompt tokens", "Completion tokens"], totals(usage.byModel, (r) => r.model), { id: "usage-by-model" }) : empty("No requests.")),
+        section("Per key", ((usage.totals || {}).keys || []).length ? table(["Key", "Requests", "Errors", "Prompt tokens", "Completion tokens"], totals((usage.totals || {}).keys, (r) => r.key || `key ${r.keyId}`), { id: "usage-by-key" }) : empty("No requests.")),
+        section("Per model", ((usage.totals || {}).models || []).length ? table(["Model", "Requests", "Errors", "Prompt tokens", "Completion tokens"], totals((usage.totals || {}).models, (r) => r.model), { id: "usage-by-model" }) : empty("No requests.")),
       );
     },
     status,
