@@ -12,7 +12,9 @@ Classes without a module are defined here.
     │   ├── AllocationConflict   a device or capacity the replica needs is already taken
     │   └── StaleEpoch           an agent spoke for an older registration of its node (fencing)
     ├── StoreError               the state store's database failed (the driver's error is chained)
-    │   └── NotFound             no model, deployment or token of that identity is stored
+    │   ├── NotFound             no model, deployment or token of that identity is stored
+    │   └── _BatchRefused        (fleetserve.store.inventory) the database refused a batch of
+    │                            allocations the checks accepted; retried one by one, never raised
     ├── CacheError               the node's model cache cannot provide a model (names model and source)
     │   ├── SourceError          the source cannot be read: missing file, HTTP error, refused token,
     │   │   │                    not in the Hugging Face mirror, gated or missing on the Hub
@@ -24,6 +26,8 @@ Classes without a module are defined here.
     │   └── ModelPinned          an explicit eviction of a model that running replicas use
     ├── EngineUnavailable        (fleetserve.engines.binaries) no executable engine binary for a
     │                            replica's runtime variant; names the flag that fixes it
+    ├── TinyModelUnavailable     (fleetserve.dev.tinyhf) the safetensors test model's writer lacks
+    │                            its packages (the vllm-cpu extra names them)
     ├── ExpositionError          (fleetserve.metrics.promtext) a body is not valid Prometheus text
     ├── ScrapeError              (fleetserve.metrics.scraper) one fetch of one metrics target failed
     │   ├── ScrapeTimeout        no complete answer within the timeout

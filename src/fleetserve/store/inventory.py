@@ -23,6 +23,7 @@ from fleetserve.errors import (
     AllocationConflict,
     ConfigError,
     Problem,
+    StoreError,
     UnknownNode,
     UnknownReplica,
 )
@@ -74,7 +75,7 @@ def _facts(
 ALLOCATE_BATCH = 200
 
 
-class _BatchRefused(Exception):
+class _BatchRefused(StoreError):
     """The database refused a batch the checks accepted (a concurrent writer): take it one by one."""
 
 
