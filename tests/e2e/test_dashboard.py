@@ -362,8 +362,7 @@ def test_the_usage_and_events_pages(dash: Dashboard) -> None:
 
 
 def test_usage_of_the_playground_and_key_requests_is_shown(dash: Dashboard) -> None:
-    """Needs the usage store (GET /api/v1/usage); skipped where the server has none.
-    The playground's and the key test's requests, counted by the gateway and flushed, appear per
+    """The playground's and the key test's requests, counted by the gateway and flushed, appear per
     model; the cordon made from the UI appears in the audit log with its session actor."""
     page = dash.page
     dash.goto("/ui/usage")
