@@ -536,7 +536,11 @@ class AgentProcess:
         return self.root / "node-credential"
 
     def credential(self) -> str:
-        """The node credential the agent was issued at enrolment."""
+        """The node credential the agent was issued at enrolment. The server marks the node Ready
+        when it answers the enrolment, a moment before the agent has written the file: wait for it."""
+        deadline = time.monotonic() + 30
+        while not self.credential_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         data = yaml.safe_load(self.credential_file.read_text(encoding="utf-8"))
         return str(data["credential"])
 

@@ -294,9 +294,14 @@ def test_the_metric_surface_shows_the_vllm_replica_from_its_live_metrics(fleet: 
             for line in text.splitlines()
             if line.startswith(wanted) and f'replica="{replica["name"]}"' in line
         ]
-        return lines if {line.split("{")[0] for line in lines} == set(wanted) else None
+        if {line.split("{")[0] for line in lines} != set(wanted):
+            return None
+        # Nothing is in flight between tests, but the observer's last scrape may be from while an
+        # earlier test's request ran: wait for a scrape that reads the engine idle.
+        running = [line for line in lines if line.startswith("fleetserve_requests_running")]
+        return lines if all(float(line.rsplit(" ", 1)[1]) == 0.0 for line in running) else None
 
-    lines = wait_for(surfaced, timeout=60, what="the vLLM replica's series on the server's /metrics")
+    lines = wait_for(surfaced, timeout=60, what="the vLLM replica's series, idle, on the server's /metrics")
     print("fleetserve /metrics:\n" + "\n".join(lines))
     for line in lines:
         assert (
