@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -72,3 +72,17 @@ class Inventory(Protocol):
 
     def snapshot(self, models: Mapping[str, ModelFacts] | None = None) -> ClusterSnapshot:
         """An immutable view for one placement or reconcile cycle."""
+
+
+def allocate_each(
+    allocate: Callable[[Replica], object], replicas: Sequence[Replica]
+) -> list[AllocationConflict | None]:
+    """``allocate`` each replica on its own, in order: per replica, None or the conflict it met."""
+    out: list[AllocationConflict | None] = []
+    for replica in replicas:
+        try:
+            allocate(replica)
+            out.append(None)
+        except AllocationConflict as exc:
+            out.append(exc)
+    return out

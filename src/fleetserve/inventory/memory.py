@@ -8,7 +8,7 @@ from types import MappingProxyType
 from pydantic import ValidationError as PydanticValidationError
 
 from fleetserve.errors import AllocationConflict, ConfigError, Problem, UnknownNode, UnknownReplica
-from fleetserve.inventory.base import Registration
+from fleetserve.inventory.base import Registration, allocate_each
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.placement.state import WorkingState
 from fleetserve.snapshot import ClusterSnapshot, replica_ordinal
@@ -86,14 +86,7 @@ class InMemoryInventory:
             )
 
     def allocate_all(self, replicas: Sequence[Replica]) -> list[AllocationConflict | None]:
-        out: list[AllocationConflict | None] = []
-        for replica in replicas:
-            try:
-                self.allocate(replica)
-                out.append(None)
-            except AllocationConflict as exc:
-                out.append(exc)
-        return out
+        return allocate_each(self.allocate, replicas)
 
     def release(self, name: str) -> Replica:
         try:

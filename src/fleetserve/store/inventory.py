@@ -27,7 +27,7 @@ from fleetserve.errors import (
     UnknownNode,
     UnknownReplica,
 )
-from fleetserve.inventory.base import Registration
+from fleetserve.inventory.base import Registration, allocate_each
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.placement.state import WorkingState
 from fleetserve.protocol import ReplicaStatus
@@ -242,12 +242,7 @@ class SqlInventory(SqlBase):
                 with self._write(f"allocating {len(batch)} replicas") as s:
                     out += self._allocate_batch(s, batch)
             except _BatchRefused:
-                for replica in batch:
-                    try:
-                        self.allocate(replica)
-                        out.append(None)
-                    except AllocationConflict as exc:
-                        out.append(exc)
+                out += allocate_each(self.allocate, batch)
         return out
 
     def _allocate_batch(self, s: Session, batch: Sequence[Replica]) -> list[AllocationConflict | None]:
