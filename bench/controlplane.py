@@ -163,6 +163,13 @@ class Server:
     proc: subprocess.Popen[bytes]
     port: int
     log: Path
+    profile: Path | None = None  # the stack sampler's output (--profile)
+
+    def mark(self, phase: str) -> None:
+        """Under --profile: end the sampler's current section; the next is ``phase``."""
+        if self.profile is not None and self.proc.poll() is None:
+            (self.profile.parent / f"{self.profile.name}.phase").write_text(phase)
+            self.proc.send_signal(signal.SIGUSR1)
 
     @property
     def origin(self) -> Origin:
@@ -178,21 +185,30 @@ class Server:
                 self.proc.wait(5)
 
 
-def start_server(url: str, work: Path, name: str, token_file: Path, src: Path | None) -> Server:
+def start_server(
+    url: str, work: Path, name: str, token_file: Path, src: Path | None, profile: Path | None = None
+) -> Server:
     port = free_port()
     env = dict(os.environ)
     if src is not None:  # the baseline: another checkout's package first
         env["PYTHONPATH"] = str(src)
     log = work / f"{name}.log"
+    stacks = None
+    if profile is None:
+        launch = [PYTHON, "-c", "from fleetserve.cli.main import app; app()"]
+    else:  # under the stack sampler, which writes where its CPU went per phase
+        profile.mkdir(parents=True, exist_ok=True)
+        stacks = profile / name
+        launch = [PYTHON, str(Path(__file__).resolve().parent / "stacksample.py"), str(stacks), "--"]
     args = [
-        PYTHON, "-c", "from fleetserve.cli.main import app; app()", "server",
+        *launch, "server",
         "--database-url", url, "--port", str(port), "--approve-new-nodes",
         "--token-file", str(token_file), "--models-dir", str(work / "models"),
         "--not-ready-after", "60", "--lost-after", "300", "--log-level", "warning",
     ]  # fmt: skip
     with log.open("wb") as out:  # the child keeps its own descriptor
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=work, env=env)
-    server = Server(proc, port, log)
+    server = Server(proc, port, log, stacks)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -501,12 +517,30 @@ async def metrics_text(origin: Origin) -> str:
         await client.aclose()
 
 
-async def steady(fleet: Fleet, servers: Sequence[Server], seconds: float, col: Column) -> None:
+def backend_cpu(database: str | None) -> dict[int, float]:
+    """Per PostgreSQL backend serving ``database`` (its process title names it), its CPU seconds."""
+    out: dict[int, float] = {}
+    if database is None:
+        return out
+    for p in psutil.process_iter(["cmdline"]):
+        title = " ".join(p.info["cmdline"] or ())
+        if title.startswith("postgres:") and f" {database} " in title:
+            with contextlib.suppress(psutil.Error):
+                t = p.cpu_times()
+                out[p.pid] = t.user + t.system
+    return out
+
+
+async def steady(
+    fleet: Fleet, servers: Sequence[Server], seconds: float, col: Column, database: str | None
+) -> None:
     """The steady phase: latencies, request rate, reconcile cycles, CPU and RSS."""
     procs = [psutil.Process(s.proc.pid) for s in servers]
+    me = psutil.Process()
     before_text = await metrics_text(servers[0].origin)
     fleet.stats = Stats(recording=True, reregistered=fleet.stats.reregistered)
     cpu0, t0 = cpu_of(procs), time.perf_counter()
+    load0, db0 = cpu_of([me]), backend_cpu(database)
     rss: list[float] = []
     end = t0 + seconds
     while time.perf_counter() < end:
@@ -514,6 +548,9 @@ async def steady(fleet: Fleet, servers: Sequence[Server], seconds: float, col: C
         await asyncio.sleep(min(2.0, max(0.0, end - time.perf_counter())))
     elapsed = time.perf_counter() - t0
     cpu = cpu_of(procs) - cpu0
+    load, db1 = cpu_of([me]) - load0, backend_cpu(database)
+    # Backends that ended in the phase are not seen; those that began count from zero.
+    database_cpu = sum(t - db0.get(pid, 0.0) for pid, t in db1.items())
     rss.append(sum(p.memory_info().rss for p in procs) / 2**20)
     fleet.stats.recording = False
     # The leader's histograms: whichever server holds the lease reconciles.
@@ -567,6 +604,8 @@ async def steady(fleet: Fleet, servers: Sequence[Server], seconds: float, col: C
         if label == "reconcile cycle":
             f["reconcile cycles"] = f"{count:,.0f}"
     f["server CPU (cores busy)"] = f"{cpu / elapsed:.2f}"
+    f["database CPU (cores busy)"] = f"{database_cpu / elapsed:.2f}" if database else "-"
+    f["load process CPU (cores busy)"] = f"{load / elapsed:.2f}"
     f["server RSS MiB start/end"] = f"{rss[0]:,.0f} / {rss[-1]:,.0f}"
     f["re-registrations (409)"] = str(stats.reregistered)
 
@@ -589,7 +628,11 @@ async def run_column(
 ) -> Column:
     col = Column(label)
     token_file = work / "tokens.yaml"
-    servers = [start_server(url, work, "server-a", token_file, src)]
+    database = None if sqlite_file is not None else url.rsplit("/", 1)[1]
+    profile = None
+    if args.profile is not None:
+        profile = Path(args.profile).resolve() / "".join(c if c.isalnum() else "-" for c in label)
+    servers = [start_server(url, work, "server-a", token_file, src, profile)]
     fleet: Fleet | None = None
     try:
         tokens = yaml.safe_load(token_file.read_text())
@@ -602,6 +645,7 @@ async def run_column(
         fleet = Fleet(nodes, tokens["join"], origin, args.connections)
         fleet.stats.recording = True
         print(f"  [{label}] enrolling {len(nodes):,} nodes ...", file=sys.stderr, flush=True)
+        servers[0].mark("enrol")
         took = await fleet.enrol_all(args.heartbeat, 3)
         reg = sorted(fleet.stats.latencies.get("register", []))
         col.figures["enrolment: nodes/s"] = f"{len(nodes) / took:,.0f}"
@@ -612,6 +656,7 @@ async def run_column(
         await asyncio.sleep(2)
 
         print(f"  [{label}] apply {args.apply:,} replicas ...", file=sys.stderr, flush=True)
+        servers[0].mark("apply")
         began = time.perf_counter()
         await admin(
             origin,
@@ -626,6 +671,7 @@ async def run_column(
         col.figures[f"apply {args.apply:,} -> all assigned s"] = f"{seconds:.1f} ({total:,} placed)"
 
         print(f"  [{label}] scale to {args.replicas:,} replicas ...", file=sys.stderr, flush=True)
+        servers[0].mark("scale")
         began = time.perf_counter()
         await admin(
             origin,
@@ -638,17 +684,21 @@ async def run_column(
         col.figures[f"scale to {args.replicas:,}: placed"] = f"{total:,} in {seconds:.0f} s"
 
         print(f"  [{label}] steady {args.steady:.0f} s ...", file=sys.stderr, flush=True)
-        await steady(fleet, servers, args.steady, col)
+        servers[0].mark("steady")
+        await steady(fleet, servers, args.steady, col, database)
+        servers[0].mark("after-steady")
 
         if pair is not None:
             print(
                 f"  [{label}] a second server, half the agents moved to it ...", file=sys.stderr, flush=True
             )
-            servers.append(start_server(url, work, "server-b", token_file, src))
+            servers.append(start_server(url, work, "server-b", token_file, src, profile))
             for i in range(1, len(nodes), 2):
                 fleet.origins[i] = servers[1].origin
             await asyncio.sleep(3)
-            await steady(fleet, servers, args.steady, pair)
+            for server in servers:
+                server.mark("steady-pair")
+            await steady(fleet, servers, args.steady, pair, database)
     finally:
         if fleet is not None:
             await fleet.stop()
@@ -789,6 +839,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--baseline", metavar="REF", help="also run the server of this git ref (e.g. main) first"
+    )
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="run each server under bench/stacksample.py, writing where its CPU went to DIR/COLUMN/",
     )
     args = parser.parse_args(argv)
     args.nodes = args.nodes or (300 if args.quick else 1000)

@@ -8,6 +8,7 @@ dispatched here by exact path; everything else (admin API, agents' API, ``/metri
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from fastapi import FastAPI
@@ -50,16 +51,35 @@ class OpenAIApi:
             await send_error(send, 404, f"Unknown API route {path}.", "invalid_request_error", "unknown_url")
 
 
-class ServingApp(FastAPI):
-    """A FastAPI app whose ``/v1/`` requests go to the OpenAI API's raw ASGI app first."""
+# An ASGI app, and a raw route: the request, and the app (FastAPI's) that answers whatever the
+# route leaves to it.
+App = Callable[[Scope, Receive, Send], Awaitable[None]]
+RawRoute = Callable[[Scope, Receive, Send, App], Awaitable[None]]
 
-    def __init__(self, *args: Any, openai_api: OpenAIApi | None = None, **kwargs: Any) -> None:
+
+class ServingApp(FastAPI):
+    """A FastAPI app whose ``/v1/`` requests go to the OpenAI API's raw ASGI app first, and whose
+    ``raw_routes`` (by exact path) are tried before FastAPI (``server/hotpath.py``)."""
+
+    def __init__(
+        self,
+        *args: Any,
+        openai_api: OpenAIApi | None = None,
+        raw_routes: Mapping[str, RawRoute] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.openai_api = openai_api
+        self.raw_routes: Mapping[str, RawRoute] = raw_routes or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        api = self.openai_api
-        if api is not None and scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            await api(scope, receive, send)
-            return
+        if scope["type"] == "http":
+            api = self.openai_api
+            if api is not None and scope["path"].startswith("/v1/"):
+                await api(scope, receive, send)
+                return
+            route = self.raw_routes.get(scope["path"])
+            if route is not None:
+                await route(scope, receive, send, super().__call__)
+                return
         await super().__call__(scope, receive, send)

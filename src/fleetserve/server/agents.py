@@ -187,6 +187,33 @@ def check_gpu_samples(store: SqlStore, report: StatusReport) -> None:
         raise ConfigError(problems)
 
 
+def record_heartbeat(store: SqlStore, beat: HeartbeatRequest) -> None:
+    """Record a heartbeat the caller may make (it speaks for ``beat.node``): NotFound for a node
+    not registered, StaleEpoch (409) for an older registration or a node judged dead."""
+    try:
+        store.heartbeat(beat.node, datetime.now(UTC), beat.epoch)
+    except UnknownNode as exc:
+        raise NotFound(f"{exc}; register first") from None
+
+
+def record_report(store: SqlStore, report: StatusReport) -> list[str]:
+    """Record a status report the caller may make (it speaks for ``report.node``); the reported
+    replicas the node must stop. GPU samples of anything but its own devices are refused (422)."""
+    check_gpu_samples(store, report)
+    reports = {name: (r.state, r.status()) for name, r in report.replicas.items()}
+    now = datetime.now(UTC)
+    agent_status = AgentStatus(
+        downloads=report.downloads,
+        problems=report.problems,
+        gpuMetrics=report.gpu_metrics,
+        reportedAt=now.isoformat(),
+    )
+    try:
+        return store.report(report.node, report.epoch, now, reports, report.model_cache, agent_status)
+    except UnknownNode as exc:
+        raise NotFound(f"{exc}; register first") from None
+
+
 def build_agent_router(
     store: SqlStore, files: ModelFiles, policy: EnrolmentPolicy, watch: AssignmentWatch | None = None
 ) -> APIRouter:
@@ -240,10 +267,7 @@ def build_agent_router(
     @api.post("/heartbeat", summary="Say the node is alive; 409 for an older registration or a dead node")
     def heartbeat(request: Request, body: HeartbeatRequest) -> HeartbeatReply:
         speaks_for(request, body.node)
-        try:
-            store.heartbeat(body.node, datetime.now(UTC), body.epoch)
-        except UnknownNode as exc:
-            raise NotFound(f"{exc}; register first") from None
+        record_heartbeat(store, body)
         return HeartbeatReply(node=body.node)
 
     @api.get("/classes", summary="Device classes, for matching discovered devices")
@@ -300,21 +324,7 @@ def build_agent_router(
     @api.post("/status", summary="Report replica states, cache contents, downloads and GPU samples")
     def status(request: Request, body: StatusReport) -> StatusReply:
         speaks_for(request, body.node)
-        check_gpu_samples(store, body)
-        reports = {name: (r.state, r.status()) for name, r in body.replicas.items()}
-        agent_status = AgentStatus(
-            downloads=body.downloads,
-            problems=body.problems,
-            gpuMetrics=body.gpu_metrics,
-            reportedAt=datetime.now(UTC).isoformat(),
-        )
-        try:
-            stop = store.report(
-                body.node, body.epoch, datetime.now(UTC), reports, body.model_cache, agent_status
-            )
-        except UnknownNode as exc:
-            raise NotFound(f"{exc}; register first") from None
-        return StatusReply(stop=stop)
+        return StatusReply(stop=record_report(store, body))
 
     @api.get("/models/{name}/file", summary="Download a model file the server holds (Range supported)")
     def model_file(request: Request, name: NameParam) -> FileResponse:

@@ -35,6 +35,7 @@ from fleetserve.server.agents import build_agent_router
 from fleetserve.server.apply import apply_batch
 from fleetserve.server.auth import admin
 from fleetserve.server.enrolment import EnrolmentPolicy
+from fleetserve.server.hotpath import AgentHotPath
 from fleetserve.server.modelfiles import ModelFiles
 from fleetserve.server.observer import Observer
 from fleetserve.server.params import TEXT_PATTERN, NameParam, NameQuery
@@ -554,6 +555,8 @@ def create_app(
         "the join token only enrols). The "
         "OpenAI-compatible API under /v1 (gateway API keys).",
     )
+    app.state.hot_path = AgentHotPath(store)
+    app.raw_routes = app.state.hot_path.routes()  # accepted heartbeats and reports skip FastAPI
     problems.install(app)
     limits.install(app)
     auth.install(app)  # added last, so it runs first: no body is read before the token is checked

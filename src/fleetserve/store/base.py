@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from pydantic import BaseModel
-from sqlalchemy import Engine, Text, cast, delete, select
+from sqlalchemy import Connection, Engine, Text, cast, delete, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -93,6 +93,9 @@ class SqlBase:
         self._engine = engine
         self._reader = read_only(engine)
         self._postgres = engine.dialect.name == "postgresql"
+        # One statement on its own needs no transaction around it on PostgreSQL: in autocommit it
+        # is one round trip, not three (BEGIN, the statement, COMMIT). The agents' hot path.
+        self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT") if self._postgres else None
         self._owned = False
         # Parsed documents kept between whole-fleet reads (``doccache``): one store per process.
         self._replica_docs = ReplicaDocs()
@@ -115,6 +118,19 @@ class SqlBase:
     def _read(self, action: str) -> Iterator[Session]:
         with converted(action), Session(self._reader) as session, session.begin():
             yield session
+
+    @contextmanager
+    def _single(self, action: str, *, write: bool) -> Iterator[Connection]:
+        """A connection for ONE statement, atomic on its own, with no ORM session: on PostgreSQL in
+        autocommit (a single round trip); on SQLite in a transaction of its own (a write one with
+        ``write``, which takes the lock up front as every write does)."""
+        engine = self._autocommit or (self._engine if write else self._reader)
+        with converted(action), engine.connect() as conn:
+            if self._autocommit is not None:
+                yield conn
+                return
+            with conn.begin():
+                yield conn
 
     def _replicas_of(self, s: Session, rows: Sequence[tuple[str, str | None, str]]) -> dict[str, Replica]:
         """Per replica name, its document, for (name, engine key, state) rows read in ``s``: the

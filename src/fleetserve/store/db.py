@@ -10,6 +10,7 @@ boundary, with the driver's exception chained.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,13 +18,22 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, Connection, make_url
-from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, DBAPIError, InvalidatePoolError, SQLAlchemyError
 
 from fleetserve.errors import InternalError, StoreError
 
 # Execution option that makes a SQLite transaction start with a plain (deferred) BEGIN.
 READ_ONLY = "fleetserve_read_only"
 DEFAULT_BUSY_TIMEOUT = 30.0
+# PostgreSQL connections kept open per process, and the most opened beyond them under load (each
+# closed again when returned to a full pool). The server's threads (40) share them; a pool too
+# small for its load opens and closes connections all the time, and each costs PostgreSQL a process.
+POOL_SIZE = 10
+POOL_OVERFLOW = 20
+# A pooled connection idle longer than this is pinged before use (one that answered a moment ago
+# is taken as alive: a ping on every checkout was a round trip per statement on the agents' path).
+PING_AFTER_IDLE = 2.0
+_IDLE_SINCE = "fleetserve_idle_since"
 
 
 def default_database_path() -> Path:
@@ -76,10 +86,36 @@ def make_engine(
             _configure_sqlite(engine, busy_timeout)
         else:
             args.setdefault("connect_timeout", 10)
-            engine = create_engine(target, connect_args=args, pool_pre_ping=True)
+            engine = create_engine(target, connect_args=args, pool_size=POOL_SIZE, max_overflow=POOL_OVERFLOW)
+            _ping_when_idle(engine)
     except (SQLAlchemyError, ImportError) as exc:
         raise StoreError(f"cannot create a database engine for {target!r}: {exc}") from exc
     return engine
+
+
+def _ping_when_idle(engine: Engine) -> None:
+    """Ping a PostgreSQL connection on checkout only when it sat in the pool for longer than
+    ``PING_AFTER_IDLE``; a dead one is replaced (and the pool's older connections with it). A
+    connection that broke within that time fails its statement (a ``StoreError``), and
+    SQLAlchemy then replaces every pooled connection, so the next ones find fresh connections."""
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(_dbapi_connection: Any, record: Any) -> None:
+        record.info[_IDLE_SINCE] = time.monotonic()
+
+    @event.listens_for(engine, "checkin")
+    def _on_checkin(_dbapi_connection: Any, record: Any) -> None:
+        if record is not None:
+            record.info[_IDLE_SINCE] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _on_checkout(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+        if time.monotonic() - record.info.get(_IDLE_SINCE, 0.0) <= PING_AFTER_IDLE:
+            return
+        try:
+            engine.dialect.do_ping(dbapi_connection)
+        except engine.dialect.loaded_dbapi.Error as exc:
+            raise InvalidatePoolError(f"a pooled connection did not answer a ping: {exc}") from exc
 
 
 def _configure_sqlite(engine: Engine, busy_timeout: float) -> None:

@@ -122,11 +122,13 @@ class SqlIdentity(SqlInventory):
         row.requested_at, row.requested_from = when, source[:64]
 
     def node_for_credential(self, plaintext: str) -> str | None:
-        """The node a credential is bound to, or None (unknown or revoked)."""
-        with self._read("verifying a node credential") as s:
-            return s.scalar(
-                select(NodeCredentialRow.node).where(NodeCredentialRow.token_hash == _hash(plaintext))
-            )
+        """The node a credential is bound to, or None (unknown or revoked). Asked on every agent
+        request: one indexed statement, no ORM session, nothing kept (a revocation or a deletion
+        holds from the next request on, on every server)."""
+        query = select(NodeCredentialRow.node).where(NodeCredentialRow.token_hash == _hash(plaintext))
+        with self._single("verifying a node credential", write=False) as c:
+            node: str | None = c.scalar(query)
+            return node
 
     def approve(self, name: str, now: datetime) -> EnrolmentRecord:
         """Let the next enrolment under ``name`` through (a new name, or one enrolled already:

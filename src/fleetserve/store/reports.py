@@ -9,8 +9,9 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import case, select, update
 
 from fleetserve.errors import (
     StaleEpoch,
@@ -25,7 +26,7 @@ from fleetserve.spec.resources import (
     Replica,
     ReplicaState,
 )
-from fleetserve.store.base import SqlBase, as_text, replica_of
+from fleetserve.store.base import IN_CHUNK, SqlBase, as_text, replica_of
 from fleetserve.store.tables import (
     DeploymentRow,
     DeviceClassRow,
@@ -74,6 +75,18 @@ class SqlReports(SqlBase):
         """Record that the node's agent was heard from at ``now``; raises UnknownNode, and
         StaleEpoch when ``epoch`` is given and is not the node's current registration."""
         when = stamp(now)
+        if epoch is not None:
+            # The common case in one statement: the check and the write together, atomic.
+            beat = (
+                update(NodeRow)
+                .where(NodeRow.name == name, NodeRow.epoch == epoch, NodeRow.state == NodeState.READY.value)
+                .values(last_heartbeat=when)
+                .returning(NodeRow.name)
+            )
+            with self._single(f"recording a heartbeat of node {name}", write=True) as c:
+                if c.execute(beat).first() is not None:
+                    return
+        # Refused (or no epoch to check): the reason, read and checked as it stands now.
         with self._write(f"recording a heartbeat of node {name}") as s:
             # The columns the check needs, not the node's hardware document: the most frequent call.
             found = s.execute(select(NodeRow.epoch, NodeRow.state).where(NodeRow.name == name)).one_or_none()
@@ -139,28 +152,70 @@ class SqlReports(SqlBase):
         the agent must stop those. Raises StaleEpoch for an old registration."""
         when = stamp(now)
         with self._write(f"recording a status report of node {node}") as s:
-            row = self._locked_node(s, node)
-            self._check_epoch(row.name, row.epoch, row.state, epoch)
-            row.last_heartbeat = when
-            if model_cache is not None:
-                row.spec = {**row.spec, "modelCache": sorted(set(model_cache))}
+            conn = s.connection()
+            values: dict[str, Any] = {"last_heartbeat": when}
             if agent_status is not None:
-                row.agent_status = agent_status.stored()
-            mine = set(s.scalars(select(ReplicaShardRow.replica).where(ReplicaShardRow.node == node)))
-            for name, (state, status) in replicas.items():
-                if name in mine:
-                    s.connection().execute(
-                        update(ReplicaRow)
-                        .where(ReplicaRow.name == name)
-                        .values(status=status.stored(), reported_at=when)
+                values["agent_status"] = agent_status.stored()
+            # The check and the node's write in one statement (it locks the row, as allocation
+            # does); only the cached models read back, not the node's hardware document.
+            found = conn.execute(
+                update(NodeRow)
+                .where(NodeRow.name == node, NodeRow.epoch == epoch, NodeRow.state == NodeState.READY.value)
+                .values(**values)
+                .returning(NodeRow.spec["modelCache"])
+            ).first()
+            if found is None:
+                # Refused: the reason, as the row stands (it raises; a row that passes now moved
+                # under us, and is checked and written with its lock held).
+                row = self._locked_node(s, node)
+                self._check_epoch(row.name, row.epoch, row.state, epoch)
+                row.last_heartbeat = when
+                if agent_status is not None:
+                    row.agent_status = agent_status.stored()
+                s.flush()
+                cached = row.spec.get("modelCache")
+            else:
+                cached = found[0]
+            if model_cache is not None and cached != sorted(set(model_cache)):
+                row = self._locked_node(s, node)
+                row.spec = {**row.spec, "modelCache": sorted(set(model_cache))}
+            # The node's replicas as stored: only a state or status that changed is written.
+            stored = {
+                name: (state, status)
+                for name, state, status in conn.execute(
+                    select(ReplicaRow.name, ReplicaRow.state, ReplicaRow.status).where(
+                        ReplicaRow.name.in_(
+                            select(ReplicaShardRow.replica).where(ReplicaShardRow.node == node)
+                        )
                     )
-                    # Draining is the control plane's word: an agent's report never undoes it.
-                    s.connection().execute(
-                        update(ReplicaRow)
-                        .where(ReplicaRow.name == name, ReplicaRow.state != ReplicaState.DRAINING.value)
-                        .values(state=ReplicaState(state).value)
+                )
+            }
+            heard = sorted(set(replicas) & set(stored))
+            for i in range(0, len(heard), IN_CHUNK):
+                conn.execute(
+                    update(ReplicaRow)
+                    .where(ReplicaRow.name.in_(heard[i : i + IN_CHUNK]))
+                    .values(reported_at=when)
+                )
+            for name in heard:
+                state, status = replicas[name]
+                new_state, new_status = ReplicaState(state).value, status.stored()
+                old_state, old_status = stored[name]
+                if (old_status or {}) == new_status and old_state in (new_state, ReplicaState.DRAINING.value):
+                    continue
+                conn.execute(
+                    update(ReplicaRow)
+                    .where(ReplicaRow.name == name)
+                    .values(
+                        status=new_status,
+                        # Draining is the control plane's word: an agent's report never undoes it.
+                        state=case(
+                            (ReplicaRow.state == ReplicaState.DRAINING.value, ReplicaRow.state),
+                            else_=new_state,
+                        ),
                     )
-            return sorted(set(replicas) - mine)
+                )
+            return sorted(set(replicas) - set(stored))
 
     def replica_status(self, name: str) -> ReplicaStatus:
         """What the agent last reported about a replica (message, restarts, stderr tail)."""

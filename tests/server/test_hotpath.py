@@ -1,0 +1,262 @@
+"""The agents' hot path (``server/hotpath.py``) against the FastAPI routes it stands in front of.
+
+For every request of a corpus — accepted, forged, malformed, stale, over its limit — the answer of
+the app with the hot path is the one of the same app without it (status and body), and only
+accepted calls are answered by the hot path. Real apps over one real store, on SQLite and on
+PostgreSQL; and two servers on one PostgreSQL, where a credential retired on one is refused by the
+other at its next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from sqlalchemy import Engine
+
+from builders import cpu_8c_32g
+from fleetserve.server.app import create_app
+from fleetserve.server.enrolment import EnrolmentPolicy
+from fleetserve.server.hotpath import AgentHotPath
+from fleetserve.spec.resources import NodeState
+from fleetserve.store import SqlStore, TokenKind, make_engine
+
+AGENT = "/api/v1/agent"
+SOURCE = ("10.0.0.5", 40000)
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+@dataclass
+class Pair:
+    """One store, the app with its hot path and the same app without it, and the tokens."""
+
+    store: SqlStore
+    hot: TestClient
+    plain: TestClient
+    hot_path: AgentHotPath
+    admin: dict[str, str]
+    join: dict[str, str]
+    nodes: dict[str, dict[str, str]]
+
+
+def serve(store: SqlStore, hot: bool) -> FastAPI:
+    app = create_app(store, enrolment=EnrolmentPolicy(approve_new=True))
+    if not hot:
+        app.raw_routes = {}  # type: ignore[attr-defined]
+    return app
+
+
+def enrol(client: TestClient, join: dict[str, str], name: str) -> dict[str, str]:
+    doc = cpu_8c_32g(name).model_dump(mode="json", by_alias=True)
+    response = client.post(f"{AGENT}/register", json=doc, headers=join)
+    assert response.status_code == 200, response.text
+    return bearer(response.json()["credential"])
+
+
+@pytest.fixture
+def pair(store: SqlStore) -> Iterator[Pair]:
+    now = datetime.now(UTC)
+    admin = bearer(store.create_token(TokenKind.ADMIN, now).plaintext)
+    join = bearer(store.create_token(TokenKind.JOIN, now).plaintext)
+    hot_app, plain_app = serve(store, True), serve(store, False)
+    hot_path = hot_app.state.hot_path
+    with (
+        TestClient(hot_app, raise_server_exceptions=False, client=SOURCE) as hot,
+        TestClient(plain_app, raise_server_exceptions=False, client=SOURCE) as plain,
+    ):
+        nodes = {name: enrol(hot, join, name) for name in ("n1", "n2", "dead")}
+        store.set_state("dead", NodeState.NOT_READY)
+        yield Pair(store, hot, plain, hot_path, admin, join, nodes)
+
+
+# (what it is, method, route, whose token, body (JSON unless bytes), extra headers, status expected)
+Case = tuple[str, str, str, str, Any, dict[str, str], int]
+CASES: list[Case] = [
+    ("a heartbeat", "POST", "/heartbeat", "n1", {"node": "n1", "epoch": 1}, {}, 200),
+    ("a heartbeat for another node", "POST", "/heartbeat", "n1", {"node": "n2", "epoch": 1}, {}, 403),
+    ("a heartbeat of an older epoch", "POST", "/heartbeat", "n1", {"node": "n1", "epoch": 7}, {}, 409),
+    ("a heartbeat of a node judged dead", "POST", "/heartbeat", "dead", {"node": "dead", "epoch": 1}, {}, 409),
+    ("a heartbeat without an epoch", "POST", "/heartbeat", "n1", {"node": "n1"}, {}, 422),
+    ("a heartbeat with an unknown field", "POST", "/heartbeat", "n1", {"node": "n1", "epoch": 1, "x": 1}, {}, 422),
+    ("a heartbeat with epoch true (lax: 1)", "POST", "/heartbeat", "n1", {"node": "n1", "epoch": True}, {}, 200),
+    ("a heartbeat with a bad name", "POST", "/heartbeat", "n1", {"node": "N1!", "epoch": 1}, {}, 422),
+    ("a heartbeat that is not JSON", "POST", "/heartbeat", "n1", b"{node: n1", {}, 422),
+    ("a heartbeat that is a JSON list", "POST", "/heartbeat", "n1", b"[1]", {}, 422),
+    ("a heartbeat as text/plain", "POST", "/heartbeat", "n1", b'{"node":"n1","epoch":1}',
+     {"content-type": "text/plain"}, 422),
+    ("a heartbeat over 4 KiB", "POST", "/heartbeat", "n1", {"node": "n1", "epoch": 1, "pad": "x" * 5000}, {}, 413),
+    ("a heartbeat with the join token", "POST", "/heartbeat", "join", {"node": "n1", "epoch": 1}, {}, 401),
+    ("a heartbeat with the admin token", "POST", "/heartbeat", "admin", {"node": "n1", "epoch": 1}, {}, 401),
+    ("a heartbeat with a made-up token", "POST", "/heartbeat", "forged", {"node": "n1", "epoch": 1}, {}, 401),
+    ("a heartbeat without a token", "POST", "/heartbeat", "none", {"node": "n1", "epoch": 1}, {}, 401),
+    ("a heartbeat with Basic auth", "POST", "/heartbeat", "basic", {"node": "n1", "epoch": 1}, {}, 401),
+    ("a heartbeat by GET", "GET", "/heartbeat", "n1", None, {}, 405),
+    ("a status report", "POST", "/status", "n1",
+     {"node": "n1", "epoch": 1, "replicas": {"r-0": {"state": "Running"}}, "modelCache": ["m"]}, {}, 200),
+    ("a status report for another node", "POST", "/status", "n1", {"node": "n2", "epoch": 1}, {}, 403),
+    ("a status report of an older epoch", "POST", "/status", "n1", {"node": "n1", "epoch": 2}, {}, 409),
+    ("a status report of a node judged dead", "POST", "/status", "dead", {"node": "dead", "epoch": 1}, {}, 409),
+    ("a status report with another node's GPU samples", "POST", "/status", "n1",
+     {"node": "n1", "epoch": 1, "gpuMetrics": [
+         {"name": "fleetserve_gpu_utilization_ratio", "value": 1,
+          "labels": {"node": "n2", "device": "0", "driver": "nvidia", "class": "h100"}}]}, {}, 422),
+    ("a status report with a bad state", "POST", "/status", "n1",
+     {"node": "n1", "epoch": 1, "replicas": {"r-0": {"state": "Bogus"}}}, {}, 422),
+    ("a status report with the join token", "POST", "/status", "join", {"node": "n1", "epoch": 1}, {}, 401),
+    ("a status report with a made-up token", "POST", "/status", "forged", {"node": "n1", "epoch": 1}, {}, 401),
+]  # fmt: skip
+
+
+def headers_for(pair: Pair, whose: str) -> dict[str, str]:
+    if whose in pair.nodes:
+        return pair.nodes[whose]
+    return {
+        "join": pair.join,
+        "admin": pair.admin,
+        "forged": bearer("fs_node_" + "A" * 43),
+        "none": {},
+        "basic": {"Authorization": "Basic bjE6bjE="},
+    }[whose]
+
+
+def send(client: TestClient, pair: Pair, case: Case) -> Any:
+    _, method, route, whose, body, extra, _ = case
+    headers = {**headers_for(pair, whose), **extra}
+    if isinstance(body, bytes):
+        headers.setdefault("content-type", "application/json")
+        return client.request(method, AGENT + route, content=body, headers=headers)
+    return client.request(method, AGENT + route, json=body, headers=headers)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_every_answer_is_the_routes_own_and_only_accepted_calls_take_the_hot_path(
+    pair: Pair, case: Case
+) -> None:
+    before = pair.hot_path.answered
+    with_hot = send(pair.hot, pair, case)
+    without = send(pair.plain, pair, case)
+    assert with_hot.status_code == case[-1], with_hot.text
+    assert (with_hot.status_code, with_hot.json()) == (without.status_code, without.json())
+    assert with_hot.headers["content-type"] == without.headers["content-type"]
+    assert pair.hot_path.answered == before + (1 if case[-1] == 200 else 0)
+
+
+def test_a_refused_heartbeat_writes_nothing_and_an_accepted_one_moves_the_last_heartbeat(pair: Pair) -> None:
+    def last(node: str) -> datetime | None:
+        return {h.name: h.last_heartbeat for h in pair.store.node_heartbeats()}[node]
+
+    n2, dead = last("n2"), last("dead")
+    for case in CASES:
+        if case[2] == "/heartbeat" and case[-1] != 200:
+            send(pair.hot, pair, case)
+    assert (last("n2"), last("dead")) == (n2, dead)
+    assert pair.store.get_node("dead").state is NodeState.NOT_READY
+    n1 = last("n1")
+    assert send(pair.hot, pair, CASES[0]).status_code == 200
+    after = last("n1")
+    assert after is not None and (n1 is None or after > n1)
+
+
+def test_a_status_report_keeps_draining_replicas_draining_and_writes_only_what_changed(pair: Pair) -> None:
+    # A replica of n1's, placed by the reconciler.
+    docs = [
+        {"kind": "Model", "name": "tiny", "source": "/models/tiny.gguf", "format": "gguf", "size": "1MB"},
+        {
+            "kind": "Deployment", "name": "tiny", "model": "tiny", "replicas": 1,
+            "profiles": [{"name": "cpu", "engine": "llama.cpp", "cpu": {"cores": 1}}],
+        },
+    ]  # fmt: skip
+    assert pair.hot.post("/api/v1/apply", json={"documents": docs}, headers=pair.admin).status_code == 200
+    pair.store.delete_node("n2")
+    from fleetserve.server.reconciler import Reconciler
+
+    Reconciler(pair.store).run_once()
+    (replica,) = pair.store.replicas()
+    assert replica.shards[0].node == "n1"
+    report = {"node": "n1", "epoch": 1, "replicas": {replica.name: {"state": "Running", "port": 8001}}}
+    response = pair.hot.post(f"{AGENT}/status", json=report, headers=pair.nodes["n1"])
+    assert response.json() == {"stop": []}
+    assert pair.store.get_replica(replica.name).state.value == "Running"
+    assert pair.store.replica_status(replica.name).port == 8001
+    pair.store.start_draining([replica.name], datetime.now(UTC))
+    report["replicas"] = {replica.name: {"state": "Running", "port": 8002}}
+    assert pair.hot.post(f"{AGENT}/status", json=report, headers=pair.nodes["n1"]).status_code == 200
+    assert pair.store.get_replica(replica.name).state.value == "Draining"  # the control plane's word
+    assert pair.store.replica_status(replica.name).port == 8002
+
+
+def test_a_status_report_with_a_wrong_credential_is_handed_on_with_its_body_unread(store: SqlStore) -> None:
+    hot = AgentHotPath(store)
+    read: list[bool] = []
+    handed: list[str] = []
+
+    async def receive() -> dict[str, Any]:
+        read.append(True)
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send_(message: Any) -> None:
+        raise AssertionError("the hot path must not answer")
+
+    async def app(scope: Any, receive_: Any, send__: Any) -> None:
+        handed.append(scope["path"])
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": f"{AGENT}/status",
+        "headers": [
+            (b"authorization", b"Bearer fs_node_not-a-credential"),
+            (b"content-type", b"application/json"),
+            (b"content-length", b"2"),
+        ],
+    }
+    asyncio.run(hot.status(scope, receive, send_, app))
+    assert handed == [f"{AGENT}/status"] and read == []
+
+
+# --- two servers on one PostgreSQL ----------------------------------------------------------------
+
+
+@pytest.fixture
+def second_engine(postgres_url: str, postgres_schema: str, postgres_store: SqlStore) -> Iterator[Engine]:
+    engine = make_engine(postgres_url, connect_args={"options": f"-csearch_path={postgres_schema}"})
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
+def test_a_credential_retired_on_one_server_is_refused_by_the_other_at_its_next_request(
+    postgres_store: SqlStore, second_engine: Engine
+) -> None:
+    now = datetime.now(UTC)
+    admin = bearer(postgres_store.create_token(TokenKind.ADMIN, now).plaintext)
+    join = bearer(postgres_store.create_token(TokenKind.JOIN, now).plaintext)
+    with (
+        TestClient(serve(postgres_store, True), raise_server_exceptions=False, client=SOURCE) as a,
+        TestClient(serve(SqlStore(second_engine), True), raise_server_exceptions=False, client=SOURCE) as b,
+    ):
+        old = enrol(a, join, "n1")
+        beat = {"node": "n1", "epoch": 1}
+        assert b.post(f"{AGENT}/heartbeat", json=beat, headers=old).status_code == 200
+        # The operator lets one re-enrolment through on server A; the thief's old credential dies.
+        assert a.post("/api/v1/nodes/n1/approve", headers=admin).status_code == 200
+        new = enrol(a, join, "n1")
+        for client in (b, a):
+            refused = client.post(f"{AGENT}/heartbeat", json={"node": "n1", "epoch": 2}, headers=old)
+            assert refused.status_code == 401, refused.text
+            report = {"node": "n1", "epoch": 2, "replicas": {}}
+            assert client.post(f"{AGENT}/status", json=report, headers=old).status_code == 401
+        assert b.post(f"{AGENT}/heartbeat", json={"node": "n1", "epoch": 2}, headers=new).status_code == 200
+        # Deleting the node on B forgets its credential: A refuses it at once.
+        assert b.delete("/api/v1/nodes/n1", headers=admin).status_code == 200
+        assert a.post(f"{AGENT}/heartbeat", json={"node": "n1", "epoch": 2}, headers=new).status_code == 401
