@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import case, select, update
+from sqlalchemy import bindparam, case, select, update
 
 from fleetserve.errors import (
     StaleEpoch,
@@ -64,6 +64,9 @@ class AssignmentInputs:
     shared: str  # every model and device class, as canonical JSON
 
 
+DRAINING = ReplicaState.DRAINING.value
+
+
 def _canonical(rows: Sequence[tuple[str, object]]) -> str:
     return json.dumps(sorted(rows), sort_keys=True, separators=(",", ":"))
 
@@ -75,18 +78,15 @@ class SqlReports(SqlBase):
         """Record that the node's agent was heard from at ``now``; raises UnknownNode, and
         StaleEpoch when ``epoch`` is given and is not the node's current registration."""
         when = stamp(now)
+        # The common case in one statement: the check and the write together, atomic.
+        accepted = [NodeRow.name == name]
         if epoch is not None:
-            # The common case in one statement: the check and the write together, atomic.
-            beat = (
-                update(NodeRow)
-                .where(NodeRow.name == name, NodeRow.epoch == epoch, NodeRow.state == NodeState.READY.value)
-                .values(last_heartbeat=when)
-                .returning(NodeRow.name)
-            )
-            with self._single(f"recording a heartbeat of node {name}", write=True) as c:
-                if c.execute(beat).first() is not None:
-                    return
-        # Refused (or no epoch to check): the reason, read and checked as it stands now.
+            accepted += [NodeRow.epoch == epoch, NodeRow.state == NodeState.READY.value]
+        beat = update(NodeRow).where(*accepted).values(last_heartbeat=when).returning(NodeRow.name)
+        with self._single(f"recording a heartbeat of node {name}", write=True) as c:
+            if c.execute(beat).first() is not None:
+                return
+        # Refused: the reason, read and checked as it stands now.
         with self._write(f"recording a heartbeat of node {name}") as s:
             # The columns the check needs, not the node's hardware document: the most frequent call.
             found = s.execute(select(NodeRow.epoch, NodeRow.state).where(NodeRow.name == name)).one_or_none()
@@ -197,23 +197,25 @@ class SqlReports(SqlBase):
                     .where(ReplicaRow.name.in_(heard[i : i + IN_CHUNK]))
                     .values(reported_at=when)
                 )
+            changed = []
             for name in heard:
                 state, status = replicas[name]
                 new_state, new_status = ReplicaState(state).value, status.stored()
                 old_state, old_status = stored[name]
-                if (old_status or {}) == new_status and old_state in (new_state, ReplicaState.DRAINING.value):
-                    continue
+                if (old_status or {}) != new_status or old_state not in (new_state, DRAINING):
+                    changed.append({"b_name": name, "b_status": new_status, "b_state": new_state})
+            if changed:  # one statement, executed for each (psycopg sends them in one pipeline)
                 conn.execute(
                     update(ReplicaRow)
-                    .where(ReplicaRow.name == name)
+                    .where(ReplicaRow.name == bindparam("b_name"))
                     .values(
-                        status=new_status,
+                        status=bindparam("b_status", type_=ReplicaRow.__table__.c.status.type),
                         # Draining is the control plane's word: an agent's report never undoes it.
                         state=case(
-                            (ReplicaRow.state == ReplicaState.DRAINING.value, ReplicaRow.state),
-                            else_=new_state,
+                            (ReplicaRow.state == DRAINING, ReplicaRow.state), else_=bindparam("b_state")
                         ),
-                    )
+                    ),
+                    changed,
                 )
             return sorted(set(replicas) - set(stored))
 
