@@ -21,6 +21,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import Engine
 
 from builders import cpu_8c_32g
+from fleetserve.protocol import AssignmentSet
 from fleetserve.server.app import create_app
 from fleetserve.server.enrolment import EnrolmentPolicy
 from fleetserve.server.hotpath import AgentHotPath
@@ -192,6 +193,31 @@ def test_a_status_report_keeps_draining_replicas_draining_and_writes_only_what_c
     assert pair.hot.post(f"{AGENT}/status", json=report, headers=pair.nodes["n1"]).status_code == 200
     assert pair.store.get_replica(replica.name).state.value == "Draining"  # the control plane's word
     assert pair.store.replica_status(replica.name).port == 8002
+
+
+def test_a_long_poll_answers_the_assignment_set_as_fastapi_would_serialise_it(pair: Pair) -> None:
+    docs = [
+        {"kind": "Model", "name": "tiny", "source": "/models/tiny.gguf", "format": "gguf", "size": "1MB"},
+        {
+            "kind": "Deployment", "name": "tiny", "model": "tiny", "replicas": 2,
+            "profiles": [{"name": "cpu", "engine": "llama.cpp", "cpu": {"cores": 1}}],
+        },
+    ]  # fmt: skip
+    assert pair.hot.post("/api/v1/apply", json={"documents": docs}, headers=pair.admin).status_code == 200
+    pair.store.delete_node("n2")
+    from fleetserve.server.reconciler import Reconciler
+
+    Reconciler(pair.store).run_once()
+    response = pair.hot.get(f"{AGENT}/assignments?node=n1&epoch=1", headers=pair.nodes["n1"])
+    assert response.status_code == 200 and response.headers["content-type"] == "application/json"
+    got = response.json()
+    assert len(got["assignments"]) == 2 and got["assignments"][0]["engine_key"]
+    # What FastAPI's response model would have sent: the same document, every field by its alias.
+    assert got == AssignmentSet.model_validate(got).model_dump(mode="json", by_alias=True)
+    held = pair.hot.get(
+        f"{AGENT}/assignments?node=n1&epoch=1&since={got['revision']}&wait=0", headers=pair.nodes["n1"]
+    )
+    assert held.json() == got
 
 
 def test_a_status_report_with_a_wrong_credential_is_handed_on_with_its_body_unread(store: SqlStore) -> None:

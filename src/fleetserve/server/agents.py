@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Query, Request
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, Response
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
@@ -187,6 +187,13 @@ def check_gpu_samples(store: SqlStore, report: StatusReport) -> None:
         raise ConfigError(problems)
 
 
+def rendered(answer: AssignmentSet) -> Response:
+    """An assignment set as its JSON answer, serialised by pydantic in one go: the model as
+    FastAPI would send it, without validating again what was built from validated documents (a
+    node's set is tens of KiB, and thousands of agents re-poll every 20 s)."""
+    return Response(answer.model_dump_json(by_alias=True), media_type="application/json")
+
+
 def record_heartbeat(store: SqlStore, beat: HeartbeatRequest) -> None:
     """Record a heartbeat the caller may make (it speaks for ``beat.node``): NotFound for a node
     not registered, StaleEpoch (409) for an older registration or a node judged dead."""
@@ -279,14 +286,18 @@ def build_agent_router(
         own_model(request, name)
         return _doc(store.get_model(name))
 
-    @api.get("/assignments", summary="The replicas a node must run; held open until they change")
+    @api.get(
+        "/assignments",
+        summary="The replicas a node must run; held open until they change",
+        response_model=AssignmentSet,
+    )
     async def assignments(
         request: Request,
         node: Annotated[str, Query(min_length=1, max_length=63, pattern=NAME_PATTERN)],
         epoch: Annotated[int, Query(ge=1, le=2**31 - 1)],
         since: Annotated[str | None, Query(max_length=64, pattern=r"^[0-9a-f]*$")] = None,
         wait: Annotated[float, Query(ge=0, le=MAX_WAIT_SECONDS)] = 0.0,
-    ) -> AssignmentSet:
+    ) -> Response:
         speaks_for(request, node)
         deadline = time.monotonic() + wait
         while True:
@@ -310,14 +321,14 @@ def build_agent_router(
                 )
                 watch.remember(node, seen, answer)
                 if answer.revision != since:
-                    return answer
+                    return rendered(answer)
             # Held: woken when the node's fingerprint moves; between wakes, look at the request
             # itself (a server shutting down answers at once: a held poll would hold its shutdown).
             while True:
                 left = deadline - time.monotonic()
                 stopping = bool(getattr(request.app.state, "stopping", False))
                 if left <= 0 or stopping or await request.is_disconnected():
-                    return answer
+                    return rendered(answer)
                 if await watch.changed(node, seen, min(left, RECHECK_SECONDS)):
                     break
 

@@ -28,7 +28,7 @@ DEFAULT_BUSY_TIMEOUT = 30.0
 # PostgreSQL connections kept open per process, and the most opened beyond them under load (each
 # closed again when returned to a full pool). The server's threads (40) share them; a pool too
 # small for its load opens and closes connections all the time, and each costs PostgreSQL a process.
-POOL_SIZE = 10
+POOL_SIZE = 20
 POOL_OVERFLOW = 20
 # A pooled connection idle longer than this is pinged before use (one that answered a moment ago
 # is taken as alive: a ping on every checkout was a round trip per statement on the agents' path).
