@@ -16,7 +16,7 @@ import json
 import math
 import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,7 @@ from fleetserve.kube.objects import (
     placement_annotation,
     plain,
 )
-from fleetserve.kube.pods import MODEL_MOUNT, cache_env, image_for, model_args
+from fleetserve.kube.pods import MODEL_MOUNT, cache_env, image_for, model_args, served_weights
 from fleetserve.spec.resources import (
     Cluster,
     DeviceApi,
@@ -382,6 +382,9 @@ def _leader_worker_set(inp: ReplicaInput, rp: ResolvedProfile) -> dict[str, Any]
 def render_replica(inp: ReplicaInput) -> list[dict[str, Any]]:
     """A replica's objects, in apply order: claim template (DRA), workload, Service."""
     rp = resolve_profile(inp.profile, inp.classes)
+    # Everything below (the engine's source arguments, the volume's size) is of the weights this
+    # engine serves: the model's primary ones or an alternate.
+    inp = replace(inp, model=served_weights(rp.engine, inp.model)[0])
     out: list[dict[str, Any]] = []
     if inp.cluster.device_api is DeviceApi.DRA:
         out.append(plain(claim_template(inp, rp)))
