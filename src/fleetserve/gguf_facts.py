@@ -95,7 +95,8 @@ def model_facts(model: Model, base_dir: Path | None = None) -> ModelFacts:
             measured[weights.name] = weights_facts(weights, base_dir)
         except ConfigError as err:
             problems += [
-                Problem(f"Model {model.name}", Model.weights_field(i, p.field), p.message) for p in err.problems
+                Problem(f"Model {model.name}", Model.weights_field(i, p.field), p.message)
+                for p in err.problems
             ]
     if problems:
         raise ConfigError(problems)

@@ -24,10 +24,10 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import pytest
@@ -43,11 +43,13 @@ from e2e_support import (
     wait_for,
 )
 from openai import OpenAI
+from openai.types.chat import ChatCompletionChunk
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleetserve.dev.tinymodel import write_tiny_model
 
 pytestmark = pytest.mark.slow
+T = TypeVar("T")
 
 NODE = "cpu-v"
 REPO = "fleetserve/tiny-vllm"
@@ -262,19 +264,28 @@ def test_vllm_is_ready_on_health_200_and_its_key_guards_the_openai_routes_only(f
     assert [m["id"] for m in models["data"]] == [DEPLOYMENT]
 
 
+def until_vllm(ask: Callable[[], T], fingerprints: Callable[[T], set[str | None]]) -> tuple[T, int]:
+    """Ask until vLLM answers (the gateway picks either replica of the one name): its answer, and
+    how many asks it took."""
+    for n in range(1, ASKS + 1):
+        got = ask()
+        if by_vllm(fingerprints(got)):
+            return got, n
+    raise AssertionError(f"vLLM answered none of {ASKS} requests; the last answer: {got}")
+
+
 def test_a_chat_completion_and_a_stream_through_the_gateway(fleet: Fleet) -> None:
-    """Asked until vLLM answered each (the gateway picks either replica of the one name)."""
     with fleet.openai() as client:
-        for ask in range(1, ASKS + 1):
-            answer = client.chat.completions.create(
+        answer, asks = until_vllm(
+            lambda: client.chat.completions.create(
                 model=DEPLOYMENT,
                 messages=[{"role": "user", "content": "Hello!"}],
                 max_tokens=12,
                 extra_body={"ignore_eos": True},
-            )
-            if by_vllm({answer.system_fingerprint}):
-                break
-        print(f"gateway answer (vLLM's, ask {ask}):", answer.model_dump_json(exclude_none=True))
+            ),
+            lambda a: {a.system_fingerprint},
+        )
+        print(f"gateway answer (vLLM's, ask {asks}):", answer.model_dump_json(exclude_none=True))
         assert (answer.system_fingerprint or "").startswith("vllm-"), answer
         assert answer.object == "chat.completion"
         assert answer.model == DEPLOYMENT
@@ -282,8 +293,9 @@ def test_a_chat_completion_and_a_stream_through_the_gateway(fleet: Fleet) -> Non
         assert answer.choices[0].finish_reason == "length"
         assert answer.usage is not None and answer.usage.completion_tokens == 12
         assert answer.usage.prompt_tokens > 0
-        for ask in range(1, ASKS + 1):
-            stream = client.chat.completions.create(
+
+        def stream() -> list[ChatCompletionChunk]:
+            events = client.chat.completions.create(
                 model=DEPLOYMENT,
                 messages=[{"role": "user", "content": "Tell me a story."}],
                 max_tokens=16,
@@ -291,18 +303,18 @@ def test_a_chat_completion_and_a_stream_through_the_gateway(fleet: Fleet) -> Non
                 stream=True,
                 stream_options={"include_usage": True},
             )
-            with stream:
-                chunks = list(stream)
-            if by_vllm({c.system_fingerprint for c in chunks}):
-                break
+            with events:
+                return list(events)
+
+        chunks, asks = until_vllm(stream, lambda cs: {c.system_fingerprint for c in cs})
     pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     usage = [c.usage for c in chunks if c.usage is not None]
+    fingerprints = {c.system_fingerprint for c in chunks}
     print(
-        f"gateway stream (vLLM's, ask {ask}): {len(chunks)} chunks, {len(pieces)} with content, "
-        f"finish {finishes}, fingerprints {({c.system_fingerprint for c in chunks})}"
+        f"gateway stream (vLLM's, ask {asks}): {len(chunks)} chunks, {len(pieces)} with content, "
+        f"finish {finishes}, fingerprints {fingerprints}"
     )
-    assert by_vllm({c.system_fingerprint for c in chunks}), chunks
     assert len(pieces) >= 3, chunks
     assert finishes == ["length"], chunks
     assert len(usage) == 1 and chunks[-1].usage is not None and chunks[-1].choices == []
@@ -355,9 +367,7 @@ def test_the_metric_surface_shows_the_vllm_replica_from_its_live_metrics(fleet: 
     lines = wait_for(surfaced, timeout=60, what="the vLLM replica's series, idle, on the server's /metrics")
     print("fleetserve /metrics:\n" + "\n".join(lines))
     for line in lines:
-        assert (
-            'engine="vllm"' in line and f'node="{NODE}"' in line and f'deployment="{DEPLOYMENT}"' in line
-        )
+        assert 'engine="vllm"' in line and f'node="{NODE}"' in line and f'deployment="{DEPLOYMENT}"' in line
     idle = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in lines}
     # Nothing is in flight between tests: the engine's gauges read 0, and so do the canonical ones.
     assert idle["fleetserve_requests_running"] == 0.0
@@ -444,11 +454,10 @@ def test_a_sigkilled_vllm_is_restarted_by_the_supervisor_and_serves_again(fleet:
     assert after["name"] == before["name"]
     assert not engine.is_running()
     with fleet.openai() as client:
-        for _ in range(ASKS):
-            answer = client.chat.completions.create(
+        answer, _ = until_vllm(
+            lambda: client.chat.completions.create(
                 model=DEPLOYMENT, messages=[{"role": "user", "content": "Again?"}], max_tokens=4
-            )
-            if by_vllm({answer.system_fingerprint}):
-                break
-    assert by_vllm({answer.system_fingerprint}), answer
+            ),
+            lambda a: {a.system_fingerprint},
+        )
     assert answer.choices[0].message.role == "assistant"

@@ -127,7 +127,13 @@ def test_an_old_document_loads_and_a_model_without_alternates_serialises_as_befo
     assert "alternates" not in loaded.model_dump(mode="json", by_alias=True)
     assert json.loads(loaded.model_dump_json(by_alias=True, exclude_none=True)) == old
     assert model().model_dump(mode="json", by_alias=True)["alternates"] == [
-        {"format": "safetensors", "source": "hf://org/tiny", "size": 3 * GB, "sha256": None, "architecture": None}
+        {
+            "format": "safetensors",
+            "source": "hf://org/tiny",
+            "size": 3 * GB,
+            "sha256": None,
+            "architecture": None,
+        }
     ]
 
 
@@ -147,15 +153,25 @@ def test_the_store_keeps_alternates_and_old_rows_stay_unchanged(sqlite_store: Sq
 def test_each_engine_serves_the_first_weights_it_loads() -> None:
     llama, vllm = weights_for(model(), EngineKind.LLAMACPP), weights_for(model(), EngineKind.VLLM)
     assert llama is not None and vllm is not None
-    assert (llama.name, llama.source, llama.format) == ("tiny", "hf://org/tiny-gguf/tiny.gguf", ModelFormat.GGUF)
-    assert (vllm.name, vllm.source, vllm.format) == ("tiny.safetensors", "hf://org/tiny", ModelFormat.SAFETENSORS)
+    assert (llama.name, llama.source, llama.format) == (
+        "tiny",
+        "hf://org/tiny-gguf/tiny.gguf",
+        ModelFormat.GGUF,
+    )
+    assert (vllm.name, vllm.source, vllm.format) == (
+        "tiny.safetensors",
+        "hf://org/tiny",
+        ModelFormat.SAFETENSORS,
+    )
     # Without the alternate, vLLM has nothing to serve; a model without alternates serves as itself.
     gguf_only = model({**TINY, "alternates": []})
     assert weights_for(gguf_only, EngineKind.VLLM) is None
     assert weights_for(gguf_only, EngineKind.LLAMACPP) == gguf_only
 
 
-weights_docs = st.lists(st.sampled_from(list(ModelFormat)), min_size=1, max_size=len(ModelFormat), unique=True).map(
+weights_docs = st.lists(
+    st.sampled_from(list(ModelFormat)), min_size=1, max_size=len(ModelFormat), unique=True
+).map(
     lambda formats: Model(
         name="m",
         source=f"/models/m.{formats[0].value}",
@@ -207,7 +223,11 @@ def test_each_engine_is_measured_by_the_weights_it_serves(tmp_path: Path) -> Non
     llama, vllm = facts.for_engine(EngineKind.LLAMACPP), facts.for_engine(EngineKind.VLLM)
     assert llama == facts and llama.weight_bytes == read_gguf_facts(gguf, "tiny").weight_bytes
     assert vllm is not None
-    assert (vllm.name, vllm.weight_bytes, vllm.kv_bytes_per_token) == ("tiny.safetensors", 2 * 10**6, 2 * 2 * 2 * 64 * 2)
+    assert (vllm.name, vllm.weight_bytes, vllm.kv_bytes_per_token) == (
+        "tiny.safetensors",
+        2 * 10**6,
+        2 * 2 * 2 * 64 * 2,
+    )
     assert model_facts(model({**TINY, "alternates": []})).for_engine(EngineKind.VLLM) is None
 
 
@@ -219,10 +239,14 @@ def test_a_broken_alternate_is_refused_naming_its_field() -> None:
     assert (problem.location, problem.field) == ("Model tiny", "alternates[0].size")
 
 
-def documents(*profiles: dict[str, Any], doc: dict[str, Any] = TINY, nodes: tuple[Any, ...] = ()) -> Documents:
+def documents(
+    *profiles: dict[str, Any], doc: dict[str, Any] = TINY, nodes: tuple[Any, ...] = ()
+) -> Documents:
     dep = build_deployment("tiny", 2, *(profiles or MIXED_PROFILES), model="tiny")
     return Documents(
-        nodes=list(nodes or (cpu_8c_32g("a"), node("b", 4, "32Gi"))), models=[Model.model_validate(doc)], deployments=[dep]
+        nodes=list(nodes or (cpu_8c_32g("a"), node("b", 4, "32Gi"))),
+        models=[Model.model_validate(doc)],
+        deployments=[dep],
     )
 
 
@@ -265,12 +289,16 @@ def test_an_engine_that_loads_none_of_the_models_formats_is_refused_with_the_fix
     assert check_documents(documents()) == []
 
 
-def test_apply_refuses_a_deployment_and_a_model_change_that_leave_an_engine_nothing(sqlite_store: SqlStore) -> None:
+def test_apply_refuses_a_deployment_and_a_model_change_that_leave_an_engine_nothing(
+    sqlite_store: SqlStore,
+) -> None:
     gguf_only = {**TINY, "alternates": []}
     dep = build_deployment("tiny", 2, *MIXED_PROFILES, model="tiny").model_dump(mode="json", by_alias=True)
     with pytest.raises(ConfigError) as err:
         apply_batch([gguf_only, {**dep, "kind": "Deployment"}], sqlite_store)
-    assert [(p.location, p.field) for p in err.value.problems] == [("Deployment tiny", "profiles.vllm.engine")]
+    assert [(p.location, p.field) for p in err.value.problems] == [
+        ("Deployment tiny", "profiles.vllm.engine")
+    ]
     apply_batch([TINY, {**dep, "kind": "Deployment"}], sqlite_store)
     # Dropping the alternate a stored deployment's engine serves is the Model's problem.
     with pytest.raises(ConfigError) as err:
@@ -285,13 +313,19 @@ def test_apply_refuses_a_deployment_and_a_model_change_that_leave_an_engine_noth
 
 
 def test_the_agent_fetches_and_serves_the_weights_its_engine_loads() -> None:
-    replica = Replica(name="tiny-1", deployment="tiny", profile="vllm", shards=(Shard(node="a", cpu_cores=4),))
+    replica = Replica(
+        name="tiny-1", deployment="tiny", profile="vllm", shards=(Shard(node="a", cpu_cores=4),)
+    )
     dep = build_deployment("tiny", 2, *MIXED_PROFILES, model="tiny")
     entry = Assignment(
         replica=replica, profile=dep.profiles[1], runtime=RuntimeVariant.CPU, driver=Driver.CPU, model=model()
     )
     chosen = served(entry).model
-    assert (chosen.name, chosen.source, chosen.format) == ("tiny.safetensors", "hf://org/tiny", ModelFormat.SAFETENSORS)
+    assert (chosen.name, chosen.source, chosen.format) == (
+        "tiny.safetensors",
+        "hf://org/tiny",
+        ModelFormat.SAFETENSORS,
+    )
     assert served(served(entry)) == served(entry)
     # What the server sends (the weights alone) is what older agents read: no alternates field.
     wire = served(entry).model_dump(mode="json")

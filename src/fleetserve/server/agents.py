@@ -79,8 +79,8 @@ def kept(replicas: list[Replica], entries: list[Assignment]) -> list[str]:
 def assignment_entries(store: SqlStore, replicas: list[Replica]) -> list[Assignment]:
     """What an agent needs to run each replica: the replica, its profile with the runtime variant
     worked out, the weights its engine serves (``weights_for``), the addresses of the replica's
-    nodes (shard order) and its engine's API key. Reads only what these replicas name: the classes, their nodes, their
-    deployments and models (each once), never the whole fleet."""
+    nodes (shard order) and its engine's API key. Reads only what these replicas name: the
+    classes, their nodes, their deployments and models (each once), never the whole fleet."""
     if not replicas:
         return []
     classes = store.device_classes()

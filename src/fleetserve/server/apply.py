@@ -106,7 +106,9 @@ def check_batch(docs: Documents, store: SqlStore) -> None:
         for dep in merged.deployments:
             if dep.model == model.name and f"Deployment {dep.name}" not in incoming:
                 problems += [
-                    Problem(f"Model {model.name}", "alternates", f"deployment {dep.name}: {p.field}: {p.message}")
+                    Problem(
+                        f"Model {model.name}", "alternates", f"deployment {dep.name}: {p.field}: {p.message}"
+                    )
                     for p in weights_problems(dep, model)
                 ]
     if problems:

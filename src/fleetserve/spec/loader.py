@@ -108,7 +108,9 @@ def _message(err: Mapping[str, Any], model: type[BaseModel]) -> str:
     return msg.removeprefix("Value error, ")
 
 
-_NAMED_FIELD = re.compile(r"^([A-Za-z][A-Za-z0-9]*(?:\[\d+\])?(?:\.[A-Za-z][A-Za-z0-9]*(?:\[\d+\])?)*): (.+)$", re.S)
+_NAMED_FIELD = re.compile(
+    r"^([A-Za-z][A-Za-z0-9]*(?:\[\d+\])?(?:\.[A-Za-z][A-Za-z0-9]*(?:\[\d+\])?)*): (.+)$", re.S
+)
 _UNION_NOISE = {"int_type", "int_parsing", "model_type", "dict_type"}
 
 

@@ -379,7 +379,7 @@ class Model(Spec):
         """Each copy of the weights as a Model of its own without alternates, primary first: what
         a replica is given to fetch, measure and serve (``engines.registry.weights_for`` picks one)."""
         primary = self.model_copy(update={"alternates": ()})
-        return (primary,) + tuple(
+        alternates = (
             Model(
                 name=self.weights_name(alt.format),
                 source=alt.source,
@@ -390,6 +390,7 @@ class Model(Spec):
             )
             for alt in self.alternates
         )
+        return (primary, *alternates)
 
     @staticmethod
     def weights_field(index: int, field: str) -> str:
