@@ -25,7 +25,7 @@ from fleetserve.fleet import check_documents, snapshot_from
 from fleetserve.gguf_facts import model_facts, read_gguf_facts
 from fleetserve.kube.cluster import render_cluster
 from fleetserve.placement.demand import CPU_RUNTIME_OVERHEAD
-from fleetserve.placement.placer import plan
+from fleetserve.placement.placer import SearchKind, plan
 from fleetserve.protocol import Assignment
 from fleetserve.server.apply import apply_batch
 from fleetserve.spec.loader import Documents, load_text
@@ -259,12 +259,17 @@ def test_a_vllm_replica_is_placed_for_the_safetensors_size_and_a_llamacpp_one_fo
     assert (by_profile["vllm"].node, by_profile["vllm"].memory) == ("b", 3 * GB + CPU_RUNTIME_OVERHEAD)
 
 
-def test_the_cache_tie_break_looks_for_the_weights_the_engine_serves() -> None:
-    # Two 8-core nodes: the vLLM replica prefers the one whose cache holds the safetensors copy.
-    nodes = (cpu_8c_32g("a"), cpu_8c_32g("b", modelCache=["tiny.safetensors"]))
+@pytest.mark.parametrize("search", list(SearchKind))
+@pytest.mark.parametrize(("cached", "first"), [("tiny.safetensors", "b"), ("tiny", "a")])
+def test_the_cache_tie_break_looks_for_the_weights_the_engine_serves(
+    search: SearchKind, cached: str, first: str
+) -> None:
+    # Two 8-core nodes: the vLLM replica prefers the one whose cache holds the safetensors copy;
+    # the GGUF copy (cached under the model's own name) is no reason to prefer a node.
+    nodes = (cpu_8c_32g("a"), cpu_8c_32g("b", modelCache=[cached]))
     docs = documents(MIXED_PROFILES[1], nodes=nodes)
-    [decision] = plan(docs.deployments, snapshot_from(docs))
-    assert [p.replica.shards[0].node for p in decision.placed] == ["b", "a"]
+    [decision] = plan(docs.deployments, snapshot_from(docs), search)
+    assert decision.placed[0].replica.shards[0].node == first
 
 
 def test_a_profile_with_nothing_to_load_is_not_placed_and_says_why() -> None:
