@@ -230,7 +230,10 @@ def _container(
     engine = ENGINES[rp.engine]
     # In a pod the claim (or device plugin) decides which devices the container sees, numbered
     # from 0: the host indices placement chose would be wrong, so no visible-devices variable.
-    env = [client.V1EnvVar(name=k, value=v) for k, v in cache_env(rp.engine).items()]
+    # The rest of the launch's environment (a CPU replica's thread count) goes with the engine.
+    hidden = set(DRIVERS[rp.driver].visible_devices_env.get(rp.variant, ()))
+    env = [client.V1EnvVar(name=k, value=v) for k, v in spec.env.items() if k not in hidden]
+    env += [client.V1EnvVar(name=k, value=v) for k, v in cache_env(rp.engine).items()]
     env.append(
         client.V1EnvVar(
             name="HF_TOKEN",
