@@ -30,13 +30,21 @@ until every placed replica is in some agent's assignments; scale them to ``--rep
 until the placements settle; then a steady phase of ``--steady`` seconds, over which the table's
 latencies, request rate, reconcile cycles (from the server's ``/metrics`` histograms, differenced
 over the phase; p50/p99 interpolated in buckets as PromQL's histogram_quantile does), CPU and RSS
-(from /proc) are measured. Then the database's rows and size.
+(from /proc) are measured, with the CPU of the PostgreSQL backends serving the benchmark's database
+and of this load process. Then the database's rows and size.
 
-The default is 1,000 agents, not 5,000: on the 2-core development machine (shared with other
-work) one server process saturates its core well before 5,000 agents are enrolled (about ten
-enrolments a second while the enrolled agents' heartbeats come in), nodes go NotReady for want of
-their heartbeats, and the run would not end in ten minutes. ``--nodes 5000`` runs the full fleet
-where there are cores for it (or with two servers: the pair column).
+``--profile DIR`` runs each server under ``bench/stacksample.py``, a sampling profiler weighted by
+each thread's CPU time; the benchmark marks its phases (enrol, apply, scale, steady), and each phase
+is written to ``DIR/COLUMN/server-a.PHASE`` (collapsed stacks) with a ``.top`` summary: CPU per
+thread, per kind of work (heartbeat, status report, enrolment, long-poll, credential check,
+reconciler, assignment watch, observer, ...) and per frame.
+
+The default is still 1,000 agents, not 5,000. On the 2-core development machine (shared with other
+work, load average near 10) one server process is CPU-bound (0.8 to 0.9 cores, its GIL) before
+5,000 agents are enrolled: with the agents' API made cheaper (``server/hotpath.py``) a
+``--nodes 5000`` run had enrolled 4,400 agents after 460 s, about ten a second, while the already
+enrolled agents' heartbeats, reports and long-polls took most of the process. The run would not end
+in ten minutes. ``--nodes 5000`` runs the full fleet where there are cores for it.
 
 This prints figures; it asserts nothing (the machine may be shared and noisy).
 """
@@ -115,19 +123,27 @@ def model_docs() -> list[dict[str, Any]]:
     for m in fleetgen.MODELS.values():
         # kv bytes per token = layers * kvHeads * 2 * headDim * 2 (f16): one head of 128.
         layers = max(1, m.kv_bytes_per_token // (2 * 128 * 2))
+        shape = {"layers": layers, "kvHeads": 1, "headDim": 128, "contextLength": m.context_length}
+        primary = "gguf" if m.name.endswith("gguf") else "safetensors"
+        other = "safetensors" if primary == "gguf" else "gguf"
         out.append(
             {
                 "kind": "Model",
                 "name": m.name,
                 "source": f"hf://bench/{m.name}",
-                "format": "gguf" if m.name.endswith("gguf") else "safetensors",
+                "format": primary,
                 "size": m.weight_bytes,
-                "architecture": {
-                    "layers": layers,
-                    "kvHeads": 1,
-                    "headDim": 128,
-                    "contextLength": m.context_length,
-                },
+                "architecture": shape,
+                # The same weights in the other format: the deployments' profiles run llama.cpp
+                # and vLLM alike, and each engine serves the format it loads.
+                "alternates": [
+                    {
+                        "format": other,
+                        "source": f"hf://bench/{m.name}-{other}",
+                        "size": m.weight_bytes,
+                        "architecture": shape,
+                    }
+                ],
             }
         )
     return out
