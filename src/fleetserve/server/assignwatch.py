@@ -82,6 +82,7 @@ class AssignmentWatch:
         self.store = store
         self.tick = tick
         self._prints: Fingerprints | None = None
+        self._inputs: AssignmentInputs | None = None  # what ``_prints`` was computed from
         self._waiters: dict[str, list[tuple[Fingerprint | None, asyncio.Future[None]]]] = {}
         # Per node, the last answer built and the fingerprint taken before building it.
         self._answers: dict[str, tuple[Fingerprint, AssignmentSet]] = {}
@@ -140,7 +141,11 @@ class AssignmentWatch:
             try:
                 inputs = await run_in_threadpool(self.store.assignment_inputs)
                 self.reads += 1
-                self._prints = await run_in_threadpool(fingerprints, inputs)
+                if inputs != self._inputs or self._prints is None:
+                    # Most ticks nothing moved: comparing the rows is far cheaper than hashing
+                    # every node's inputs again.
+                    self._prints = await run_in_threadpool(fingerprints, inputs)
+                    self._inputs = inputs
                 for node in [n for n in self._answers if n not in self._prints.per_node]:
                     del self._answers[node]  # deleted nodes
                 self._wake()
