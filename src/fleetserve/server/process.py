@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import sys
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -44,9 +43,6 @@ from fleetserve.store.protocols import Tokens
 from fleetserve.store.sql import SqlStore
 from fleetserve.tls import ServerTls, is_loopback, public_host, url_of
 
-# How long a thread may hold the GIL while another waits for it, in the control plane (Python's
-# default is 5 ms).
-SWITCH_INTERVAL = 0.001
 # The exit status of a gateway whose app did not start (its lifespan failed), as ``uvicorn.run`` has it.
 STARTUP_FAILURE = 3
 
@@ -293,9 +289,6 @@ def run_server(
         level=listen.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
     console = Console(soft_wrap=True)
-    # The reconciler thread computes for seconds at a time; every request needs the GIL several
-    # times (the event loop, a worker thread, back), and each time waits up to the interval for it.
-    sys.setswitchinterval(SWITCH_INTERVAL)
     store = SqlStore.open(database_url)
     try:
         ensure_tokens(store, control.token_file, console)
