@@ -694,3 +694,33 @@ def test_a_steady_cycle_does_not_write_back_the_status_it_read(store: SqlStore, 
     loop.run_once()
     assert counting.writes > settled
     assert counting.get_deployment("chat").status["desiredReplicas"] == 1
+
+
+def test_time_based_steps_still_fire_when_nothing_else_changes(store: SqlStore, clock: FakeClock) -> None:
+    """The reconciler keeps its free capacity between cycles (``Planner``); cycles where only
+    the clock moves must still end a drain at its deadline and carry a rollout through."""
+    setup(store, [gpu_host_32c_256g("gpu-a", "h100", 2, address="10.0.0.1")], [deployment("chat")])
+    loop = reconciler(store, clock)
+    assert loop.run_once().allocated == ["chat-0"]
+    serving = ReplicaStatus(port=8000, inFlight=2, inFlightAge=0)
+    report(store, "gpu-a", clock.now(), chat_0=(ReplicaState.RUNNING, serving))
+    changed = build_deployment(
+        "chat", 1, {"name": "gpu-v2", "engine": "vllm", "deviceClass": "h100"}, model=MODEL.name
+    )
+    store.put_deployment(changed)
+
+    clock.advance(1)
+    assert loop.run_once().allocated == ["chat-1"], "the rollout surges a new replica first"
+    report(store, "gpu-a", clock.now(), chat_1=(ReplicaState.RUNNING, serving))
+    clock.advance(1)
+    assert loop.run_once().draining == ["chat-0"], "the old one drains once the new one runs"
+    # Its agent keeps reporting a request in flight: only the deadline (drainSeconds) ends it.
+    for _ in range(5):
+        clock.advance(5)
+        report(store, "gpu-a", clock.now(), chat_0=(ReplicaState.DRAINING, serving))
+        assert quiet(loop.run_once())
+    clock.advance(10)
+    store.heartbeat("gpu-a", clock.now())
+    assert loop.run_once().released == ["chat-0"]
+    assert store.get_deployment("chat").status["rollout"]["complete"] is True
+    assert shared_devices(store) == [] and held_devices(store) == 1

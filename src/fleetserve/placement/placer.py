@@ -141,14 +141,23 @@ def _ordinal_names(dep: str, taken: set[str], start: int) -> Iterator[str]:
 class Placer:
     """Places deployments against one snapshot, keeping free capacity current across them."""
 
-    def __init__(self, snapshot: ClusterSnapshot, search: SearchKind = SearchKind.INDEXED) -> None:
+    def __init__(
+        self,
+        snapshot: ClusterSnapshot,
+        search: SearchKind = SearchKind.INDEXED,
+        kept: tuple[WorkingState, IndexedSearch] | None = None,
+    ) -> None:
+        """``kept``: a working state and its index already equal to ``snapshot``'s free capacity
+        (``kept.KeptCapacity``), used and changed in place of building them."""
         self.snapshot = snapshot
-        self.state = WorkingState(snapshot)
-        self.search: Search = (
-            IndexedSearch(self.state) if search is SearchKind.INDEXED else NaiveSearch(self.state)
-        )
+        self.state: WorkingState
+        self.search: Search
+        if kept is not None:
+            self.state, self.search = kept
+        else:
+            self.state = WorkingState(snapshot)
+            self.search = IndexedSearch(self.state) if search is SearchKind.INDEXED else NaiveSearch(self.state)
         self._served = snapshot.served_drivers()
-        self._node_state = {n.name: n.state for n in snapshot.nodes}
 
     def place_one(
         self, name: str, deployment: str, demands: Iterable[Demand], revision: str | None = None
@@ -175,11 +184,11 @@ class Placer:
         return Unplaced(name, tuple(reports))
 
     def _is_lost(self, replica: Replica) -> bool:
-        return any(self._node_state.get(s.node, NodeState.LOST) is NodeState.LOST for s in replica.shards)
+        return any(self.snapshot.node_states.get(s.node, NodeState.LOST) is NodeState.LOST for s in replica.shards)
 
     def preview(self, dep: Deployment) -> Existing:
         """How a deployment's existing replicas stand: kept, on Lost nodes, or surplus."""
-        existing = [r for r in self.snapshot.replicas if r.deployment == dep.name]
+        existing = list(self.snapshot.replicas_of(dep.name))
         lost = tuple(r.name for r in existing if self._is_lost(r))
         alive = [r for r in existing if r.name not in lost and r.state is not ReplicaState.FAILED]
         # Keep the lowest ordinals; stop the rest (a scale-down removes the newest).

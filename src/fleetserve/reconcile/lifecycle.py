@@ -221,8 +221,8 @@ def plan_lifecycle(
 ) -> Lifecycle:
     """Decide what happens to one deployment's replicas this cycle (see the module docstring)."""
     history = history or FailureHistory()
-    states = {n.name: n.state for n in snapshot.nodes}
-    mine = sorted((r for r in snapshot.replicas if r.deployment == dep.name), key=_order)
+    states = snapshot.node_states
+    mine = sorted(snapshot.replicas_of(dep.name), key=_order)
     lost = tuple(
         r.name for r in mine if any(states.get(s.node, NodeState.LOST) is NodeState.LOST for s in r.shards)
     )

@@ -25,7 +25,7 @@ from fleetserve.errors import AllocationConflict, ConfigError, FleetserveError, 
 from fleetserve.gguf_facts import model_facts
 from fleetserve.metrics.exposition import FleetMetrics
 from fleetserve.modelfacts import ModelFacts
-from fleetserve.reconcile.core import reconcile
+from fleetserve.reconcile.core import Planner
 from fleetserve.reconcile.health import HeartbeatPolicy, transitions
 from fleetserve.reconcile.lifecycle import FailureHistory
 from fleetserve.spec.resources import Deployment, Model, Replica
@@ -91,6 +91,8 @@ class Reconciler:
         self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._facts: dict[str, tuple[Model, ModelFacts]] = {}
         self._last_recorded: dict[str, Any] = {}
+        # The free capacity, kept between cycles and patched from each snapshot.
+        self._planner = Planner()
 
     def _model_facts(self, models: list[Model]) -> dict[str, ModelFacts]:
         out = {}
@@ -124,7 +126,7 @@ class Reconciler:
         failures = {d.deployment.name: FailureHistory.from_status(d.status.get("failures")) for d in stored}
         placing = time.perf_counter()
         result.phases[CyclePhase.SNAPSHOT] = placing - started
-        plan = reconcile(deployments, snapshot, now, failures)
+        plan = self._planner.plan(deployments, snapshot, now, failures)
         committing = time.perf_counter()
         result.phases[CyclePhase.PLAN] = committing - placing
         if self.metrics is not None:
