@@ -23,10 +23,11 @@ Phases, per column (the reconciler's clock is simulated: one second per cycle):
   replica is reported Running and every node heartbeats, as agents would (not timed).
 - **steady**: ``--cycles`` cycles with nothing changed but the heartbeats: p50/p99 of the cycle
   and of each phase (snapshot, plan, commit), RSS at the first and the last.
-- **one change**: a cycle after each of: one deployment scaled by +10; the same by -10 (its
-  replicas start to drain); the drain deadline passing (they are released, and other
-  deployments' waiting replicas take the room); one node silent past the NotReady deadline; one
-  node silent past the Lost deadline (its replicas released and replaced).
+- **one change**: a cycle after each of: one deployment scaled by -10 (its Running replicas
+  start to drain); the drain deadline passing (they are released, and other deployments' waiting
+  replicas take the room); the same deployment scaled by +10 again; one node silent past the
+  NotReady deadline; one node silent past the Lost deadline (its replicas released and
+  replaced where there is room).
 
 This prints figures; it asserts nothing (the machine may be shared and noisy).
 """
@@ -158,17 +159,19 @@ def worker(kind: str, url: str, args: argparse.Namespace) -> dict[str, Any]:
 
         steady: list[Any] = []
         rss: list[float] = []
+        watch = fleetgen.GcWatch()  # full (generation 2) collections: a pause inside some cycle
+        gc.callbacks.append(watch)
         for _ in range(args.cycles):
             steady.append(cycle())
             rss.append(rss_mib())
+        gc.callbacks.remove(watch)
+        out["full gc"] = [watch.passes, watch.total_s, watch.longest_s]
         out["steady"] = {
             "cycle": [r.seconds for r in steady],
             **{p: [r.phases[p] for r in steady if p in r.phases] for p in PHASES},
         }
         out["rss"] = [rss[0], rss[-1]]
-        out["steady changes"] = sum(
-            len(r.allocated) + len(r.released) + len(r.draining) for r in steady
-        )
+        out["steady changes"] = sum(len(r.allocated) + len(r.released) + len(r.draining) for r in steady)
 
         events: dict[str, Any] = {}
 
@@ -179,8 +182,7 @@ def worker(kind: str, url: str, args: argparse.Namespace) -> dict[str, Any]:
             events[label] = {
                 "seconds": r.seconds,
                 "phases": {p: r.phases.get(p, 0.0) for p in PHASES},
-                "did": f"+{len(r.allocated)} -{len(r.released)} ~{len(r.draining)} "
-                f"t{len(r.transitions)}",
+                "did": f"+{len(r.allocated)} -{len(r.released)} ~{len(r.draining)} t{len(r.transitions)}",
             }
 
         stored = {d.deployment.name: d.deployment for d in store.list_deployments()}
@@ -193,10 +195,10 @@ def worker(kind: str, url: str, args: argparse.Namespace) -> dict[str, Any]:
             max(stored, key=lambda n: counts.get(n, 0)),
         )
         dep = stored[target]
-        up = dep.model_copy(update={"replicas": dep.desired_replicas + 10})
-        event("scale +10", lambda: store.put_deployment(up))
-        event("scale -10 (drain)", lambda: store.put_deployment(dep))
+        down = dep.model_copy(update={"replicas": dep.desired_replicas - 10})
+        event("scale -10 (drain)", lambda: store.put_deployment(down))
         event("drain deadline passed", lambda: None, advance=dep.drain_seconds + 1)
+        event("scale +10", lambda: store.put_deployment(dep))
         holders = sorted({s.node for r in store.replicas() for s in r.shards})
         ready = [h.name for h in store.node_heartbeats() if h.state is NodeState.READY]
         victims = [n for n in holders if n in set(ready)][:2]
@@ -237,12 +239,13 @@ def rows(fig: dict[str, Any]) -> dict[str, str]:
         out[label] = f"{quantile(values, 50):.3f} / {quantile(values, 99):.3f}"
     out["  changes in steady cycles"] = str(fig["steady changes"])
     out["RSS MiB first / last cycle"] = f"{fig['rss'][0]:,.0f} / {fig['rss'][1]:,.0f}"
+    passes, total, longest = fig["full gc"]
+    out["  full GC passes, s (longest)"] = f"{passes}, {total:.2f} ({longest:.2f})"
     for label, e in fig["events"].items():
         p = e["phases"]
         out[f"{label}: s"] = f"{e['seconds']:.3f}"
-        out[f"  snap/plan/commit, did"] = ""  # placeholder to keep order; replaced below
+        out["  snap/plan/commit, did"] = ""  # placeholder to keep order; replaced below
         out[f"  {label}: split"] = f"{p['snapshot']:.2f}/{p['plan']:.2f}/{p['commit']:.2f} {e['did']}"
-    out.pop("  snap/plan/commit, did", None)
     return out
 
 
@@ -348,7 +351,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in table(columns):
         print(line)
     print(
-        "\nsteady: cycles with only heartbeats changed; one change: the cycle right after it (did: "
+        "\nsteady: cycles with only heartbeats changed (full GC: the cyclic collector's generation-2 "
+        "passes during them, inside the cycle times); one change: the cycle right after it (did: "
         "+allocated -released ~draining t node transitions);\nchanged: "
         + "; ".join(targets)
         + "\ntarget: a cycle <= 1 s at 5,000 nodes and 50,000 replicas, RSS flat over cycles"

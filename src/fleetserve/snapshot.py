@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from functools import cached_property
 from datetime import datetime
+from functools import cached_property
 from types import MappingProxyType
 
 from fleetserve.drivers import Driver, host_driver, parse_driver
@@ -69,6 +69,15 @@ class ClusterSnapshot:
     def node_states(self) -> Mapping[str, NodeState]:
         """Every node's state, by name."""
         return MappingProxyType({n.name: n.state for n in self.nodes})
+
+    @cached_property
+    def _lost_nodes(self) -> frozenset[str]:
+        return frozenset(n.name for n in self.nodes if n.state is NodeState.LOST)
+
+    def on_lost_node(self, replica: Replica) -> bool:
+        """Whether a shard of ``replica`` is on a Lost node, or on a node no longer known."""
+        lost, states = self._lost_nodes, self.node_states
+        return any(s.node in lost or s.node not in states for s in replica.shards)
 
     def facts_of(self, replica: str) -> ReplicaFacts:
         """What is known of a replica beyond its document (empty facts when nothing is)."""

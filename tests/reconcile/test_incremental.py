@@ -187,7 +187,9 @@ class World:
         elif op == "scale":
             name = rng.choice(sorted(self.deployments))
             dep = self.deployments[name]
-            self.deployments[name] = dep.model_copy(update={"replicas": max(0, dep.desired_replicas + rng.randint(-3, 3))})
+            self.deployments[name] = dep.model_copy(
+                update={"replicas": max(0, dep.desired_replicas + rng.randint(-3, 3))}
+            )
         elif op == "rollout":
             name = rng.choice(sorted(self.deployments))
             dep = self.deployments[name]
@@ -245,9 +247,13 @@ OPS = (
 @settings(max_examples=150, deadline=None, derandomize=True, database=None, print_blob=True)
 @given(
     seed=st.integers(0, 2**32 - 1),
-    steps=st.lists(st.tuples(st.sampled_from(OPS), st.sampled_from((0.0, 0.0, 0.5))), min_size=1, max_size=25),
+    steps=st.lists(
+        st.tuples(st.sampled_from(OPS), st.sampled_from((0.0, 0.0, 0.5))), min_size=1, max_size=25
+    ),
 )
-def test_the_kept_capacity_plans_exactly_as_a_fresh_reconcile(seed: int, steps: list[tuple[str, float]]) -> None:
+def test_the_kept_capacity_plans_exactly_as_a_fresh_reconcile(
+    seed: int, steps: list[tuple[str, float]]
+) -> None:
     world = World.new(seed)
     planner = Planner()
     for op, refuse in [("nothing", 0.0), *steps]:
@@ -265,7 +271,17 @@ def test_a_steady_fleet_is_patched_not_rebuilt() -> None:
     """The point of keeping it: after the first cycle, changes are patched in place."""
     world = World.new(7)
     planner = Planner()
-    for op in ("nothing", "running", "cordon", "device-health", "node-state", "cache", "scale", "fail", "time"):
+    for op in (
+        "nothing",
+        "running",
+        "cordon",
+        "device-health",
+        "node-state",
+        "cache",
+        "scale",
+        "fail",
+        "time",
+    ):
         world.change(op)
         deployments = [world.deployments[n] for n in sorted(world.deployments)]
         snapshot = world.snapshot()

@@ -20,6 +20,7 @@ as a fresh one would (``tests/reconcile/test_incremental.py`` runs both over ran
 
 from __future__ import annotations
 
+from fleetserve.drivers import Driver
 from fleetserve.placement.index import IndexedSearch
 from fleetserve.placement.placer import Placer
 from fleetserve.placement.state import WorkingState
@@ -35,8 +36,10 @@ class KeptCapacity:
         self._search: IndexedSearch | None = None
         self._nodes: dict[str, Node] = {}
         self._classes: dict[str, DeviceClass] = {}
+        self._served: frozenset[Driver] = frozenset()
         self.rebuilds = 0  # how often the state was built from a whole snapshot
-        self.patched_nodes = 0  # nodes re-indexed in place, over the kept state's life
+        self.patched_nodes = 0
+        self._nodes_changed = False  # nodes re-indexed in place, over the kept state's life
 
     def placer(self, snapshot: ClusterSnapshot) -> Placer:
         """A Placer whose free capacity is exactly ``snapshot``'s; it changes the kept state."""
@@ -49,9 +52,12 @@ class KeptCapacity:
             self._state = WorkingState(snapshot)
             self._search = IndexedSearch(self._state)
             self.rebuilds += 1
+            patched = False
+        if not patched or self._nodes_changed:
+            self._served = snapshot.served_drivers()  # a function of the nodes and classes only
         self._nodes = {n.name: n for n in snapshot.nodes}
         self._classes = dict(snapshot.classes)
-        return Placer(snapshot, kept=(self._state, self._search))
+        return Placer(snapshot, kept=(self._state, self._search), served=self._served)
 
     def _update(self, snapshot: ClusterSnapshot) -> bool:
         """Patch the kept state to ``snapshot``; False when it must be built anew instead."""
@@ -62,6 +68,7 @@ class KeptCapacity:
         if len(snapshot.nodes) != len(kept_nodes) or any(n.name not in kept_nodes for n in snapshot.nodes):
             return False
         state.snapshot = snapshot
+        self._nodes_changed = False
         wanted = {r.name: r for r in snapshot.replicas}
         for name in [n for n in state.replicas if n not in wanted]:
             search.release(name)
@@ -80,6 +87,7 @@ class KeptCapacity:
             old = kept_nodes[node.name]
             if old is node or old == node:
                 continue
+            self._nodes_changed = True
             before, after = state.replace_node(node, snapshot)
             self.patched_nodes += 1
             if not search.replace_node(before, after):

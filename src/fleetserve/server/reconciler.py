@@ -147,7 +147,7 @@ class Reconciler:
         previous = {d.deployment.name: d.previous for d in stored}
         stored_status = {d.deployment.name: dict(d.status) for d in stored}
         for decision in plan.decisions:
-            data = decision.to_dict()
+            conditions = decision.conditions_data()
             life = plan.lifecycles.get(decision.deployment)
             before = previous.get(decision.deployment)
             status = {
@@ -156,7 +156,7 @@ class Reconciler:
                 "previousRevision": before.template_revision() if before is not None else None,
                 "autoscaler": list(self.scale_log.entries(decision.deployment)),
                 "observedGeneration": generations.get(decision.deployment),
-                "conditions": data["conditions"],
+                "conditions": conditions,
                 "desiredReplicas": decision.desired,
                 "replicas": sorted(
                     [
@@ -174,13 +174,15 @@ class Reconciler:
                 except FleetserveError:
                     continue  # deleted meanwhile
             # Keep a decision when it did something or says something new; a cycle that only
-            # kept what runs would bury the decision that placed it.
-            interesting = {k: data[k] for k in ("conditions", "placed", "unplaced", "lost", "surplus")}
+            # kept what runs would bury the decision that placed it. What is compared is the
+            # decision's compact ``outcome``, not its whole record: at a large fleet, one dict per
+            # unplaced replica made and kept every cycle.
+            interesting = decision.outcome()
             acted = bool(decision.placed or decision.unplaced or decision.lost or decision.surplus)
             last = self._last_recorded.get(decision.deployment)
-            new_conditions = last is None or last["conditions"] != data["conditions"]
+            new_conditions = last is None or last["conditions"] != conditions
             if new_conditions or (acted and last != interesting):
-                self.store.record_decision(decision.deployment, data, now)
+                self.store.record_decision(decision.deployment, decision.to_dict(), now)
                 self._last_recorded[decision.deployment] = interesting
         ended = time.perf_counter()
         result.phases[CyclePhase.COMMIT] = ended - committing
