@@ -203,14 +203,10 @@ def worker(kind: str, url: str, args: argparse.Namespace) -> dict[str, Any]:
         ready = [h.name for h in store.node_heartbeats() if h.state is NodeState.READY]
         victims = [n for n in holders if n in set(ready)][:2]
         policy = reconciler.policy
-        event(
-            "one node NotReady",
-            lambda: silent.__setitem__(victims[0], clock.now - policy.not_ready_after - timedelta(seconds=1)),
-        )
-        event(
-            "one node Lost",
-            lambda: silent.__setitem__(victims[1], clock.now - policy.lost_after - timedelta(seconds=1)),
-        )
+        silences = (("one node NotReady", policy.not_ready_after), ("one node Lost", policy.lost_after))
+        for (label, after), victim in zip(silences, victims, strict=False):
+            last = clock.now - after - timedelta(seconds=1)
+            event(label, lambda victim=victim, last=last: silent.__setitem__(victim, last))
         out["events"] = events
         out["event target"] = f"{target} ({dep.desired_replicas} replicas), nodes {', '.join(victims)}"
     finally:
@@ -244,7 +240,6 @@ def rows(fig: dict[str, Any]) -> dict[str, str]:
     for label, e in fig["events"].items():
         p = e["phases"]
         out[f"{label}: s"] = f"{e['seconds']:.3f}"
-        out["  snap/plan/commit, did"] = ""  # placeholder to keep order; replaced below
         out[f"  {label}: split"] = f"{p['snapshot']:.2f}/{p['plan']:.2f}/{p['commit']:.2f} {e['did']}"
     return out
 
