@@ -9,7 +9,7 @@ No I/O, no clock, no randomness: the same inputs give the same decision.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
@@ -162,11 +162,13 @@ def _unplaced_message(unplaced: Unplaced) -> str:
     return "; ".join(render_report(r) for r in unplaced.reports)
 
 
-def _ordinal_names(dep: str, taken: set[str], start: int) -> Iterator[str]:
+def _ordinal_names(dep: str, taken: Sequence[Container[str]], start: int) -> Iterator[str]:
+    """``dep-N`` for N from ``start`` on, skipping names in any of ``taken`` (looked up live, not
+    copied: a copy of every allocated name per deployment was a fleet-sized set each time)."""
     i = start
     while True:
         name = f"{dep}-{i}"
-        if name not in taken:
+        if not any(name in names for names in taken):
             yield name
         i += 1
 
@@ -286,7 +288,7 @@ class Placer:
                 ]
             names = _ordinal_names(
                 dep.name,
-                set(pre.names) | set(self.state.names()),
+                (pre.names, self.state.replicas),
                 self.snapshot.next_ordinals.get(dep.name, 0),
             )
             failed: Unplaced | None = None
