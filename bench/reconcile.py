@@ -29,6 +29,9 @@ Phases, per column (the reconciler's clock is simulated: one second per cycle):
   NotReady deadline; one node silent past the Lost deadline (its replicas released and
   replaced where there is room).
 
+Each column sets the cyclic garbage collector's thresholds as ``fleetserve server`` does in its
+ref (``server/process.py``'s ``tune_collector``, where the ref has one; the table shows them).
+
 This prints figures; it asserts nothing (the machine may be shared and noisy).
 """
 
@@ -126,6 +129,13 @@ def worker(kind: str, url: str, args: argparse.Namespace) -> dict[str, Any]:
     from fleetserve.store.sql import SqlStore
 
     out: dict[str, Any] = {}
+    # The collector as the server process sets it (``fleetserve server``), where the ref does.
+    from fleetserve.server import process
+
+    tune = getattr(process, "tune_collector", None)
+    if tune is not None:
+        tune()
+    out["gc thresholds"] = list(gc.get_threshold())
     snapshot = fleetgen.build_snapshot(args.nodes, args.gpus, fleetgen.MODELS, args.seed)
     store = SqlStore.open(url)
     agents = Agents(url)
@@ -224,6 +234,7 @@ def rows(fig: dict[str, Any]) -> dict[str, str]:
     if "error" in fig:
         return {"fill": f"failed: {fig['error']}"}
     out = {
+        "GC thresholds (as the server sets)": "/".join(str(t) for t in fig["gc thresholds"]),
         "populate s": f"{fig['populate s']:.1f}",
         "fill: cycles, s": f"{fig['fill cycles']}, {fig['fill s']:.1f}",
         "replicas placed": f"{fig['replicas placed']:,}",
