@@ -30,7 +30,7 @@ Phases, per column (the reconciler's clock is simulated: one second per cycle):
   replaced where there is room).
 
 Each column sets the cyclic garbage collector's thresholds as ``fleetserve server`` does in its
-ref (``server/process.py``'s ``tune_collector``, where the ref has one; the table shows them).
+ref (``server/collector.py``'s ``tune_collector``, where the ref has one; the table shows them).
 
 This prints figures; it asserts nothing (the machine may be shared and noisy).
 """
@@ -130,11 +130,12 @@ def worker(kind: str, url: str, args: argparse.Namespace) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     # The collector as the server process sets it (``fleetserve server``), where the ref does.
-    from fleetserve.server import process
-
-    tune = getattr(process, "tune_collector", None)
-    if tune is not None:
-        tune()
+    try:
+        from fleetserve.server.collector import tune_collector
+    except ImportError:  # a ref from before the setting: the collector's defaults
+        pass
+    else:
+        tune_collector()
     out["gc thresholds"] = list(gc.get_threshold())
     snapshot = fleetgen.build_snapshot(args.nodes, args.gpus, fleetgen.MODELS, args.seed)
     store = SqlStore.open(url)

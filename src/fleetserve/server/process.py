@@ -11,7 +11,6 @@ reads the same observer and gateway. The CLI parses flags and calls ``run_server
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import math
 import threading
@@ -34,6 +33,7 @@ from fleetserve.gateway.picker import FRESH_SECONDS
 from fleetserve.reconcile.health import HeartbeatPolicy
 from fleetserve.secretfile import write_secret
 from fleetserve.server.app import Lifespan, Serving, create_app, create_gateway_app
+from fleetserve.server.collector import tune_collector
 from fleetserve.server.enrolment import EnrolmentPolicy
 from fleetserve.server.observer import Observer
 from fleetserve.server.reconciler import Reconciler, SignalSource
@@ -280,22 +280,6 @@ def serve(app: FastAPI, listen: Listen, access_log: bool) -> bool:
     server = _DrainingServer(config, app)
     server.run()
     return server.started
-
-
-# The control plane holds a large, long-lived heap (every node's and replica's parsed document, the
-# reconciler's kept free capacity) and makes hundreds of thousands of short-lived objects per
-# reconcile cycle. Under the collector's default thresholds (700, 10, 10) enough of them are alive
-# at some young collection to be promoted that the whole heap is rescanned every few cycles: at
-# 5,000 nodes and 25,000 replicas, four full passes of about a second in twelve cycles
-# (``bench/reconcile.py``), each one stalling every thread of the process. A first threshold of
-# 50,000 lets them die by reference counting before a collection sees them; cyclic garbage is still
-# collected, a little later.
-CONTROL_PLANE_GC_THRESHOLDS = (50_000, 20, 10)
-
-
-def tune_collector() -> None:
-    """Set the cyclic garbage collector's thresholds for the control plane's heap (above)."""
-    gc.set_threshold(*CONTROL_PLANE_GC_THRESHOLDS)
 
 
 def run_server(
