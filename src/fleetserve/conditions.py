@@ -29,6 +29,8 @@ class ConditionReason(StrEnum):
     INVALID_PROFILE = "InvalidProfile"
     UNSUPPORTED_DEVICES = "UnsupportedDevices"
     UNKNOWN_MODEL = "UnknownModel"
+    # A profile's engine loads none of the model's formats (primary or alternates).
+    NO_LOADABLE_WEIGHTS = "NoLoadableWeights"
     PLACED = "Placed"
     UNSCHEDULABLE = "Unschedulable"
     COMPOSED = "Composed"

@@ -17,7 +17,7 @@ from fleetserve.kube.stack import cluster_problems
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.snapshot import ClusterSnapshot
 from fleetserve.spec.loader import Documents
-from fleetserve.validation import validate_deployment
+from fleetserve.validation import validate_deployment, weights_problems
 
 
 def _duplicates(kind: str, names: Iterable[str]) -> list[Problem]:
@@ -46,7 +46,7 @@ def check_documents(docs: Documents) -> list[Problem]:
     problems += _duplicates("Cluster", (c.name for c in docs.clusters))
     classes = {c.name: c for c in docs.classes}
     fabrics = {f.name for f in docs.fabrics}
-    models = {m.name for m in docs.models}
+    models = {m.name: m for m in docs.models}
     deployments = {d.name for d in docs.deployments}
     for node in docs.nodes:
         for device in node.devices:
@@ -78,6 +78,8 @@ def check_documents(docs: Documents) -> list[Problem]:
                     f"unknown model {dep.model!r}; known: {', '.join(sorted(models)) or 'none defined'}",
                 )
             )
+        else:
+            problems += weights_problems(dep, models[dep.model])
         problems += validate_deployment(dep, classes)
     for cluster in docs.clusters:
         problems += cluster_problems(cluster, classes)

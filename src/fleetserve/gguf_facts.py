@@ -3,14 +3,19 @@
 The header is read with the ``gguf`` package (memory-mapped: tensor data is never loaded): weight
 bytes from the tensor table, KV-cache bytes per token from the architecture's layer count, KV
 heads and head size. A model that is not a local GGUF file gets the facts its document declares
-(``fleetserve.modelfacts.declared_facts``).
+(``fleetserve.modelfacts.declared_facts``). A model with alternates is measured per copy of its
+weights, and each engine gets the facts of the copy it serves (``engines.registry.weights_for``).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
+from fleetserve.engines.registry import ENGINES, weights_for
+from fleetserve.engines.spec import EngineKind
 from fleetserve.errors import ConfigError, Problem, SourceError
 from fleetserve.modelfacts import DEFAULT_CONTEXT, DEFAULT_KV_DTYPE_BYTES, ModelFacts, declared_facts
 from fleetserve.sources import LocalSource, parse_source
@@ -67,11 +72,38 @@ def local_path(source: str) -> Path | None:
     return parsed.path if isinstance(parsed, LocalSource) else None
 
 
-def model_facts(model: Model, base_dir: Path | None = None) -> ModelFacts:
-    """Facts for one model: from its GGUF header when the file is local, else from the document."""
-    path = local_path(model.source)
+def weights_facts(weights: Model, base_dir: Path | None = None) -> ModelFacts:
+    """Facts for one copy of the weights: from its GGUF header when the file is local, else from
+    the document."""
+    path = local_path(weights.source)
     if path is not None and base_dir is not None and not path.is_absolute():
         path = base_dir / path
     if path is not None and path.suffix == ".gguf" and path.is_file():
-        return read_gguf_facts(path, model.name)
-    return declared_facts(model)
+        return read_gguf_facts(path, weights.name)
+    return declared_facts(weights)
+
+
+def model_facts(model: Model, base_dir: Path | None = None) -> ModelFacts:
+    """Facts for one model: its primary weights', with, per engine that serves other weights (an
+    alternate) or none, what it serves (``engines.registry.weights_for``). Every copy of the weights
+    is measured, so a broken alternate is refused even before an engine needs it; problems name the
+    document's field (``alternates[0].size``)."""
+    measured: dict[str, ModelFacts] = {}
+    problems: list[Problem] = []
+    for i, weights in enumerate(model.weights()):
+        try:
+            measured[weights.name] = weights_facts(weights, base_dir)
+        except ConfigError as err:
+            problems += [
+                Problem(f"Model {model.name}", Model.weights_field(i, p.field), p.message)
+                for p in err.problems
+            ]
+    if problems:
+        raise ConfigError(problems)
+    primary = measured[model.name]
+    engines: dict[EngineKind, ModelFacts | None] = {}
+    for engine in ENGINES:
+        chosen = weights_for(model, engine)
+        if chosen is None or chosen.name != model.name:
+            engines[engine] = None if chosen is None else measured[chosen.name]
+    return replace(primary, engines=MappingProxyType(engines)) if engines else primary

@@ -7,8 +7,11 @@ opens a file.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
+from fleetserve.engines.spec import EngineKind
 from fleetserve.errors import ConfigError, Problem
 from fleetserve.spec.resources import Model
 
@@ -18,14 +21,30 @@ DEFAULT_CONTEXT = 4096
 DEFAULT_KV_DTYPE_BYTES = 2
 
 
+def _no_engines() -> Mapping[EngineKind, ModelFacts | None]:
+    return MappingProxyType({})
+
+
 @dataclass(frozen=True)
 class ModelFacts:
-    """A model's weight bytes, KV-cache bytes per token of context, and native context."""
+    """A model's weight bytes, KV-cache bytes per token of context, and native context.
+
+    ``name`` is the name the weights are cached under (``Model.weights_name``): the model's own for
+    its primary weights. A model with alternates, or whose primary format some engine does not
+    load, says per engine what that engine serves instead (``engines``, filled at the edge from
+    ``engines.registry.weights_for``): the facts of an alternate, or None where the engine loads
+    none of the model's formats. An engine not named there serves these weights.
+    """
 
     name: str
     weight_bytes: int
     kv_bytes_per_token: int
     context_length: int
+    engines: Mapping[EngineKind, ModelFacts | None] = field(default_factory=_no_engines)
+
+    def for_engine(self, engine: EngineKind) -> ModelFacts | None:
+        """The facts of the weights a replica of ``engine`` serves; None when it can serve none."""
+        return self.engines.get(engine, self)
 
 
 def declared_facts(model: Model) -> ModelFacts:

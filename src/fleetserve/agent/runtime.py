@@ -31,7 +31,7 @@ from fleetserve.agent.supervisor import Supervisor
 from fleetserve.drivers import RuntimeVariant
 from fleetserve.engines.binaries import resolve
 from fleetserve.engines.launch import LaunchContext
-from fleetserve.engines.registry import ENGINES
+from fleetserve.engines.registry import ENGINES, formats_text, weights_for
 from fleetserve.engines.spec import EngineKind
 from fleetserve.errors import FleetserveError, InternalError, SourceError, StaleEpoch
 from fleetserve.metrics.engine import in_flight
@@ -115,7 +115,7 @@ class Agent:
 
     def follow(self, assignments: AssignmentSet) -> None:
         """Make what runs match the assignments: stop the unassigned, start the new."""
-        wanted = {a.replica.name: a for a in assignments.assignments}
+        wanted = {a.replica.name: served(a) for a in assignments.assignments}
         with self._lock:
             self.revision = assignments.revision
             self._wanted = wanted
@@ -155,6 +155,12 @@ class Agent:
     def _start(self, replica: Replica, entry: Assignment) -> None:
         node = self._registered()
         model, profile, variant, driver = entry.model, entry.profile, entry.runtime, entry.driver
+        if weights_for(model, profile.engine) is None:
+            raise SourceError(
+                f"model {model.name} has {' and '.join(w.format.value for w in model.weights())} "
+                f"weights, and {profile.engine.value} loads {formats_text(profile.engine)}: "
+                f"add an alternate of format {formats_text(profile.engine)} to the model"
+            )
         binary = resolve(profile.engine, variant, self.settings.binaries)
         path = self.cache.ensure(model)
         check_model_path(profile.engine, model.source, path)
@@ -360,6 +366,13 @@ class Agent:
             thread.start()
         stop.wait()
         self.supervisor.shutdown()
+
+
+def served(entry: Assignment) -> Assignment:
+    """The assignment with the weights its engine serves (``weights_for``): what the server sends
+    already; a model document with alternates (from a server that did not choose) is reduced here."""
+    weights = weights_for(entry.model, entry.profile.engine)
+    return entry if weights is None or weights == entry.model else entry.model_copy(update={"model": weights})
 
 
 def check_model_path(engine: EngineKind, source: str, path: Path) -> None:

@@ -166,6 +166,7 @@ LLAMACPP = EngineSpec(
     concurrency_per_replica=DEFAULT_SLOTS,
     tensor_parallel=False,
     multi_node=False,
+    formats=frozenset({ModelFormat.GGUF}),
     allowed_args=ALLOWED_ARGS,
     why_no_split=(
         "llama.cpp splits across local GPUs by its own mechanism, which fleetserve does "

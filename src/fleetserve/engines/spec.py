@@ -20,6 +20,7 @@ from fleetserve.metrics.mapping import MetricMapping
 
 if TYPE_CHECKING:
     from fleetserve.engines.launch import EngineAdapter
+    from fleetserve.spec.resources import ModelFormat
 
 
 class EngineKind(StrEnum):
@@ -60,6 +61,10 @@ class EngineSpec:
     cpu_without_class: bool
     tensor_parallel: bool
     multi_node: bool
+    # The weight formats the engine loads. A replica serves the first of its model's weights (the
+    # primary, then the alternates) in one of them (``registry.weights_for``); a profile whose
+    # engine loads none of its model's formats is refused at apply time.
+    formats: frozenset[ModelFormat]
     # Engine flags a profile's engineArgs may carry. Anything else is refused at apply time, so
     # no flag that changes host, port, model or served name can be smuggled in.
     allowed_args: frozenset[str]

@@ -229,6 +229,9 @@ VLLM = EngineSpec(
     concurrency_per_replica=64,
     tensor_parallel=True,
     multi_node=True,
+    # Hugging Face repositories of safetensors. vLLM's own GGUF loading is experimental (and needs
+    # a tokenizer from elsewhere): a GGUF is llama.cpp's, or a safetensors alternate is vLLM's.
+    formats=frozenset({ModelFormat.SAFETENSORS}),
     allowed_args=ALLOWED_ARGS,
     why_no_cpu=(
         "vllm needs a deviceClass: an omitted class would place the replica on a "

@@ -9,7 +9,7 @@ points its cache there), so a replica needs nothing but its volume and the netwo
 from __future__ import annotations
 
 from fleetserve.drivers import RuntimeVariant
-from fleetserve.engines.registry import ENGINES
+from fleetserve.engines.registry import ENGINES, formats_text, weights_for
 from fleetserve.engines.spec import EngineKind
 from fleetserve.errors import ConfigError, InternalError, Problem, SourceError
 from fleetserve.sources import HfRepo, HttpSource, parse_hf_repo, parse_source
@@ -51,16 +51,37 @@ def image_for(cluster: Cluster, engine: EngineKind, variant: RuntimeVariant) -> 
     return cluster.images.get(image_key(engine, variant)) or ENGINES[engine].pod.images[variant]
 
 
+def served_weights(engine: EngineKind, model: Model) -> tuple[Model, str]:
+    """The weights ``engine`` serves of ``model`` (``weights_for``) and the document field of their
+    source (``source``, ``alternates[0].source``); a ConfigError when it loads none of its formats."""
+    weights = weights_for(model, engine)
+    if weights is None:
+        raise ConfigError(
+            [
+                Problem(
+                    f"Model {model.name}",
+                    "alternates",
+                    f"engine {engine.value} loads {formats_text(engine)} weights and the model has none: "
+                    f"add an alternate of format {formats_text(engine)}",
+                )
+            ]
+        )
+    index = next(i for i, w in enumerate(model.weights()) if w.name == weights.name)
+    return weights, Model.weights_field(index, "source")
+
+
 def model_args(engine: EngineKind, model: Model) -> tuple[str, ...]:
     """How ``engine`` names ``model`` in a pod: a source it downloads itself into the model volume.
 
-    The engine's row says what it accepts (vLLM a Hugging Face repository of safetensors,
-    llama-server one GGUF file of a repository or an https URL). A path on this machine, or the
-    control plane's copy, is not reachable from a cluster: that is a ConfigError naming the
-    model's source.
+    The weights are those the engine serves (``weights_for``: the model's primary ones or an
+    alternate). The engine's row says what it accepts (vLLM a Hugging Face repository of
+    safetensors, llama-server one GGUF file of a repository or an https URL). A path on this
+    machine, or the control plane's copy, is not reachable from a cluster: that is a ConfigError
+    naming the model's source field.
     """
     where = f"Model {model.name}"
-    text = model.source.strip()
+    weights, field = served_weights(engine, model)
+    text = weights.source.strip()
     scheme = text.partition("://")[0].lower() if "://" in text else ""
     try:
         source: HfRepo | HttpSource
@@ -76,9 +97,9 @@ def model_args(engine: EngineKind, model: Model) -> tuple[str, ...]:
                 f"{text}: a cluster cannot read a file on this machine or the control plane's copy; "
                 "publish the model to Hugging Face (hf://) or an https URL"
             )
-        return ENGINES[engine].adapter.pod_model_args(text, source, model.format)
+        return ENGINES[engine].adapter.pod_model_args(text, source, weights.format)
     except SourceError as exc:
-        raise ConfigError([Problem(where, "source", str(exc))]) from exc
+        raise ConfigError([Problem(where, field, str(exc))]) from exc
 
 
 def cache_env(engine: EngineKind) -> dict[str, str]:

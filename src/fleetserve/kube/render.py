@@ -16,7 +16,7 @@ import json
 import math
 import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,7 @@ from fleetserve.kube.objects import (
     placement_annotation,
     plain,
 )
-from fleetserve.kube.pods import MODEL_MOUNT, cache_env, image_for, model_args
+from fleetserve.kube.pods import MODEL_MOUNT, cache_env, image_for, model_args, served_weights
 from fleetserve.spec.resources import (
     Cluster,
     DeviceApi,
@@ -230,7 +230,10 @@ def _container(
     engine = ENGINES[rp.engine]
     # In a pod the claim (or device plugin) decides which devices the container sees, numbered
     # from 0: the host indices placement chose would be wrong, so no visible-devices variable.
-    env = [client.V1EnvVar(name=k, value=v) for k, v in cache_env(rp.engine).items()]
+    # The rest of the launch's environment (a CPU replica's thread count) goes with the engine.
+    hidden = set(DRIVERS[rp.driver].visible_devices_env.get(rp.variant, ()))
+    env = [client.V1EnvVar(name=k, value=v) for k, v in spec.env.items() if k not in hidden]
+    env += [client.V1EnvVar(name=k, value=v) for k, v in cache_env(rp.engine).items()]
     env.append(
         client.V1EnvVar(
             name="HF_TOKEN",
@@ -382,6 +385,9 @@ def _leader_worker_set(inp: ReplicaInput, rp: ResolvedProfile) -> dict[str, Any]
 def render_replica(inp: ReplicaInput) -> list[dict[str, Any]]:
     """A replica's objects, in apply order: claim template (DRA), workload, Service."""
     rp = resolve_profile(inp.profile, inp.classes)
+    # Everything below (the engine's source arguments, the volume's size) is of the weights this
+    # engine serves: the model's primary ones or an alternate.
+    inp = replace(inp, model=served_weights(rp.engine, inp.model)[0])
     out: list[dict[str, Any]] = []
     if inp.cluster.device_api is DeviceApi.DRA:
         out.append(plain(claim_template(inp, rp)))

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from fleetserve.conditions import Condition, ConditionReason, ConditionType
 from fleetserve.drivers import Driver
+from fleetserve.engines.registry import formats_text
 from fleetserve.placement.choose import Found
 from fleetserve.placement.demand import Demand, demand_for
 from fleetserve.placement.index import IndexedSearch
@@ -279,13 +280,28 @@ class Placer:
             )
         placed: list[Placement] = []
         unplaced: list[Unplaced] = []
+        # Each profile measures the weights its engine serves (a model's alternate, maybe).
+        served = {p.name: facts.for_engine(p.engine) for p in result.usable} if facts is not None else {}
+        unloadable = [p for p in result.usable if p.name in served and served[p.name] is None]
+        if unloadable:
+            extra.append(
+                Condition(
+                    ConditionType.MODEL_KNOWN,
+                    False,
+                    ConditionReason.NO_LOADABLE_WEIGHTS,
+                    "; ".join(
+                        f"profile {p.name}: engine {p.engine.value} loads none of model {dep.model}'s "
+                        f"formats; add an alternate of format {formats_text(p.engine)} to model {dep.model}"
+                        for p in unloadable
+                    ),
+                )
+            )
         if missing > 0:
-            demands = []
-            if facts is not None:
-                demands = [
-                    demand_for(p, facts, self.snapshot.classes.get(p.device_class or ""))
-                    for p in result.usable
-                ]
+            demands = [
+                demand_for(p, weights, self.snapshot.classes.get(p.device_class or ""))
+                for p in result.usable
+                if (weights := served.get(p.name)) is not None
+            ]
             names = _ordinal_names(
                 dep.name,
                 (pre.names, self.state.replicas),

@@ -27,6 +27,7 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
+from fleetserve.engines.registry import weights_for
 from fleetserve.errors import ConfigError, InternalError, NotFound, Problem, UnknownNode
 from fleetserve.protocol import (
     AgentStatus,
@@ -77,9 +78,9 @@ def kept(replicas: list[Replica], entries: list[Assignment]) -> list[str]:
 
 def assignment_entries(store: SqlStore, replicas: list[Replica]) -> list[Assignment]:
     """What an agent needs to run each replica: the replica, its profile with the runtime variant
-    worked out, the model document, the addresses of the replica's nodes (shard order) and its
-    engine's API key. Reads only what these replicas name: the classes, their nodes, their
-    deployments and models (each once), never the whole fleet."""
+    worked out, the weights its engine serves (``weights_for``), the addresses of the replica's
+    nodes (shard order) and its engine's API key. Reads only what these replicas name: the
+    classes, their nodes, their deployments and models (each once), never the whole fleet."""
     if not replicas:
         return []
     classes = store.device_classes()
@@ -118,7 +119,10 @@ def assignment_entries(store: SqlStore, replicas: list[Replica]) -> list[Assignm
                 profile=profile,
                 runtime=resolved.variant,
                 driver=resolved.driver,
-                model=model,
+                # The weights this engine serves (a model's alternate, maybe), never the whole
+                # document: the agent fetches exactly these. None loadable (the gate refuses that):
+                # the document, which the agent refuses with the reason.
+                model=weights_for(model, profile.engine) or model,
                 context=profile.context,
                 peers=[addresses.get(s.node, "") for s in replica.shards],
                 engine_key=keys.get(replica.name),

@@ -16,6 +16,7 @@ from fleetserve.gguf_facts import model_facts
 from fleetserve.spec.loader import Documents, parse_document
 from fleetserve.spec.resources import Cluster, Replica
 from fleetserve.store.sql import SqlStore
+from fleetserve.validation import weights_problems
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,16 @@ def check_batch(docs: Documents, store: SqlStore) -> None:
             model_facts(model)
         except ConfigError as err:
             problems.extend(err.problems)
+        # A stored deployment this batch leaves alone still serves the model: dropping the
+        # alternate its engine loads is this Model's problem.
+        for dep in merged.deployments:
+            if dep.model == model.name and f"Deployment {dep.name}" not in incoming:
+                problems += [
+                    Problem(
+                        f"Model {model.name}", "alternates", f"deployment {dep.name}: {p.field}: {p.message}"
+                    )
+                    for p in weights_problems(dep, model)
+                ]
     if problems:
         raise ConfigError(problems)
 

@@ -6,6 +6,7 @@ kind and name where known), the field path, and what would be valid.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,6 +108,9 @@ def _message(err: Mapping[str, Any], model: type[BaseModel]) -> str:
     return msg.removeprefix("Value error, ")
 
 
+_NAMED_FIELD = re.compile(
+    r"^([A-Za-z][A-Za-z0-9]*(?:\[\d+\])?(?:\.[A-Za-z][A-Za-z0-9]*(?:\[\d+\])?)*): (.+)$", re.S
+)
 _UNION_NOISE = {"int_type", "int_parsing", "model_type", "dict_type"}
 
 
@@ -124,7 +128,12 @@ def problems_from_pydantic(
             continue
         if err["type"] == "too_short" and any(f.startswith(path + "[") for f in fields):
             continue
-        out.append(Problem(location=location, field=path, message=_message(err, model)))
+        message = _message(err, model)
+        # A check across fields (a model validator) names the field it is about as "FIELD: ...".
+        named = _NAMED_FIELD.match(message) if not path else None
+        if named is not None:
+            path, message = named.group(1), named.group(2)
+        out.append(Problem(location=location, field=path, message=message))
     return out or [Problem(location, "", str(exc))]
 
 

@@ -14,6 +14,7 @@ from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -308,8 +309,35 @@ class ModelFormat(StrEnum):
     SAFETENSORS = "safetensors"
 
 
+def _check_sha256(v: str | None) -> str | None:
+    if v is not None and not re.fullmatch(r"[0-9a-f]{64}", v):
+        raise ValueError("sha256 must be 64 lower-case hex digits")
+    return v
+
+
+Sha256 = Annotated[str | None, AfterValidator(_check_sha256)]
+# Alternate weights a model may carry beside its primary ones (one per other format).
+MAX_ALTERNATES = 4
+
+
+class Weights(Spec):
+    """The same model's weights in another format (a Model's ``alternates``): where they are, their
+    size, checksum and shape, with the same rules as the model's own fields."""
+
+    format: ModelFormat
+    source: str = Field(min_length=1)
+    size: Bytes | None = None
+    sha256: Sha256 = None
+    architecture: Architecture | None = None
+
+
 class Model(Spec):
-    """What a client names in ``"model"``: its source, format, size, checksum and shape."""
+    """What a client names in ``"model"``: its source, format, size, checksum and shape, and the
+    same model's weights in other formats (``alternates``) for engines that load none of these.
+
+    Which weights a replica serves is the engine table's choice (``engines.registry.weights_for``):
+    the first of the primary and the alternates, in order, whose format the engine loads.
+    """
 
     kind: Literal["Model"] = "Model"
     name: Name
@@ -317,15 +345,57 @@ class Model(Spec):
     format: ModelFormat = ModelFormat.GGUF
     # Weight bytes; optional when ``source`` is a local GGUF file whose header can be read.
     size: Bytes | None = None
-    sha256: str | None = None
+    sha256: Sha256 = None
     architecture: Architecture | None = None
+    # Omitted when empty: a model without alternates serialises exactly as before they existed
+    # (stored rows stay "unchanged" when applied again; agents that predate them read assignments).
+    alternates: tuple[Weights, ...] = Field(default=(), max_length=MAX_ALTERNATES, exclude_if=lambda v: not v)
 
-    @field_validator("sha256")
-    @classmethod
-    def _check_sha(cls, v: str | None) -> str | None:
-        if v is not None and not re.fullmatch(r"[0-9a-f]{64}", v):
-            raise ValueError("sha256 must be 64 lower-case hex digits")
-        return v
+    @model_validator(mode="after")
+    def _distinct_formats(self) -> Model:
+        seen = {self.format}
+        for i, alt in enumerate(self.alternates):
+            if alt.format in seen:
+                raise ValueError(
+                    f"alternates[{i}].format: the model already has {alt.format.value} weights; "
+                    "each alternate is another format than the primary and the other alternates"
+                )
+            seen.add(alt.format)
+        if self.alternates:
+            most = 63 - 1 - max(len(a.format.value) for a in self.alternates)
+            if len(self.name) > most:
+                raise ValueError(
+                    f"name: a model with alternates has a name of at most {most} characters, since "
+                    f"its alternate weights are cached and placed as NAME.FORMAT"
+                )
+        return self
+
+    def weights_name(self, fmt: ModelFormat) -> str:
+        """The name the weights of format ``fmt`` are cached and placed under: the model's own for
+        its primary weights, ``NAME.FORMAT`` for an alternate (two formats never share a cache entry)."""
+        return self.name if fmt is self.format else f"{self.name}.{fmt.value}"
+
+    def weights(self) -> tuple[Model, ...]:
+        """Each copy of the weights as a Model of its own without alternates, primary first: what
+        a replica is given to fetch, measure and serve (``engines.registry.weights_for`` picks one)."""
+        primary = self.model_copy(update={"alternates": ()})
+        alternates = (
+            Model(
+                name=self.weights_name(alt.format),
+                source=alt.source,
+                format=alt.format,
+                size=alt.size,
+                sha256=alt.sha256,
+                architecture=alt.architecture,
+            )
+            for alt in self.alternates
+        )
+        return (primary, *alternates)
+
+    @staticmethod
+    def weights_field(index: int, field: str) -> str:
+        """The document field of ``weights()[index]``'s ``field``: ``size``, ``alternates[0].size``."""
+        return field if index == 0 else f"alternates[{index - 1}].{field}"
 
 
 class CpuRequest(Spec):
