@@ -17,6 +17,7 @@ from builders import deployment as build_deployment
 from builders import gpu_host_32c_256g, safetensors_8gb
 from fleetserve.metrics.exposition import FleetMetrics
 from fleetserve.modelfacts import ModelFacts
+from fleetserve.placement.placer import RECORDED_UNPLACED
 from fleetserve.protocol import ReplicaStatus
 from fleetserve.reconcile.core import reconcile
 from fleetserve.reconcile.health import HeartbeatPolicy
@@ -414,6 +415,22 @@ def test_a_decision_is_recorded_when_replicas_are_placed_or_unschedulable(
     assert report["message"].startswith("profile gpu: 0/2 nodes fit")
     scheduled = condition(store, "huge", "Scheduled")
     assert (scheduled["status"], scheduled["reason"]) == (False, "Unschedulable")
+
+
+def test_a_recorded_decision_explains_the_first_unplaced_replicas_and_counts_the_rest(
+    store: SqlStore, clock: FakeClock
+) -> None:
+    setup(store, [gpu_node("gpu-a")], [deployment("huge", replicas=RECORDED_UNPLACED + 7, devices=4)])
+    reconciler(store, clock).run_once()
+
+    [record] = store.list_decisions("huge")
+    unplaced = record.explanation["unplaced"]
+    assert [u["replica"] for u in unplaced] == [f"huge-{i}" for i in range(RECORDED_UNPLACED)]
+    assert all(u["reports"] for u in unplaced)
+    assert record.explanation["unplacedTotal"] == RECORDED_UNPLACED + 7
+    # The deployment's status still counts every one of them.
+    [stored] = [d for d in store.list_deployments() if d.deployment.name == "huge"]
+    assert stored.status["unschedulable"] == RECORDED_UNPLACED + 7
 
 
 def test_steady_state_cycles_do_not_record_a_decision_every_cycle(store: SqlStore, clock: FakeClock) -> None:

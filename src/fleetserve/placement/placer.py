@@ -27,6 +27,9 @@ from fleetserve.snapshot import ClusterSnapshot
 from fleetserve.spec.resources import Deployment, Replica, ReplicaState
 from fleetserve.validation import gate
 
+# Unplaced replicas a stored decision explains one by one; the rest are counted (``to_record``).
+RECORDED_UNPLACED = 20
+
 
 class Search(Protocol):
     """A strategy that finds where a demand fits and keeps its view of free capacity current."""
@@ -110,7 +113,7 @@ class DeploymentDecision:
         ]
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data for JSON output and storage."""
+        """Plain data for JSON output (every unplaced replica)."""
         explain = _Explainer()
         return {
             "deployment": self.deployment,
@@ -122,6 +125,16 @@ class DeploymentDecision:
             "placed": self._placed_data(),
             "unplaced": [{"replica": u.name, "reports": explain(u.reports)} for u in self.unplaced],
         }
+
+    def to_record(self) -> dict[str, Any]:
+        """``to_dict`` as the decision log stores it: the first ``RECORDED_UNPLACED`` unplaced
+        replicas with their explanations and ``unplacedTotal``, the count of all of them. At a
+        large fleet a deployment's replicas beyond what fits number thousands, nearly all with one
+        explanation; storing each made a record megabytes, written again at each new condition."""
+        data = self.to_dict()
+        data["unplaced"] = data["unplaced"][:RECORDED_UNPLACED]
+        data["unplacedTotal"] = len(self.unplaced)
+        return data
 
     def outcome(self) -> dict[str, Any]:
         """What ``to_dict`` says of conditions, placements, unplaced replicas, lost and surplus,

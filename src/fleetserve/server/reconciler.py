@@ -182,7 +182,7 @@ class Reconciler:
             last = self._last_recorded.get(decision.deployment)
             new_conditions = last is None or last["conditions"] != conditions
             if new_conditions or (acted and last != interesting):
-                self.store.record_decision(decision.deployment, decision.to_dict(), now)
+                self.store.record_decision(decision.deployment, decision.to_record(), now)
                 self._last_recorded[decision.deployment] = interesting
         ended = time.perf_counter()
         result.phases[CyclePhase.COMMIT] = ended - committing
