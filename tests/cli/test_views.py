@@ -58,3 +58,26 @@ def test_a_download_without_bytes_for_a_minute_is_called_stalled_with_its_source
     assert moving == "downloading model m from hf://org/m/m.gguf: 1.0MiB of 2.0MiB at 512.0KiB/s"
     stalled = download_message("m", "hf://org/m/m.gguf", 2**20, 2**21, 0.0, idle=STALL_SECONDS + 15)
     assert stalled.startswith("download of model m from hf://org/m/m.gguf stalled: no bytes for 75 s")
+
+
+def test_a_stored_decision_says_how_many_unplaced_replicas_it_does_not_explain() -> None:
+    from rich.console import Console
+
+    from fleetserve.cli.views import print_decision
+
+    report = {"message": "profile gpu: 0/1 nodes fit"}
+    decision = {
+        "unplaced": [{"replica": f"huge-{i}", "reports": [report]} for i in range(2)],
+        "unplacedTotal": 30,
+    }
+    console = Console(record=True, width=200)
+    print_decision({"deployment": "huge", "generation": 1, "decision": decision}, console)
+    text = console.export_text()
+    assert "huge-1 unschedulable" in text
+    assert "… and 28 more unschedulable (the record explains the first 2)" in text
+    # A record of before the bound, or one under it, says nothing more.
+    console = Console(record=True, width=200)
+    print_decision(
+        {"deployment": "huge", "generation": 1, "decision": {"unplaced": decision["unplaced"]}}, console
+    )
+    assert "more unschedulable" not in console.export_text()

@@ -17,6 +17,7 @@ from builders import deployment as build_deployment
 from builders import gpu_host_32c_256g, safetensors_8gb
 from fleetserve.metrics.exposition import FleetMetrics
 from fleetserve.modelfacts import ModelFacts
+from fleetserve.placement.placer import RECORDED_UNPLACED
 from fleetserve.protocol import ReplicaStatus
 from fleetserve.reconcile.core import reconcile
 from fleetserve.reconcile.health import HeartbeatPolicy
@@ -416,6 +417,22 @@ def test_a_decision_is_recorded_when_replicas_are_placed_or_unschedulable(
     assert (scheduled["status"], scheduled["reason"]) == (False, "Unschedulable")
 
 
+def test_a_recorded_decision_explains_the_first_unplaced_replicas_and_counts_the_rest(
+    store: SqlStore, clock: FakeClock
+) -> None:
+    setup(store, [gpu_node("gpu-a")], [deployment("huge", replicas=RECORDED_UNPLACED + 7, devices=4)])
+    reconciler(store, clock).run_once()
+
+    [record] = store.list_decisions("huge")
+    unplaced = record.explanation["unplaced"]
+    assert [u["replica"] for u in unplaced] == [f"huge-{i}" for i in range(RECORDED_UNPLACED)]
+    assert all(u["reports"] for u in unplaced)
+    assert record.explanation["unplacedTotal"] == RECORDED_UNPLACED + 7
+    # The deployment's status still counts every one of them.
+    [stored] = [d for d in store.list_deployments() if d.deployment.name == "huge"]
+    assert stored.status["unschedulable"] == RECORDED_UNPLACED + 7
+
+
 def test_steady_state_cycles_do_not_record_a_decision_every_cycle(store: SqlStore, clock: FakeClock) -> None:
     setup(
         store,
@@ -694,3 +711,33 @@ def test_a_steady_cycle_does_not_write_back_the_status_it_read(store: SqlStore, 
     loop.run_once()
     assert counting.writes > settled
     assert counting.get_deployment("chat").status["desiredReplicas"] == 1
+
+
+def test_time_based_steps_still_fire_when_nothing_else_changes(store: SqlStore, clock: FakeClock) -> None:
+    """The reconciler keeps its free capacity between cycles (``Planner``); cycles where only
+    the clock moves must still end a drain at its deadline and carry a rollout through."""
+    setup(store, [gpu_host_32c_256g("gpu-a", "h100", 2, address="10.0.0.1")], [deployment("chat")])
+    loop = reconciler(store, clock)
+    assert loop.run_once().allocated == ["chat-0"]
+    serving = ReplicaStatus(port=8000, inFlight=2, inFlightAge=0)
+    report(store, "gpu-a", clock.now(), chat_0=(ReplicaState.RUNNING, serving))
+    changed = build_deployment(
+        "chat", 1, {"name": "gpu-v2", "engine": "vllm", "deviceClass": "h100"}, model=MODEL.name
+    )
+    store.put_deployment(changed)
+
+    clock.advance(1)
+    assert loop.run_once().allocated == ["chat-1"], "the rollout surges a new replica first"
+    report(store, "gpu-a", clock.now(), chat_1=(ReplicaState.RUNNING, serving))
+    clock.advance(1)
+    assert loop.run_once().draining == ["chat-0"], "the old one drains once the new one runs"
+    # Its agent keeps reporting a request in flight: only the deadline (drainSeconds) ends it.
+    for _ in range(5):
+        clock.advance(5)
+        report(store, "gpu-a", clock.now(), chat_0=(ReplicaState.DRAINING, serving))
+        assert quiet(loop.run_once())
+    clock.advance(10)
+    store.heartbeat("gpu-a", clock.now())
+    assert loop.run_once().released == ["chat-0"]
+    assert store.get_deployment("chat").status["rollout"]["complete"] is True
+    assert shared_devices(store) == [] and held_devices(store) == 1

@@ -220,10 +220,15 @@ def print_decision(data: dict[str, Any], console: Console) -> None:
         console.print(f"  {placed['replica']}  profile {placed['profile']}  {_shards(placed)}", markup=False)
         for report in placed.get("skipped", []):
             console.print(f"      first tried {report['message']}", markup=False)
-    for unplaced in decision.get("unplaced", []):
+    unplaced_list = decision.get("unplaced", [])
+    for unplaced in unplaced_list:
         console.print(f"  [red]{unplaced['replica']} unschedulable[/]")
         for report in unplaced.get("reports", []):
             console.print(f"      {report['message']}", markup=False)
+    more = decision.get("unplacedTotal", len(unplaced_list)) - len(unplaced_list)
+    if more > 0:
+        shown = len(unplaced_list)
+        console.print(f"  [red]… and {more} more unschedulable[/] (the record explains the first {shown})")
 
 
 def emit_kind(kind: Kind, data: Any, fmt: Format, console: Console) -> None:

@@ -90,33 +90,80 @@ class IndexedSearch:
         # Nodes whose replicas hold more cores or memory than they have (one that re-registered
         # smaller): they take no new replica, even one that claims no host CPU.
         self._overcommitted: set[str] = {n.name for n in state.nodes if n.free_cores < 0 or n.free_memory < 0}
-        drivers = {c: parse_driver(d.driver) for c, d in state.snapshot.classes.items()}
+        self._drivers = {c: parse_driver(d.driver) for c, d in state.snapshot.classes.items()}
         for node in state.nodes:
-            if not node.ready:
-                self.not_ready += 1
+            self._add_node(node)
+
+    def _add_node(self, node: NodeWork) -> bool:
+        """Count ``node`` in and index its free capacity; False when a class index would have to
+        grow (a node with more devices of a class than any before it): build the search anew."""
+        if not node.ready:
+            self.not_ready += 1
+            return True
+        if node.cordoned:
+            self.cordoned += 1
+            return True
+        for cls in node.devices_of:
+            index = self.classes.get(cls)
+            if index is not None and len(node.devices_of[cls]) > index.size:
+                return False
+        if node.tolerates(host_driver()):
+            self._cores[node.name] = node.free_cores
+            self._cpu_place(node, node.free_cores, add=True)
+        else:
+            self.cpu_taint += 1
+        for cls in node.devices_of:
+            index = self.classes.get(cls)
+            if index is None:
+                size = max(len(n.devices_of.get(cls, ())) for n in self.state.nodes)
+                index = self.classes[cls] = _ClassIndex(size)
+            index.present += 1
+            driver = self._drivers.get(cls)
+            if driver is None or not node.tolerates(driver):
                 continue
-            if node.cordoned:
-                self.cordoned += 1
+            index.eligible += 1
+            index.no_fabric += 0 if node.fabrics else 1
+            j = node.free_count(cls)
+            self._count[(cls, node.name)] = j
+            index.place(node, j, add=True)
+        return True
+
+    def _remove_node(self, node: NodeWork) -> None:
+        """Undo ``_add_node`` for ``node`` as it is indexed now."""
+        self._overcommitted.discard(node.name)
+        if not node.ready:
+            self.not_ready -= 1
+            return
+        if node.cordoned:
+            self.cordoned -= 1
+            return
+        cores = self._cores.pop(node.name, None)
+        if cores is not None:
+            self._cpu_place(node, cores, add=False)
+        else:
+            self.cpu_taint -= 1
+        for cls in node.devices_of:
+            index = self.classes[cls]
+            index.present -= 1
+            j = self._count.pop((cls, node.name), None)
+            if j is None:
                 continue
-            if node.tolerates(host_driver()):
-                self._cores[node.name] = node.free_cores
-                self._cpu_place(node, node.free_cores, add=True)
-            else:
-                self.cpu_taint += 1
-            for cls in node.devices_of:
-                index = self.classes.get(cls)
-                if index is None:
-                    size = max(len(n.devices_of.get(cls, ())) for n in state.nodes)
-                    index = self.classes[cls] = _ClassIndex(size)
-                index.present += 1
-                driver = drivers.get(cls)
-                if driver is None or not node.tolerates(driver):
-                    continue
-                index.eligible += 1
-                index.no_fabric += 0 if node.fabrics else 1
-                j = node.free_count(cls)
-                self._count[(cls, node.name)] = j
-                index.place(node, j, add=True)
+            index.eligible -= 1
+            index.no_fabric -= 0 if node.fabrics else 1
+            index.place(node, j, add=False)
+
+    def replace_node(self, old: NodeWork, new: NodeWork) -> bool:
+        """Index ``new`` (the same node's new facts, its replicas held) in place of ``old``;
+        False when the search must be built anew instead. Every kept explanation is dropped: the
+        counts of not-Ready and cordoned nodes, which every explanation carries, may have moved."""
+        self._remove_node(old)
+        self._reports.clear()
+        self.cpu_version += 1
+        for index in self.classes.values():
+            index.version += 1
+        if new.free_cores < 0 or new.free_memory < 0:
+            self._overcommitted.add(new.name)
+        return self._add_node(new)
 
     # --- changes -------------------------------------------------------------------------
 
@@ -162,6 +209,10 @@ class IndexedSearch:
     def release(self, name: str) -> None:
         """Give back a replica's every shard and update the indexes."""
         self._refresh(self.state.release(name))
+
+    def hold(self, replica: Replica) -> None:
+        """Count what an existing replica holds (see ``WorkingState.hold``) and update the indexes."""
+        self._refresh(self.state.hold(replica))
 
     # --- search ----------------------------------------------------------------------------
 

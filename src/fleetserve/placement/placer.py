@@ -9,12 +9,13 @@ No I/O, no clock, no randomness: the same inputs give the same decision.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
 from fleetserve.conditions import Condition, ConditionReason, ConditionType
+from fleetserve.drivers import Driver
 from fleetserve.engines.registry import formats_text
 from fleetserve.placement.choose import Found
 from fleetserve.placement.demand import Demand, demand_for
@@ -23,8 +24,11 @@ from fleetserve.placement.naive import NaiveSearch
 from fleetserve.placement.report import ProfileReport, render_report
 from fleetserve.placement.state import WorkingState
 from fleetserve.snapshot import ClusterSnapshot
-from fleetserve.spec.resources import Deployment, NodeState, Replica, ReplicaState
+from fleetserve.spec.resources import Deployment, Replica, ReplicaState
 from fleetserve.validation import gate
+
+# Unplaced replicas a stored decision explains one by one; the rest are counted (``to_record``).
+RECORDED_UNPLACED = 20
 
 
 class Search(Protocol):
@@ -61,7 +65,7 @@ class Placement:
     skipped: tuple[ProfileReport, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Unplaced:
     """A replica that fits nowhere, with every profile's explanation."""
 
@@ -87,41 +91,83 @@ class DeploymentDecision:
     def schedulable(self) -> bool:
         return not self.unplaced
 
+    def conditions_data(self) -> list[dict[str, Any]]:
+        """The conditions (Accepted first) as plain data, as ``to_dict`` has them."""
+        return [
+            {"type": c.type.value, "status": c.status, "reason": c.reason.value, "message": c.message}
+            for c in (self.accepted, *self.conditions)
+        ]
+
+    def _placed_data(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "replica": p.replica.name,
+                "profile": p.replica.profile,
+                "deviceClass": p.replica.device_class,
+                "fabric": p.replica.fabric,
+                "shards": [s.model_dump(by_alias=True) for s in p.replica.shards],
+                "scores": dict(p.scores),
+                "skipped": [r.to_dict() for r in p.skipped],
+            }
+            for p in self.placed
+        ]
+
     def to_dict(self) -> dict[str, Any]:
-        """Plain data for JSON output and storage."""
-
-        def cond(c: Condition) -> dict[str, Any]:
-            return {"type": c.type.value, "status": c.status, "reason": c.reason.value, "message": c.message}
-
-        # Replicas beyond what fits share one explanation (``plan``): render it once.
-        explained: dict[int, list[dict[str, Any]]] = {}
-
-        def explain(reports: tuple[ProfileReport, ...]) -> list[dict[str, Any]]:
-            if id(reports) not in explained:
-                explained[id(reports)] = [r.to_dict() for r in reports]
-            return explained[id(reports)]
-
+        """Plain data for JSON output (every unplaced replica)."""
+        explain = _Explainer()
         return {
             "deployment": self.deployment,
             "desired": self.desired,
-            "conditions": [cond(c) for c in (self.accepted, *self.conditions)],
+            "conditions": self.conditions_data(),
             "kept": list(self.kept),
             "lost": list(self.lost),
             "surplus": list(self.surplus),
-            "placed": [
-                {
-                    "replica": p.replica.name,
-                    "profile": p.replica.profile,
-                    "deviceClass": p.replica.device_class,
-                    "fabric": p.replica.fabric,
-                    "shards": [s.model_dump(by_alias=True) for s in p.replica.shards],
-                    "scores": dict(p.scores),
-                    "skipped": [r.to_dict() for r in p.skipped],
-                }
-                for p in self.placed
-            ],
+            "placed": self._placed_data(),
             "unplaced": [{"replica": u.name, "reports": explain(u.reports)} for u in self.unplaced],
         }
+
+    def to_record(self) -> dict[str, Any]:
+        """``to_dict`` as the decision log stores it: the first ``RECORDED_UNPLACED`` unplaced
+        replicas with their explanations and ``unplacedTotal``, the count of all of them. At a
+        large fleet a deployment's replicas beyond what fits number thousands, nearly all with one
+        explanation; storing each made a record megabytes, written again at each new condition."""
+        data = self.to_dict()
+        data["unplaced"] = data["unplaced"][:RECORDED_UNPLACED]
+        data["unplacedTotal"] = len(self.unplaced)
+        return data
+
+    def outcome(self) -> dict[str, Any]:
+        """What ``to_dict`` says of conditions, placements, unplaced replicas, lost and surplus,
+        in a form equal for two decisions exactly when those parts of their ``to_dict`` are —
+        without one dict per unplaced replica (tens of thousands at a large fleet, every cycle):
+        the unplaced names, and the runs of names that share one explanation."""
+        explain = _Explainer()
+        runs: list[tuple[int, list[dict[str, Any]]]] = []
+        for i, u in enumerate(self.unplaced):
+            rendered = explain(u.reports)
+            if not runs or runs[-1][1] != rendered:
+                runs.append((i, rendered))
+        return {
+            "conditions": self.conditions_data(),
+            "placed": self._placed_data(),
+            "unplaced": (tuple(u.name for u in self.unplaced), runs),
+            "lost": list(self.lost),
+            "surplus": list(self.surplus),
+        }
+
+
+class _Explainer:
+    """Renders explanations, each shared one once: replicas beyond what fits share one (``plan``)."""
+
+    def __init__(self) -> None:
+        self._done: dict[int, tuple[tuple[ProfileReport, ...], list[dict[str, Any]]]] = {}
+
+    def __call__(self, reports: tuple[ProfileReport, ...]) -> list[dict[str, Any]]:
+        hit = self._done.get(id(reports))
+        if hit is None:
+            # The reports are kept beside their rendering, so their id is never reused meanwhile.
+            hit = self._done[id(reports)] = (reports, [r.to_dict() for r in reports])
+        return hit[1]
 
 
 def _unplaced_message(unplaced: Unplaced) -> str:
@@ -130,11 +176,13 @@ def _unplaced_message(unplaced: Unplaced) -> str:
     return "; ".join(render_report(r) for r in unplaced.reports)
 
 
-def _ordinal_names(dep: str, taken: set[str], start: int) -> Iterator[str]:
+def _ordinal_names(dep: str, taken: Sequence[Container[str]], start: int) -> Iterator[str]:
+    """``dep-N`` for N from ``start`` on, skipping names in any of ``taken`` (looked up live, not
+    copied: a copy of every allocated name per deployment was a fleet-sized set each time)."""
     i = start
     while True:
         name = f"{dep}-{i}"
-        if name not in taken:
+        if not any(name in names for names in taken):
             yield name
         i += 1
 
@@ -142,14 +190,27 @@ def _ordinal_names(dep: str, taken: set[str], start: int) -> Iterator[str]:
 class Placer:
     """Places deployments against one snapshot, keeping free capacity current across them."""
 
-    def __init__(self, snapshot: ClusterSnapshot, search: SearchKind = SearchKind.INDEXED) -> None:
+    def __init__(
+        self,
+        snapshot: ClusterSnapshot,
+        search: SearchKind = SearchKind.INDEXED,
+        kept: tuple[WorkingState, IndexedSearch] | None = None,
+        served: frozenset[Driver] | None = None,
+    ) -> None:
+        """``kept``: a working state and its index already equal to ``snapshot``'s free capacity
+        (``kept.KeptCapacity``), used and changed in place of building them; ``served``: the
+        snapshot's ``served_drivers()``, when the caller knows them."""
         self.snapshot = snapshot
-        self.state = WorkingState(snapshot)
-        self.search: Search = (
-            IndexedSearch(self.state) if search is SearchKind.INDEXED else NaiveSearch(self.state)
-        )
-        self._served = snapshot.served_drivers()
-        self._node_state = {n.name: n.state for n in snapshot.nodes}
+        self.state: WorkingState
+        self.search: Search
+        if kept is not None:
+            self.state, self.search = kept
+        else:
+            self.state = WorkingState(snapshot)
+            self.search = (
+                IndexedSearch(self.state) if search is SearchKind.INDEXED else NaiveSearch(self.state)
+            )
+        self._served = snapshot.served_drivers() if served is None else served
 
     def place_one(
         self, name: str, deployment: str, demands: Iterable[Demand], revision: str | None = None
@@ -176,11 +237,11 @@ class Placer:
         return Unplaced(name, tuple(reports))
 
     def _is_lost(self, replica: Replica) -> bool:
-        return any(self._node_state.get(s.node, NodeState.LOST) is NodeState.LOST for s in replica.shards)
+        return self.snapshot.on_lost_node(replica)
 
     def preview(self, dep: Deployment) -> Existing:
         """How a deployment's existing replicas stand: kept, on Lost nodes, or surplus."""
-        existing = [r for r in self.snapshot.replicas if r.deployment == dep.name]
+        existing = list(self.snapshot.replicas_of(dep.name))
         lost = tuple(r.name for r in existing if self._is_lost(r))
         alive = [r for r in existing if r.name not in lost and r.state is not ReplicaState.FAILED]
         # Keep the lowest ordinals; stop the rest (a scale-down removes the newest).
@@ -256,7 +317,7 @@ class Placer:
             ]
             names = _ordinal_names(
                 dep.name,
-                set(pre.names) | set(self.state.names()),
+                (pre.names, self.state.replicas),
                 self.snapshot.next_ordinals.get(dep.name, 0),
             )
             failed: Unplaced | None = None

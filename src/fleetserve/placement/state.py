@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from fleetserve.drivers import Driver
 from fleetserve.errors import AllocationConflict, UnknownReplica
 from fleetserve.snapshot import ClusterSnapshot
-from fleetserve.spec.resources import Node, NodeState, Replica
+from fleetserve.spec.resources import Node, NodeState, Replica, Shard
 
 
 @dataclass(eq=False)
@@ -96,25 +96,47 @@ class WorkingState:
             n.name: frozenset(d.index for d in n.devices if d.health.healthy) for n in snapshot.nodes
         }
         for replica in snapshot.replicas:
-            self._hold(replica)
+            self.hold(replica)
 
-    def _hold(self, replica: Replica) -> None:
-        """Count what an existing replica holds, whether or not it would fit today.
+    def hold(self, replica: Replica) -> list[NodeWork]:
+        """Count what an existing replica holds, whether or not it would fit today; return the
+        nodes touched.
 
         A replica keeps its devices, cores and memory even after a device under it faulted or
         its node was cordoned: they are not free until the replica is released.
         """
+        touched = []
         for shard in replica.shards:
             node = self.by_name.get(shard.node)
             if node is None:
                 continue
-            for index in shard.devices:
-                cls = node.class_of.get(index)
-                if cls is not None and cls in node.free:
-                    node.free[cls].discard(index)
-            node.used_cores += shard.cpu_cores
-            node.used_memory += shard.memory
+            self._take(node, shard)
+            touched.append(node)
         self.replicas[replica.name] = replica
+        return touched
+
+    @staticmethod
+    def _take(node: NodeWork, shard: Shard) -> None:
+        for index in shard.devices:
+            cls = node.class_of.get(index)
+            if cls is not None and cls in node.free:
+                node.free[cls].discard(index)
+        node.used_cores += shard.cpu_cores
+        node.used_memory += shard.memory
+
+    def replace_node(self, node: Node, snapshot: ClusterSnapshot) -> tuple[NodeWork, NodeWork]:
+        """Take ``node``'s new facts (same name): its working state built anew, with what every
+        replica held here holds on it; (the old working state, the new one)."""
+        old = self.by_name[node.name]
+        new = node_work(node, snapshot)
+        for replica in self.replicas.values():
+            for shard in replica.shards:
+                if shard.node == node.name:
+                    self._take(new, shard)
+        self.nodes[self.nodes.index(old)] = new
+        self.by_name[node.name] = new
+        self._healthy[node.name] = frozenset(d.index for d in node.devices if d.health.healthy)
+        return old, new
 
     def check(self, replica: Replica) -> None:
         """Raise AllocationConflict unless every shard of ``replica`` is free now."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from types import MappingProxyType
 
+from fleetserve.placement.kept import KeptCapacity
 from fleetserve.placement.placer import DeploymentDecision, Existing, Placer
 from fleetserve.reconcile.lifecycle import FailureHistory, Lifecycle, plan_lifecycle, plan_orphans
 from fleetserve.snapshot import ClusterSnapshot
@@ -54,7 +55,35 @@ def reconcile(
     ``now`` times drains and failure backoffs (without it none ends); ``failures`` is each
     deployment's failure history from its status.
     """
-    placer = Placer(snapshot)
+    return decide(deployments, snapshot, Placer(snapshot), now, failures)
+
+
+class Planner:
+    """``reconcile``, cycle after cycle, with the free capacity kept between cycles
+    (``placement.kept``): the same plan, without building the fleet's working state each time."""
+
+    def __init__(self) -> None:
+        self.capacity = KeptCapacity()
+
+    def plan(
+        self,
+        deployments: Sequence[Deployment],
+        snapshot: ClusterSnapshot,
+        now: datetime | None = None,
+        failures: Mapping[str, FailureHistory] | None = None,
+    ) -> ReconcilePlan:
+        """What ``reconcile`` decides for the same arguments."""
+        return decide(deployments, snapshot, self.capacity.placer(snapshot), now, failures)
+
+
+def decide(
+    deployments: Sequence[Deployment],
+    snapshot: ClusterSnapshot,
+    placer: Placer,
+    now: datetime | None = None,
+    failures: Mapping[str, FailureHistory] | None = None,
+) -> ReconcilePlan:
+    """One cycle's plan, placing with ``placer`` (whose free capacity is ``snapshot``'s)."""
     wanted = frozenset(d.name for d in deployments)
     # Free what is going away first, so its capacity can serve this cycle's placements.
     drain, release = plan_orphans(snapshot, wanted, now)
@@ -73,7 +102,7 @@ def reconcile(
             placer.release(name)
             released.append(name)
         drains += life.drain
-        names = frozenset(r.name for r in snapshot.replicas if r.deployment == dep.name)
+        names = frozenset(r.name for r in snapshot.replicas_of(dep.name))
         existing = Existing(names=names, kept=life.kept, lost=life.lost, surplus=life.surplus)
         decisions.append(placer.plan(dep, existing, life.place, life.conditions))
     allocate = tuple(p.replica for d in decisions for p in d.placed)

@@ -28,7 +28,7 @@ from typing import Any
 from fleetserve.conditions import Condition, ConditionReason, ConditionType
 from fleetserve.routing import ROUTE_REFRESH_SECONDS
 from fleetserve.snapshot import ClusterSnapshot, ReplicaFacts, replica_ordinal
-from fleetserve.spec.resources import DEFAULT_DRAIN_SECONDS, Deployment, NodeState, Replica, ReplicaState
+from fleetserve.spec.resources import DEFAULT_DRAIN_SECONDS, Deployment, Replica, ReplicaState
 
 # A Draining replica's in-flight count is trusted only when read this long after it started to
 # drain: by then every gateway has refreshed its routes (twice the refresh period, for slack).
@@ -221,11 +221,8 @@ def plan_lifecycle(
 ) -> Lifecycle:
     """Decide what happens to one deployment's replicas this cycle (see the module docstring)."""
     history = history or FailureHistory()
-    states = {n.name: n.state for n in snapshot.nodes}
-    mine = sorted((r for r in snapshot.replicas if r.deployment == dep.name), key=_order)
-    lost = tuple(
-        r.name for r in mine if any(states.get(s.node, NodeState.LOST) is NodeState.LOST for s in r.shards)
-    )
+    mine = sorted(snapshot.replicas_of(dep.name), key=_order)
+    lost = tuple(r.name for r in mine if snapshot.on_lost_node(r))
     release: list[str] = list(lost)
     draining = [r for r in mine if r.name not in lost and r.state is ReplicaState.DRAINING]
     release += [r.name for r in draining if drained(snapshot.facts_of(r.name), dep.drain_seconds, now)]

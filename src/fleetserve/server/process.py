@@ -33,6 +33,7 @@ from fleetserve.gateway.picker import FRESH_SECONDS
 from fleetserve.reconcile.health import HeartbeatPolicy
 from fleetserve.secretfile import write_secret
 from fleetserve.server.app import Lifespan, Serving, create_app, create_gateway_app
+from fleetserve.server.collector import tune_collector
 from fleetserve.server.enrolment import EnrolmentPolicy
 from fleetserve.server.observer import Observer
 from fleetserve.server.reconciler import Reconciler, SignalSource
@@ -288,6 +289,7 @@ def run_server(
     logging.basicConfig(
         level=listen.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
+    tune_collector()
     console = Console(soft_wrap=True)
     store = SqlStore.open(database_url)
     try:

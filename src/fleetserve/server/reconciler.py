@@ -25,7 +25,7 @@ from fleetserve.errors import AllocationConflict, ConfigError, FleetserveError, 
 from fleetserve.gguf_facts import model_facts
 from fleetserve.metrics.exposition import FleetMetrics
 from fleetserve.modelfacts import ModelFacts
-from fleetserve.reconcile.core import reconcile
+from fleetserve.reconcile.core import Planner
 from fleetserve.reconcile.health import HeartbeatPolicy, transitions
 from fleetserve.reconcile.lifecycle import FailureHistory
 from fleetserve.spec.resources import Deployment, Model, Replica
@@ -91,6 +91,8 @@ class Reconciler:
         self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._facts: dict[str, tuple[Model, ModelFacts]] = {}
         self._last_recorded: dict[str, Any] = {}
+        # The free capacity, kept between cycles and patched from each snapshot.
+        self._planner = Planner()
 
     def _model_facts(self, models: list[Model]) -> dict[str, ModelFacts]:
         out = {}
@@ -124,7 +126,7 @@ class Reconciler:
         failures = {d.deployment.name: FailureHistory.from_status(d.status.get("failures")) for d in stored}
         placing = time.perf_counter()
         result.phases[CyclePhase.SNAPSHOT] = placing - started
-        plan = reconcile(deployments, snapshot, now, failures)
+        plan = self._planner.plan(deployments, snapshot, now, failures)
         committing = time.perf_counter()
         result.phases[CyclePhase.PLAN] = committing - placing
         if self.metrics is not None:
@@ -145,7 +147,7 @@ class Reconciler:
         previous = {d.deployment.name: d.previous for d in stored}
         stored_status = {d.deployment.name: dict(d.status) for d in stored}
         for decision in plan.decisions:
-            data = decision.to_dict()
+            conditions = decision.conditions_data()
             life = plan.lifecycles.get(decision.deployment)
             before = previous.get(decision.deployment)
             status = {
@@ -154,7 +156,7 @@ class Reconciler:
                 "previousRevision": before.template_revision() if before is not None else None,
                 "autoscaler": list(self.scale_log.entries(decision.deployment)),
                 "observedGeneration": generations.get(decision.deployment),
-                "conditions": data["conditions"],
+                "conditions": conditions,
                 "desiredReplicas": decision.desired,
                 "replicas": sorted(
                     [
@@ -172,13 +174,15 @@ class Reconciler:
                 except FleetserveError:
                     continue  # deleted meanwhile
             # Keep a decision when it did something or says something new; a cycle that only
-            # kept what runs would bury the decision that placed it.
-            interesting = {k: data[k] for k in ("conditions", "placed", "unplaced", "lost", "surplus")}
+            # kept what runs would bury the decision that placed it. What is compared is the
+            # decision's compact ``outcome``, not its whole record: at a large fleet, one dict per
+            # unplaced replica made and kept every cycle.
+            interesting = decision.outcome()
             acted = bool(decision.placed or decision.unplaced or decision.lost or decision.surplus)
             last = self._last_recorded.get(decision.deployment)
-            new_conditions = last is None or last["conditions"] != data["conditions"]
+            new_conditions = last is None or last["conditions"] != conditions
             if new_conditions or (acted and last != interesting):
-                self.store.record_decision(decision.deployment, data, now)
+                self.store.record_decision(decision.deployment, decision.to_record(), now)
                 self._last_recorded[decision.deployment] = interesting
         ended = time.perf_counter()
         result.phases[CyclePhase.COMMIT] = ended - committing

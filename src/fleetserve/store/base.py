@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from datetime import datetime, timedelta
 from typing import Any
 
 from pydantic import BaseModel
@@ -24,6 +25,7 @@ from fleetserve.errors import (
     UnknownNode,
 )
 from fleetserve.protocol import AgentStatus, ReplicaStatus
+from fleetserve.snapshot import ReplicaFacts
 from fleetserve.spec.resources import (
     Cordon,
     Node,
@@ -76,6 +78,25 @@ def status_from(raw: str | None) -> ReplicaStatus:
     return ReplicaStatus.model_validate_json(raw) if raw and raw != "null" else ReplicaStatus()
 
 
+FactsRaw = tuple[str | None, datetime | None, datetime | None]  # status JSON, reported at, draining since
+
+
+def replica_facts_from(raw: FactsRaw) -> ReplicaFacts:
+    """What the snapshot knows of a replica beyond its document, from its stored columns: its
+    agent's last message and in-flight count, when that count was read, since when it drains."""
+    text, reported_at, draining_since = raw
+    status = status_from(text)
+    read_at = reported_at
+    if read_at is not None and status.in_flight_age is not None:
+        read_at -= timedelta(seconds=status.in_flight_age)  # when the agent read the count
+    return ReplicaFacts(
+        message=status.message,
+        in_flight=status.in_flight,
+        reported_at=read_at,
+        draining_since=draining_since,
+    )
+
+
 def agent_status_from(raw: str | None) -> AgentStatus:
     """A node's stored agent status (JSON text) as the typed value (empty when never reported)."""
     return AgentStatus.model_validate_json(raw) if raw and raw != "null" else AgentStatus()
@@ -101,6 +122,8 @@ class SqlBase:
         self._replica_docs = ReplicaDocs()
         self._node_docs: ParseCache[str, Node] = ParseCache(node_from)
         self._statuses: ParseCache[str, ReplicaStatus] = ParseCache(status_from)  # by replica
+        # By replica: (status JSON, reported at, draining since) → what the snapshot knows of it.
+        self._replica_facts: ParseCache[str, ReplicaFacts] = ParseCache(replica_facts_from)
         self._agent_statuses: ParseCache[str, AgentStatus] = ParseCache(agent_status_from)
 
     @property

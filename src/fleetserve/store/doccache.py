@@ -63,16 +63,25 @@ class ParseCache(Generic[K, T]):
 
 class ReplicaDocs:
     """Replica documents by allocation, parsed once: a read names the allocations it saw and
-    hands over the JSON of only those not kept (``missing``)."""
+    hands over the JSON of only those not kept (``missing``).
+
+    Kept by name, with the engine key of the allocation: an unchanged replica's entry is reused
+    as it is, so a read of tens of thousands of replicas makes no new object per replica (each
+    one made and kept a cycle long is work for the cyclic garbage collector's full passes)."""
 
     def __init__(self) -> None:
-        self._kept: dict[ReplicaKey, Replica] = {}
+        self._kept: dict[str, tuple[str | None, Replica]] = {}
         self._lock = threading.Lock()
 
     def missing(self, keys: Iterable[ReplicaKey]) -> list[ReplicaKey]:
         """The allocations whose document must be fetched."""
         kept = self._kept
-        return [k for k in keys if k not in kept]
+        out = []
+        for key in keys:
+            hit = kept.get(key[0])
+            if hit is None or hit[0] != key[1]:
+                out.append(key)
+        return out
 
     def resolve(
         self, rows: Iterable[tuple[ReplicaKey, str]], fetched: Mapping[ReplicaKey, dict[str, Any]]
@@ -80,16 +89,17 @@ class ReplicaDocs:
         """Per replica name, its document with the row's state: kept ones reused, ``fetched``
         ones parsed; the kept set becomes exactly these allocations."""
         kept = self._kept
-        fresh: dict[ReplicaKey, Replica] = {}
+        fresh: dict[str, tuple[str | None, Replica]] = {}
         out: dict[str, Replica] = {}
         for key, state in rows:
-            doc = kept.get(key)
-            if doc is None:
-                doc = Replica.model_validate({**fetched[key], "state": state})
-            elif doc.state.value != state:
-                doc = doc.model_copy(update={"state": ReplicaState(state)})
-            fresh[key] = doc
-            out[key[0]] = doc
+            name, engine_key = key
+            hit = kept.get(name)
+            if hit is None or hit[0] != engine_key:
+                hit = (engine_key, Replica.model_validate({**fetched[key], "state": state}))
+            elif hit[1].state.value != state:
+                hit = (engine_key, hit[1].model_copy(update={"state": ReplicaState(state)}))
+            fresh[name] = hit
+            out[name] = hit[1]
         with self._lock:
             self._kept = fresh
         return out

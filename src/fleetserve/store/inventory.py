@@ -10,7 +10,7 @@ were wrong. ``drain`` cordons a node and releases its replicas in one transactio
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from types import MappingProxyType
 
 from pydantic import ValidationError as PydanticValidationError
@@ -30,9 +30,8 @@ from fleetserve.errors import (
 from fleetserve.inventory.base import Registration, allocate_each
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.placement.state import WorkingState
-from fleetserve.protocol import ReplicaStatus
 from fleetserve.routing import new_engine_key
-from fleetserve.snapshot import ClusterSnapshot, ReplicaFacts, replica_ordinal
+from fleetserve.snapshot import ClusterSnapshot, replica_ordinal
 from fleetserve.spec.resources import (
     Cordon,
     DeviceClass,
@@ -55,21 +54,6 @@ from fleetserve.store.tables import (
     ReplicaShardRow,
     stamp,
 )
-
-
-def _facts(
-    status: ReplicaStatus, reported_at: datetime | None, draining_since: datetime | None
-) -> ReplicaFacts:
-    read_at = reported_at
-    if read_at is not None and status.in_flight_age is not None:
-        read_at -= timedelta(seconds=status.in_flight_age)  # when the agent read the count
-    return ReplicaFacts(
-        message=status.message,
-        in_flight=status.in_flight,
-        reported_at=read_at,
-        draining_since=draining_since,
-    )
-
 
 # Replicas per transaction in ``allocate_all``: short enough that nodes stay locked only briefly.
 ALLOCATE_BATCH = 200
@@ -418,8 +402,10 @@ class SqlInventory(SqlBase):
             ).all()
             docs = self._replicas_of(s, [(r.name, r.engine_key, r.state) for r in rows])
             replicas = sorted(docs.values(), key=lambda r: r.name)
-            statuses = self._statuses.parse_all((r.name, r.status) for r in rows)
-            facts = {r.name: _facts(statuses[r.name], r.reported_at, r.draining_since) for r in rows}
+            # Kept per replica while its status and times are unchanged (most, in a steady fleet).
+            facts = self._replica_facts.parse_all(
+                (r.name, (r.status, r.reported_at, r.draining_since)) for r in rows
+            )
             ordinal_rows = s.execute(select(ReplicaOrdinalRow.deployment, ReplicaOrdinalRow.next_ordinal))
             ordinals = {name: n for name, n in ordinal_rows}
         return ClusterSnapshot(

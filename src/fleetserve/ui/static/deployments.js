@@ -140,6 +140,8 @@ function explanation(explain) {
       ),
     );
   }
+  const moreUnplaced = (decision.unplacedTotal || 0) - (decision.unplaced || []).length;
+  if (moreUnplaced > 0) parts.push(el("p", { class: "unplaced", text: `… and ${moreUnplaced} more unschedulable (the record explains the first ${(decision.unplaced || []).length})` }));
   if (decision.kept && decision.kept.length) parts.push(el("p", { class: "muted", text: `Kept running: ${decision.kept.join(", ")}` }));
   if (decision.lost && decision.lost.length) parts.push(el("p", { text: `Replaced (node lost): ${decision.lost.join(", ")}` }));
   if (decision.surplus && decision.surplus.length) parts.push(el("p", { text: `Surplus, stopping: ${decision.surplus.join(", ")}` }));
@@ -155,6 +157,8 @@ function keyValues(obj) {
 function decisionSummary(d) {
   const placed = (d.placed || []).map((p) => `${p.replica} → ${p.profile}`);
   const unplaced = (d.unplaced || []).map((u) => `${u.replica} unschedulable`);
+  const more = (d.unplacedTotal || 0) - (d.unplaced || []).length;
+  if (more > 0) unplaced.push(`${more} more unschedulable`);
   const scheduled = (d.conditions || []).find((c) => c.type === "Scheduled");
   return [...placed, ...unplaced].join("; ") || (scheduled ? scheduled.message : "no change");
 }
