@@ -22,10 +22,16 @@ LLAMA_CPU = {"name": "cpu", "engine": "llama.cpp", "cpu": {"cores": 2}}
 
 @dataclass
 class Routes:
-    """A RouteSource held in memory."""
+    """A RouteSource held in memory. Its lists are changed in place, so its change counter moves at
+    every look (these tests are about the routing rule; the gate is tested over the SQL stores)."""
 
     deployments: list[StoredDeployment] = field(default_factory=list)
     endpoints: list[ReplicaEndpoint] = field(default_factory=list)
+    looks: int = 0
+
+    def fleet_changes(self) -> int:
+        self.looks += 1
+        return self.looks
 
     def list_deployments(self) -> list[StoredDeployment]:
         return list(self.deployments)

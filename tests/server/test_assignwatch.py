@@ -81,15 +81,29 @@ def test_a_peer_registering_again_moves_every_node_of_a_multi_node_replica() -> 
 
 
 class CountingSource:
-    """An in-memory ``AssignmentSource`` that counts its reads."""
+    """An in-memory ``AssignmentSource`` that counts its reads; its change counter moves whenever
+    its inputs are replaced."""
 
     def __init__(self) -> None:
-        self.inputs = inputs()
+        self._inputs = inputs()
+        self.changes = 0
         self.reads = 0
+
+    @property
+    def inputs(self) -> AssignmentInputs:
+        return self._inputs
+
+    @inputs.setter
+    def inputs(self, value: AssignmentInputs) -> None:
+        self._inputs = value
+        self.changes += 1
+
+    def fleet_changes(self) -> int:
+        return self.changes
 
     def assignment_inputs(self) -> AssignmentInputs:
         self.reads += 1
-        return self.inputs
+        return self._inputs
 
 
 def test_many_held_polls_share_one_read_per_tick_and_only_the_changed_node_wakes() -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from starlette.concurrency import run_in_threadpool
 
+from fleetserve.changegate import ChangeGate
 from fleetserve.engines.registry import ENGINES
 from fleetserve.errors import FleetserveError
 from fleetserve.gateway.picker import Endpoint
@@ -100,13 +101,16 @@ class Ejections:
 
 @dataclass
 class EndpointTable:
-    """The routes, refreshed every ``refresh_seconds`` from the store."""
+    """The routes, refreshed every ``refresh_seconds`` from the store when it changed."""
 
     store: RouteSource
     refresh_seconds: float = ROUTE_REFRESH_SECONDS
     routes: dict[str, Route] = field(default_factory=dict)
     on_change: Callable[[str], None] | None = None
     ejections: Ejections = field(default_factory=Ejections)
+    # Routes are read again only when the fleet changed (``changegate``).
+    gate: ChangeGate = field(default_factory=ChangeGate)
+    reads: int = 0  # whole-fleet reads made by ``refresh``, for tests and the curious
     _task: asyncio.Task[None] | None = None
 
     def load(self) -> dict[str, Route]:
@@ -140,9 +144,23 @@ class EndpointTable:
             for name, dep in deployments.items()
         }
 
+    def load_if_changed(self) -> dict[str, Route] | None:
+        """The routes read from the store now, or None when its change counter has not moved since
+        the last read and no full read is due (blocking)."""
+        counter = self.store.fleet_changes()
+        if not self.gate.due(counter):
+            return None
+        fresh = self.load()
+        self.gate.read(counter)
+        self.reads += 1
+        return fresh
+
     async def refresh(self) -> None:
-        """Reload the routes; tell ``on_change`` which deployments' endpoints changed."""
-        fresh = await run_in_threadpool(self.load)
+        """Reload the routes if the fleet changed; tell ``on_change`` which deployments' endpoints
+        changed."""
+        fresh = await run_in_threadpool(self.load_if_changed)
+        if fresh is None:
+            return
 
         def endpoints(routes: dict[str, Route], name: str) -> tuple[Endpoint, ...]:
             route = routes.get(name)

@@ -3,8 +3,9 @@
 An agent holds ``GET /assignments?since=REVISION&wait=…`` open until its assignments change.
 Building a node's assignments (documents parsed, a digest of them) to find out whether they
 changed is far too dear to do for every held poll every half second at thousands of nodes. So
-each server process keeps one ``AssignmentWatch``: while any poll is held it reads, once per tick,
-what every node's assignments are built from (``store.assignment_inputs``: plain rows, nothing
+each server process keeps one ``AssignmentWatch``: while any poll is held it reads, once per tick
+when the store's change counter moved (``changegate``; heartbeats do not move it), what every
+node's assignments are built from (``store.assignment_inputs``: plain rows, nothing
 parsed), folds it into one fingerprint per node (``fingerprints``, pure), and wakes only the polls
 of nodes whose fingerprint moved. A woken poll builds its assignments again and answers if the
 revision differs; a spurious wake costs one build, a missed change cannot happen (the poll takes
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 from starlette.concurrency import run_in_threadpool
 
+from fleetserve.changegate import ChangeGate
 from fleetserve.errors import FleetserveError
 from fleetserve.protocol import AssignmentSet
 from fleetserve.store.protocols import AssignmentSource
@@ -88,6 +90,8 @@ class AssignmentWatch:
         self._answers: dict[str, tuple[Fingerprint, AssignmentSet]] = {}
         self._task: asyncio.Task[None] | None = None
         self.reads = 0  # store reads made, for tests and the curious
+        # The inputs are read again only when the fleet changed (``changegate``).
+        self.gate = ChangeGate()
 
     def current(self, node: str) -> Fingerprint | None:
         """The node's fingerprint as of the last tick (None before the first): take it BEFORE
@@ -139,19 +143,30 @@ class AssignmentWatch:
         while self._waiters:
             began = time.monotonic()
             try:
-                inputs = await run_in_threadpool(self.store.assignment_inputs)
-                self.reads += 1
-                if inputs != self._inputs or self._prints is None:
+                inputs = await run_in_threadpool(self.inputs_if_changed)
+                if inputs is not None and (inputs != self._inputs or self._prints is None):
                     # Most ticks nothing moved: comparing the rows is far cheaper than hashing
                     # every node's inputs again.
                     self._prints = await run_in_threadpool(fingerprints, inputs)
                     self._inputs = inputs
-                for node in [n for n in self._answers if n not in self._prints.per_node]:
+                known = self._prints.per_node if self._prints is not None else {}
+                for node in [n for n in self._answers if n not in known]:
                     del self._answers[node]  # deleted nodes
                 self._wake()
             except FleetserveError as exc:
                 log.warning("checking the held assignment polls failed: %s", exc)
             await asyncio.sleep(max(0.0, self.tick - (time.monotonic() - began)))
+
+    def inputs_if_changed(self) -> AssignmentInputs | None:
+        """The inputs read now, or None when the store's change counter has not moved since the
+        last read and no full read is due (blocking)."""
+        counter = self.store.fleet_changes()
+        if not self.gate.due(counter):
+            return None
+        inputs = self.store.assignment_inputs()
+        self.gate.read(counter)
+        self.reads += 1
+        return inputs
 
     def _wake(self) -> None:
         for node, waiting in list(self._waiters.items()):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from starlette.concurrency import run_in_threadpool
 
+from fleetserve.changegate import ChangeGate
 from fleetserve.engines.registry import ENGINES
 from fleetserve.engines.spec import EngineKind
 from fleetserve.errors import FleetserveError
@@ -49,6 +50,10 @@ class Observer:
         self.engine_values: dict[str, dict[str, float]] = {}
         self._engines: dict[str, EngineKind] = {}
         self._restarts: dict[str, int] = {}
+        # The targets are read again only when the fleet changed (``changegate``).
+        self.gate = ChangeGate()
+        self._targets: list[Target] = []
+        self.reads = 0  # whole-fleet reads of the targets made, for tests and the curious
 
     def gpu_samples(self) -> list[SeriesValue]:
         """The GPU samples agents read themselves (blocking: reads the store)."""
@@ -69,7 +74,16 @@ class Observer:
             self._restarts[replica] = restarts
 
     def targets(self) -> list[Target]:
-        """The metrics URL of every Running replica that reported a port (blocking: reads the store)."""
+        """The metrics URL of every Running replica that reported a port (blocking: reads the
+        store's change counter, and the replicas only when it moved or a full read is due)."""
+        counter = self.store.fleet_changes()
+        if self.gate.due(counter):
+            self._targets = self._read_targets()
+            self.gate.read(counter)
+            self.reads += 1
+        return self._targets
+
+    def _read_targets(self) -> list[Target]:
         deployments = {d.deployment.name: d.deployment for d in self.store.list_deployments()}
         out = []
         endpoints = self.store.replica_endpoints()

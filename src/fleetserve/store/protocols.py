@@ -50,6 +50,8 @@ class RouteSource(Protocol):
 
     def replica_endpoints(self) -> list[ReplicaEndpoint]: ...
 
+    def fleet_changes(self) -> int: ...
+
 
 class ApiKeys(Protocol):
     """What the gateway checks a request's API key against."""
@@ -135,6 +137,8 @@ class AssignmentSource(Protocol):
     """What wakes held assignment polls: the inputs of every node's assignments, in one read."""
 
     def assignment_inputs(self) -> AssignmentInputs: ...
+
+    def fleet_changes(self) -> int: ...
 
 
 class ReconcilerStore(Inventory, Deployments, Heartbeats, Lease, Drains, Protocol):

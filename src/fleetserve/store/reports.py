@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import bindparam, case, select, update
+from sqlalchemy import bindparam, case, func, select, update
 
 from fleetserve.errors import (
     StaleEpoch,
@@ -30,6 +30,7 @@ from fleetserve.store.base import IN_CHUNK, SqlBase, as_text, replica_of
 from fleetserve.store.tables import (
     DeploymentRow,
     DeviceClassRow,
+    FleetChangeRow,
     ModelRow,
     NodeRow,
     ReplicaRow,
@@ -116,6 +117,13 @@ class SqlReports(SqlBase):
             names = select(ReplicaShardRow.replica).where(ReplicaShardRow.node == node)
             rows = s.scalars(select(ReplicaRow).where(ReplicaRow.name.in_(names)))
             return sorted((replica_of(r.spec, r.state) for r in rows), key=lambda r: r.name)
+
+    def fleet_changes(self) -> int:
+        """The change counter (``changegate``): it moves with every committed write that changes
+        replicas, their reported ports or restarts, nodes' states, cordons, epochs or documents,
+        deployments' specs, models or classes; never with a heartbeat. One tiny read."""
+        with self._single("reading the change counter", write=False) as c:
+            return int(c.execute(select(func.coalesce(func.sum(FleetChangeRow.n), 0))).scalar_one())
 
     def assignment_inputs(self) -> AssignmentInputs:
         """Everything every node's assignments are built from, in one read (no document parsed)."""

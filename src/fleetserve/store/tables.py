@@ -285,6 +285,17 @@ class LeaderLeaseRow(Base):
     expires_at: Mapped[datetime]
 
 
+class FleetChangeRow(Base):
+    """The change counter the whole-fleet readers compare before reading (``store.changes``):
+    bumped by the database's triggers (migration 0007), never written by the application. Its
+    value is the sum of ``n`` over the slots (several on PostgreSQL, so writers do not queue)."""
+
+    __tablename__ = "fleet_changes"
+
+    slot: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    n: Mapped[int] = mapped_column(BigInteger)
+
+
 def stamp(value: datetime) -> datetime:
     """Check that a passed-in time is timezone-aware, and return it in UTC."""
     if value.tzinfo is None:
