@@ -6,7 +6,7 @@ the readers then skip their read. Two servers on one PostgreSQL database see eac
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 
 import pytest
@@ -14,7 +14,6 @@ from sqlalchemy import Engine
 
 from builders import cpu_8c_32g, safetensors_8gb
 from builders import deployment as build_deployment
-from conftest import postgres_engine_for
 from fleetserve.changegate import ChangeGate
 from fleetserve.gateway.endpoints import EndpointTable
 from fleetserve.metrics.exposition import FleetMetrics
@@ -22,7 +21,7 @@ from fleetserve.protocol import AgentStatus, GpuSample, ReplicaStatus
 from fleetserve.server.assignwatch import AssignmentWatch
 from fleetserve.server.observer import Observer
 from fleetserve.spec.resources import DeviceClass, NodeState, Replica, ReplicaState, Shard
-from fleetserve.store import SqlStore
+from fleetserve.store import SqlStore, make_engine
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 CPU = {"name": "cpu", "engine": "llama.cpp", "cpu": {"cores": 1}}
@@ -143,8 +142,9 @@ def test_a_reader_reads_in_full_when_its_last_read_is_old_even_if_nothing_moved(
 
 
 @pytest.fixture
-def second_server(postgres_store: SqlStore, postgres_url: str, postgres_schema: str) -> Engine:
-    engine = postgres_engine_for(postgres_url, postgres_schema)
+def second_server(postgres_store: SqlStore, postgres_url: str, postgres_schema: str) -> Iterator[Engine]:
+    """A second server's own engine on the same database (and schema) as ``postgres_store``."""
+    engine = make_engine(postgres_url, connect_args={"options": f"-csearch_path={postgres_schema}"})
     yield engine
     engine.dispose()
 
