@@ -254,7 +254,7 @@ def create_database() -> tuple[str, Callable[[], None]]:
 
 def database_figures(url: str, sqlite_file: Path | None) -> tuple[int, int, str]:
     """(rows in all tables, bytes on disk, the biggest tables) of the benchmark's database."""
-    from sqlalchemy import func, select
+    from sqlalchemy import func, inspect, select
 
     from fleetserve.store.db import make_engine
     from fleetserve.store.tables import Base
@@ -263,7 +263,8 @@ def database_figures(url: str, sqlite_file: Path | None) -> tuple[int, int, str]
     counts: dict[str, int] = {}
     try:
         with engine.connect() as conn:
-            for table in Base.metadata.sorted_tables:
+            present = set(inspect(conn).get_table_names())  # a baseline's schema may lack new tables
+            for table in (t for t in Base.metadata.sorted_tables if t.name in present):
                 counts[table.name] = int(conn.execute(select(func.count()).select_from(table)).scalar() or 0)
             if sqlite_file is None:
                 size = int(conn.exec_driver_sql("SELECT pg_database_size(current_database())").scalar() or 0)

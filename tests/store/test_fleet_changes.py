@@ -86,7 +86,9 @@ def test_heartbeats_move_nothing_and_every_change_makes_every_reader_read_again(
     assert readers.look() == (1, 1, 1), "nothing changed: no reader reads again"
 
     def report(port: int | None, restarts: int = 0) -> None:
-        fleet.report("n1", fleet.epoch("n1"), NOW, {"chat-0": (ReplicaState.RUNNING, running(port, restarts))})
+        fleet.report(
+            "n1", fleet.epoch("n1"), NOW, {"chat-0": (ReplicaState.RUNNING, running(port, restarts))}
+        )
 
     changes: list[tuple[str, Callable[[], object]]] = [
         ("replica state", lambda: fleet.set_replica_state("chat-0", ReplicaState.RUNNING)),

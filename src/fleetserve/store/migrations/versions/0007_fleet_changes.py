@@ -7,7 +7,8 @@ nodes registered, deleted or changed (state, cordon, epoch, document), deploymen
 and device classes. A heartbeat, an agent status or a replica's in-flight count bumps nothing.
 
 On PostgreSQL the counter is split into ``SLOTS`` rows, one picked per connection, so concurrent
-writers do not queue on one row; readers add them up. SQLite has one writer at a time: one row.
+writers seldom queue on one row; readers add them up. Each transaction bumps it once, at its
+commit. SQLite has one writer at a time: one row.
 
 Revision ID: 0007
 Revises: 0006
@@ -65,6 +66,11 @@ _WHOLE = ("replicas", "replica_shards", "nodes", "deployments", "models", "devic
 _PG_BUMP = f"""
 CREATE FUNCTION fleet_changed() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
+    -- Once per transaction, however many rows it wrote.
+    IF current_setting('fleetserve.changed', true) = txid_current()::text THEN
+        RETURN NULL;
+    END IF;
+    PERFORM set_config('fleetserve.changed', txid_current()::text, true);
     INSERT INTO fleet_changes (slot, n) VALUES (pg_backend_pid() % {SLOTS}, 1)
     ON CONFLICT (slot) DO UPDATE SET n = fleet_changes.n + 1;
     RETURN NULL;
@@ -76,17 +82,18 @@ _SQLITE_BUMP = "INSERT INTO fleet_changes (slot, n) VALUES (0, 1) ON CONFLICT (s
 
 def _pg_statements() -> list[str]:
     out = [_PG_BUMP]
+    # Deferred to the commit: a transaction takes its slot's lock last, after every row lock it
+    # takes, so the counter never joins a lock cycle (a deadlock) with the rows it counts.
     for table in _WHOLE:
         events = "INSERT OR DELETE" if table in _PG_UPDATES else "INSERT OR UPDATE OR DELETE"
-        # Once per statement: an allocation of 200 replicas bumps once, not 200 times.
         out.append(
-            f"CREATE TRIGGER fleet_changed_{table} AFTER {events} ON {table}"
-            " FOR EACH STATEMENT EXECUTE FUNCTION fleet_changed()"
+            f"CREATE CONSTRAINT TRIGGER fleet_changed_{table} AFTER {events} ON {table}"
+            " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION fleet_changed()"
         )
     for table, (columns, when) in _PG_UPDATES.items():
         out.append(
-            f"CREATE TRIGGER fleet_changed_{table}_update AFTER UPDATE OF {columns} ON {table}"
-            f" FOR EACH ROW WHEN ({when}) EXECUTE FUNCTION fleet_changed()"
+            f"CREATE CONSTRAINT TRIGGER fleet_changed_{table}_update AFTER UPDATE OF {columns} ON {table}"
+            f" DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN ({when}) EXECUTE FUNCTION fleet_changed()"
         )
     return out
 
