@@ -119,6 +119,11 @@ def spec_doc(kind: str, resource: Any) -> dict[str, Any]:
 
 def model_docs() -> list[dict[str, Any]]:
     """Model documents whose declared facts are the placement benchmark's ``MODELS``."""
+    from fleetserve.spec.resources import Model
+
+    # A ref from before models had alternates (``--baseline`` in bench/reconcile.py, whose columns
+    # import the ref's fleetserve) refuses the field; its vLLM loaded GGUF weights as well.
+    alternates = "alternates" in Model.model_fields
     out = []
     for m in fleetgen.MODELS.values():
         # kv bytes per token = layers * kvHeads * 2 * headDim * 2 (f16): one head of 128.
@@ -126,26 +131,26 @@ def model_docs() -> list[dict[str, Any]]:
         shape = {"layers": layers, "kvHeads": 1, "headDim": 128, "contextLength": m.context_length}
         primary = "gguf" if m.name.endswith("gguf") else "safetensors"
         other = "safetensors" if primary == "gguf" else "gguf"
-        out.append(
-            {
-                "kind": "Model",
-                "name": m.name,
-                "source": f"hf://bench/{m.name}",
-                "format": primary,
-                "size": m.weight_bytes,
-                "architecture": shape,
-                # The same weights in the other format: the deployments' profiles run llama.cpp
-                # and vLLM alike, and each engine serves the format it loads.
-                "alternates": [
-                    {
-                        "format": other,
-                        "source": f"hf://bench/{m.name}-{other}",
-                        "size": m.weight_bytes,
-                        "architecture": shape,
-                    }
-                ],
-            }
-        )
+        doc: dict[str, Any] = {
+            "kind": "Model",
+            "name": m.name,
+            "source": f"hf://bench/{m.name}",
+            "format": primary,
+            "size": m.weight_bytes,
+            "architecture": shape,
+        }
+        if alternates:
+            # The same weights in the other format: the deployments' profiles run llama.cpp and
+            # vLLM alike, and each engine serves the format it loads.
+            doc["alternates"] = [
+                {
+                    "format": other,
+                    "source": f"hf://bench/{m.name}-{other}",
+                    "size": m.weight_bytes,
+                    "architecture": shape,
+                }
+            ]
+        out.append(doc)
     return out
 
 
