@@ -24,7 +24,10 @@ keep-alive timeout) is retried once on a new connection. Failures raise:
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import ssl
+import struct
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import cast
@@ -44,6 +47,8 @@ PAUSE_BYTES = 256 * 1024
 
 
 _FRAMING = (b"content-length", b"transfer-encoding")
+# SO_LINGER on with a zero timeout: close() resets the connection and drops what is unsent.
+_RESET_ON_CLOSE = struct.pack("ii", 1, 0)
 
 
 class UpstreamError(FleetserveError):
@@ -265,9 +270,17 @@ class _Connection(asyncio.Protocol):
             self._transport.resume_reading()
 
     def abort(self) -> None:
-        """Drop the connection at once (no lingering close)."""
+        """Drop the connection at once: a reset, not a close. asyncio's ``abort`` alone empties
+        only its own buffer; the kernel would still deliver what it had queued, and retransmit it
+        for minutes. A request given up on (an engine behind a partition, a cancelled stream) must
+        not reach the engine later, when the partition heals: with a zero linger the kernel drops
+        it and sends a reset."""
         self.closed = True
         if self._transport is not None:
+            sock = self._transport.get_extra_info("socket")
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
             self._transport.abort()
 
 
