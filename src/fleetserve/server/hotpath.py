@@ -27,12 +27,12 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from fleetserve.errors import FleetserveError
-from fleetserve.gateway.app import Message, Receive, Scope, Send
+from fleetserve.gateway.app import Receive, Scope, Send
 from fleetserve.gateway.asgi import App, RawRoute
 from fleetserve.protocol import HeartbeatReply, HeartbeatRequest, StatusReply, StatusReport
 from fleetserve.server.agents import record_heartbeat, record_report
 from fleetserve.server.auth import AGENT_PREFIX
-from fleetserve.server.limits import BODY_LIMITS
+from fleetserve.server.limits import BODY_LIMITS, replay
 from fleetserve.store.sql import SqlStore
 
 HEARTBEAT = f"{AGENT_PREFIX}/heartbeat"
@@ -79,20 +79,6 @@ async def read_body(receive: Receive) -> bytes | None:
         chunks.append(message.get("body", b""))
         if not message.get("more_body", False):
             return b"".join(chunks)
-
-
-def replay(body: bytes, receive: Receive) -> Receive:
-    """A ``receive`` that hands on ``body`` (read already), then whatever follows."""
-    sent = False
-
-    async def again() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return again
 
 
 async def _answer(send: Send, body: bytes) -> None:
