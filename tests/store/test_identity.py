@@ -55,3 +55,43 @@ def test_deleting_a_node_forgets_its_credential(store: SqlStore) -> None:
     store.delete_node("n1")
     assert store.node_for_credential(enrolled.credential) is None
     assert store.enrolments() == []
+
+
+def test_a_heartbeat_by_credential_is_written_only_for_the_credentials_own_ready_node_at_its_epoch(
+    store: SqlStore,
+) -> None:
+    """The agents' hot path checks the credential and writes the heartbeat in one statement
+    (``beat_with_credential``): played as a node that holds a real credential and tries every
+    other node's name, old epochs, a made-up credential and a retired one, it writes nothing."""
+    from fleetserve.spec.resources import NodeState
+
+    one = store.enrol(cpu_8c_32g("n1"), T0, approve_new=True, source="10.0.0.1")
+    two = store.enrol(cpu_8c_32g("n2"), T0, approve_new=True, source="10.0.0.2")
+    assert isinstance(one, Enrolled) and isinstance(two, Enrolled)
+
+    def last() -> dict[str, datetime | None]:
+        return {h.name: h.last_heartbeat for h in store.node_heartbeats()}
+
+    before = last()
+    t1 = datetime(2026, 1, 1, 0, 0, 5, tzinfo=UTC)
+    assert store.beat_with_credential(one.credential, "n2", 1, t1) is False  # another node's name
+    assert store.beat_with_credential(one.credential, "n1", 2, t1) is False  # an epoch it does not hold
+    assert store.beat_with_credential(one.credential + "x", "n1", 1, t1) is False  # not a credential
+    assert store.beat_with_credential(two.credential, "nobody", 1, t1) is False  # no such node
+    assert last() == before
+
+    assert store.beat_with_credential(one.credential, "n1", 1, t1) is True
+    beats = last()
+    assert beats["n1"] is not None and beats["n1"].replace(tzinfo=UTC) == t1
+    assert beats["n2"] == before["n2"]
+
+    store.set_state("n2", NodeState.NOT_READY)  # judged silent: its agent must register again
+    assert store.beat_with_credential(two.credential, "n2", 1, t1) is False
+
+    store.approve("n1", T0)  # the name enrolled again: the first credential is retired
+    again = store.enrol(cpu_8c_32g("n1"), T0, approve_new=False, source="10.0.0.1")
+    assert isinstance(again, Enrolled)
+    t2 = datetime(2026, 1, 1, 0, 0, 9, tzinfo=UTC)
+    assert store.beat_with_credential(one.credential, "n1", 1, t2) is False
+    assert store.beat_with_credential(one.credential, "n1", 2, t2) is False
+    assert store.beat_with_credential(again.credential, "n1", 2, t2) is True

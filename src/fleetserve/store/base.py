@@ -31,7 +31,7 @@ from fleetserve.spec.resources import (
     Node,
     Replica,
 )
-from fleetserve.store.db import converted, read_only
+from fleetserve.store.db import autocommit_twin, converted, read_only
 from fleetserve.store.doccache import ParseCache, ReplicaDocs, ReplicaKey
 from fleetserve.store.tables import (
     Base,
@@ -115,8 +115,9 @@ class SqlBase:
         self._reader = read_only(engine)
         self._postgres = engine.dialect.name == "postgresql"
         # One statement on its own needs no transaction around it on PostgreSQL: in autocommit it
-        # is one round trip, not three (BEGIN, the statement, COMMIT). The agents' hot path.
-        self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT") if self._postgres else None
+        # is one round trip, not three (BEGIN, the statement, COMMIT). The agents' hot path. Its
+        # own pool (``autocommit_twin``), disposed of by ``close``.
+        self._autocommit = autocommit_twin(engine) if self._postgres else None
         self._owned = False
         # Parsed documents kept between whole-fleet reads (``doccache``): one store per process.
         self._replica_docs = ReplicaDocs()

