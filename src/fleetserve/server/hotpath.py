@@ -3,8 +3,9 @@
 At thousands of nodes these are most of the control plane's requests, and FastAPI's middleware,
 routing, dependency injection and a trip to a worker thread per database call cost more CPU than
 the calls themselves (the gateway's /v1 is raw ASGI for the same reason, ``gateway/asgi.py``).
-Here each takes one trip to a worker thread (a status report two), and its database work is a
-statement or two (``store.heartbeat``, ``store.report``).
+Here each takes one trip to a worker thread (a status report two), and its database work is one
+statement for a heartbeat (``store.beat_with_credential``) and one transaction for a report
+(``store.report``).
 
 Only the accepted call is answered here. Anything else — no node credential, a body over its
 limit or not JSON, a document that does not validate, a node speaking for another, a stale
@@ -14,14 +15,17 @@ as it came), whose middleware and route answer it as they always have: the same 
 (``agents.record_heartbeat``, ``agents.record_report``), so what is accepted and what is stored
 is the same.
 
-Order of checks, as the token middleware (``server/auth.py``) has it: the node's credential is
-checked before its body is parsed. A heartbeat's body (at most 4 KiB, declared in its
-Content-Length; uvicorn has it buffered with the headers already) is taken before that check so
-that both run in one trip to a worker thread; a status report's body (up to 4 MiB) is not read
-until its credential has been checked.
+Order of checks: a status report's credential is checked before its body (up to 4 MiB) is read,
+as the token middleware (``server/auth.py``) has it. A heartbeat's body (at most 4 KiB, declared
+in its Content-Length; uvicorn has it buffered with the headers already) is parsed first, because
+its credential check and its write are one statement (``beat_with_credential``): a caller without
+a credential costs one bounded parse and one indexed statement that writes nothing, and is then
+refused by the middleware as before.
 """
 
 from __future__ import annotations
+
+from datetime import UTC, datetime
 
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
@@ -30,7 +34,7 @@ from fleetserve.errors import FleetserveError
 from fleetserve.gateway.app import Receive, Scope, Send
 from fleetserve.gateway.asgi import App, RawRoute
 from fleetserve.protocol import HeartbeatReply, HeartbeatRequest, StatusReply, StatusReport
-from fleetserve.server.agents import record_heartbeat, record_report
+from fleetserve.server.agents import record_report
 from fleetserve.server.auth import AGENT_PREFIX
 from fleetserve.server.limits import BODY_LIMITS, replay
 from fleetserve.store.sql import SqlStore
@@ -114,19 +118,20 @@ class AgentHotPath:
         await _answer(send, reply)
 
     def _beat(self, token: str, body: bytes) -> bytes | None:
-        """The heartbeat's answer, or None for the FastAPI path to answer."""
-        node = self._node(token)
-        if node is None:
-            return None
+        """The heartbeat's answer, or None for the FastAPI path to answer. The credential check
+        and the write are one statement (``beat_with_credential``): recorded only for the node
+        the credential is bound to, at its current registration, while Ready; anything else
+        (another node's name, a stale epoch, an unknown or revoked credential) writes nothing
+        and goes on to the route, which says why."""
         try:
             beat = HeartbeatRequest.model_validate_json(body)
         except ValidationError:
             return None
-        if beat.node != node:
-            return None  # a node speaks only for itself: the route says so (403)
         try:
-            record_heartbeat(self.store, beat)
+            recorded = self.store.beat_with_credential(token, beat.node, beat.epoch, datetime.now(UTC))
         except FleetserveError:
+            return None
+        if not recorded:
             return None
         return HeartbeatReply(node=beat.node).model_dump_json().encode()
 
