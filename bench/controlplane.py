@@ -473,25 +473,47 @@ class Fleet:
         await self.client.aclose()
 
 
+class Shards:
+    """How many replica shards the benchmark's database holds: what the reconciler has placed so
+    far (one assignment entry per shard, on the shard's node)."""
+
+    def __init__(self, url: str) -> None:
+        from fleetserve.store.db import make_engine
+
+        self.engine = make_engine(url)
+
+    def count(self) -> int:
+        from sqlalchemy import func, select
+
+        from fleetserve.store.tables import ReplicaShardRow
+
+        with self.engine.connect() as conn:
+            return int(conn.execute(select(func.count()).select_from(ReplicaShardRow)).scalar() or 0)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
 async def settle(
-    fleet: Fleet, want: int | None, quiet: float, timeout: float, began: float | None = None
+    fleet: Fleet, shards: Shards, quiet: float, timeout: float, began: float
 ) -> tuple[float, int]:
-    """Wait until the agents hold ``want`` assigned replicas in all (or, without ``want``, until
-    their total has not changed for ``quiet`` seconds); (seconds, total)."""
-    began = time.perf_counter() if began is None else began
-    last_total, last_change = -1, began
+    """Wait until the placements have settled: the store's shard count and the agents' assigned
+    total equal, and neither changed for ``quiet`` seconds (a reconcile cycle still computing
+    shows no change in either, so equal totals alone do not end it); (seconds from ``began`` to
+    the last change, total)."""
+    last: tuple[int, int] = (-1, -1)
+    last_change = began
     while time.perf_counter() - began < timeout:
-        total = fleet.assigned_total()
+        now_seen = (fleet.assigned_total(), await asyncio.to_thread(shards.count))
         now = time.perf_counter()
-        if want is not None and total >= want:
-            return now - began, total
-        if total != last_total:
-            last_total, last_change = total, now
-        elif want is None and total > 0 and now - last_change >= quiet:
-            return last_change - began, total
+        if now_seen != last:
+            last, last_change = now_seen, now
+        elif now_seen[0] == now_seen[1] > 0 and now - last_change >= quiet:
+            return last_change - began, now_seen[0]
         fleet.changed.clear()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(fleet.changed.wait(), timeout=0.5)
+    print(f"  not settled in {timeout:.0f} s: (assigned, placed) {last}", file=sys.stderr, flush=True)
     return time.perf_counter() - began, fleet.assigned_total()
 
 
@@ -656,6 +678,7 @@ async def run_column(
         profile = Path(args.profile).resolve() / "".join(c if c.isalnum() else "-" for c in label)
     servers = [start_server(url, work, "server-a", token_file, src, profile)]
     fleet: Fleet | None = None
+    shards = Shards(url)
     try:
         tokens = yaml.safe_load(token_file.read_text())
         origin = servers[0].origin
@@ -689,7 +712,7 @@ async def run_column(
         )
         # Until the last replica placed is in its agent's assignments (some of a mixed fleet's
         # replicas may not fit: the figure says how many were placed).
-        seconds, total = await settle(fleet, None, min(args.quiet, 8.0), args.settle_timeout, began)
+        seconds, total = await settle(fleet, shards, min(args.quiet, 8.0), args.settle_timeout, began)
         col.figures[f"apply {args.apply:,} -> all assigned s"] = f"{seconds:.1f} ({total:,} placed)"
 
         print(f"  [{label}] scale to {args.replicas:,} replicas ...", file=sys.stderr, flush=True)
@@ -702,7 +725,7 @@ async def run_column(
             "/apply",
             {"documents": deployment_docs(snapshot, args.replicas, args.seed)},
         )
-        seconds, total = await settle(fleet, None, args.quiet, args.settle_timeout, began)
+        seconds, total = await settle(fleet, shards, args.quiet, args.settle_timeout, began)
         col.figures[f"scale to {args.replicas:,}: placed"] = f"{total:,} in {seconds:.0f} s"
 
         print(f"  [{label}] steady {args.steady:.0f} s ...", file=sys.stderr, flush=True)
@@ -722,6 +745,7 @@ async def run_column(
                 server.mark("steady-pair")
             await steady(fleet, servers, args.steady, pair, database)
     finally:
+        shards.close()
         if fleet is not None:
             await fleet.stop()
         for s in servers:
