@@ -9,7 +9,6 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
 from sqlalchemy import bindparam, case, func, select, update
 
@@ -70,6 +69,26 @@ DRAINING = ReplicaState.DRAINING.value
 
 def _canonical(rows: Sequence[tuple[str, object]]) -> str:
     return json.dumps(sorted(rows), sort_keys=True, separators=(",", ":"))
+
+
+# A status report's statements, built once (building one cost about as much CPU as running it):
+# the node's heartbeat with its check, with and without the agent's status, and the node's
+# replicas as stored.
+_REPORT_ACCEPTS = update(NodeRow).where(
+    NodeRow.name == bindparam("b_node"),
+    NodeRow.epoch == bindparam("b_epoch"),
+    NodeRow.state == NodeState.READY.value,
+)
+_REPORT_BEAT = _REPORT_ACCEPTS.values(
+    last_heartbeat=bindparam("b_at", type_=NodeRow.last_heartbeat.type)
+).returning(NodeRow.spec["modelCache"])
+_REPORT_BEAT_STATUS = _REPORT_ACCEPTS.values(
+    last_heartbeat=bindparam("b_at", type_=NodeRow.last_heartbeat.type),
+    agent_status=bindparam("b_agent", type_=NodeRow.agent_status.type),
+).returning(NodeRow.spec["modelCache"])
+_REPLICAS_ON_NODE = select(ReplicaRow.name, ReplicaRow.state, ReplicaRow.status).where(
+    ReplicaRow.name.in_(select(ReplicaShardRow.replica).where(ReplicaShardRow.node == bindparam("b_node")))
+)
 
 
 class SqlReports(SqlBase):
@@ -161,17 +180,15 @@ class SqlReports(SqlBase):
         when = stamp(now)
         with self._write(f"recording a status report of node {node}") as s:
             conn = s.connection()
-            values: dict[str, Any] = {"last_heartbeat": when}
-            if agent_status is not None:
-                values["agent_status"] = agent_status.stored()
             # The check and the node's write in one statement (it locks the row, as allocation
             # does); only the cached models read back, not the node's hardware document.
-            found = conn.execute(
-                update(NodeRow)
-                .where(NodeRow.name == node, NodeRow.epoch == epoch, NodeRow.state == NodeState.READY.value)
-                .values(**values)
-                .returning(NodeRow.spec["modelCache"])
-            ).first()
+            accepted: dict[str, object] = {"b_node": node, "b_epoch": epoch, "b_at": when}
+            if agent_status is None:
+                found = conn.execute(_REPORT_BEAT, accepted).first()
+            else:
+                found = conn.execute(
+                    _REPORT_BEAT_STATUS, {**accepted, "b_agent": agent_status.stored()}
+                ).first()
             if found is None:
                 # Refused: the reason, as the row stands (it raises; a row that passes now moved
                 # under us, and is checked and written with its lock held).
@@ -190,13 +207,7 @@ class SqlReports(SqlBase):
             # The node's replicas as stored: only a state or status that changed is written.
             stored = {
                 name: (state, status)
-                for name, state, status in conn.execute(
-                    select(ReplicaRow.name, ReplicaRow.state, ReplicaRow.status).where(
-                        ReplicaRow.name.in_(
-                            select(ReplicaShardRow.replica).where(ReplicaShardRow.node == node)
-                        )
-                    )
-                )
+                for name, state, status in conn.execute(_REPLICAS_ON_NODE, {"b_node": node})
             }
             heard = sorted(set(replicas) & set(stored))
             for i in range(0, len(heard), IN_CHUNK):
