@@ -669,8 +669,10 @@ async def run_column(
     src: Path | None,
     sqlite_file: Path | None,
     pair: Column | None,
-) -> Column:
-    col = Column(label)
+    col: Column,
+) -> None:
+    """Run one column, writing its figures into ``col`` as each phase ends (a run stopped early
+    still shows the phases it finished)."""
     token_file = work / "tokens.yaml"
     database = None if sqlite_file is not None else url.rsplit("/", 1)[1]
     profile = None
@@ -756,7 +758,6 @@ async def run_column(
     col.figures["  largest tables"] = top
     if pair is not None:
         pair.figures.update({k: v for k, v in col.figures.items() if k.startswith(("database", "  largest"))})
-    return col
 
 
 def baseline_checkout(ref: str, into: Path) -> Path:
@@ -795,6 +796,14 @@ async def main_async(args: argparse.Namespace) -> int:
     )
     columns: list[Column] = []
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    stopped = False
+    this = asyncio.current_task()
+    assert this is not None
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, this.cancel)
+    if args.deadline:
+        loop.call_later(args.deadline, this.cancel)
     with tempfile.TemporaryDirectory(prefix="fleetserve-bench-cp-") as tmp:
         plan: list[tuple[str, str, Path | None]] = []
         if args.baseline:
@@ -818,26 +827,28 @@ async def main_async(args: argparse.Namespace) -> int:
                     if kind == "postgres" and src is None and "pair" not in skip
                     else None
                 )
+                col = Column(label)
+                columns.append(col)
                 try:
                     if kind == "postgres":
                         url, drop = create_database()
                         try:
-                            columns.append(
-                                await run_column(label, url, work, snapshot, args, src, None, pair)
-                            )
+                            await run_column(label, url, work, snapshot, args, src, None, pair, col)
                         finally:
                             drop()
                     else:
                         db = work / "state.db"
-                        columns.append(
-                            await run_column(label, f"sqlite:///{db}", work, snapshot, args, src, db, None)
-                        )
+                        await run_column(label, f"sqlite:///{db}", work, snapshot, args, src, db, None, col)
                 except (RuntimeError, OSError, UpstreamError, psycopg.Error) as exc:
                     print(f"  [{label}] failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-                    columns.append(Column(label, {"enrolment: nodes/s": f"failed: {type(exc).__name__}"}))
+                    col.figures["failed"] = type(exc).__name__
                     pair = None
                 if pair is not None:
                     columns.append(pair)
+        except asyncio.CancelledError:
+            # --deadline passed, or SIGTERM / SIGINT: the table of what was measured so far.
+            print("  stopped before the end: the figures below are the phases that ended", file=sys.stderr)
+            stopped = True
         finally:
             if args.baseline:
                 subprocess.run(
@@ -854,7 +865,7 @@ async def main_async(args: argparse.Namespace) -> int:
         "processes over the steady phase, in cores; RSS: sampled every 2 s; targets: reconcile cycle\n"
         "<= 1 s, heartbeat p99 <= 50 ms, RSS flat over cycles"
     )
-    return 0
+    return 1 if stopped else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -885,6 +896,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--baseline", metavar="REF", help="also run the server of this git ref (e.g. main) first"
+    )
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        metavar="SECONDS",
+        help="stop after this many seconds and print the phases measured so far (exit status 1)",
     )
     parser.add_argument(
         "--profile",
