@@ -44,3 +44,25 @@ def test_a_small_run_prints_every_figure_for_both_databases(
     assert rows["failed requests"].split()[-2:] == ["0", "0"], out
     assert "placed)" in rows["apply 10 -> all assigned s"], out
     assert sys.modules["controlplane"] is controlplane
+
+
+@pytest.mark.slow
+def test_a_run_past_its_deadline_prints_the_phases_it_finished_and_exits_1(
+    postgres_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(BENCH))
+    import controlplane
+
+    monkeypatch.setattr(controlplane, "POSTGRES", postgres_url)
+    # Long enough to enrol a dozen agents, far too short for the 60 s steady phase.
+    args = ["--quick", "--nodes", "12", "--replicas", "40", "--apply", "10", "--steady", "60"]
+    code = controlplane.main(
+        [*args, "--heartbeat", "1", "--quiet", "2", "--skip", "pair,sqlite", "--deadline", "25"]
+    )
+
+    captured = capsys.readouterr()
+    assert code == 1, captured.out
+    assert "stopped before the end" in captured.err
+    rows = {re.split(r"\s{2,}", line.strip())[0] for line in captured.out.splitlines() if line.strip()}
+    assert "enrolment: nodes/s" in rows, captured.out
+    assert "heartbeat p50 / p99 ms" not in rows, captured.out  # the steady phase never ended
