@@ -11,18 +11,25 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
+SMALL = ["--quick", "--nodes", "12", "--replicas", "40", "--apply", "10", "--heartbeat", "1"]
+
+
+def run_bench(postgres_url: str, monkeypatch: pytest.MonkeyPatch, *args: str) -> int:
+    """bench/controlplane.py's main on a dozen agents against the tests' PostgreSQL."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import controlplane
+
+    monkeypatch.setattr(controlplane, "POSTGRES", postgres_url)
+    code: int = controlplane.main([*SMALL, *args])
+    assert sys.modules["controlplane"] is controlplane
+    return code
 
 
 @pytest.mark.slow
 def test_a_small_run_prints_every_figure_for_both_databases(
     postgres_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.syspath_prepend(str(BENCH))
-    import controlplane
-
-    monkeypatch.setattr(controlplane, "POSTGRES", postgres_url)
-    args = ["--quick", "--nodes", "12", "--replicas", "40", "--apply", "10", "--steady", "4"]
-    code = controlplane.main([*args, "--heartbeat", "1", "--quiet", "4", "--skip", "pair"])
+    code = run_bench(postgres_url, monkeypatch, "--steady", "4", "--quiet", "4", "--skip", "pair")
 
     out = capsys.readouterr().out
     assert code == 0, out
@@ -43,21 +50,24 @@ def test_a_small_run_prints_every_figure_for_both_databases(
     # Every agent enrolled and was heard from; none of their requests failed.
     assert rows["failed requests"].split()[-2:] == ["0", "0"], out
     assert "placed)" in rows["apply 10 -> all assigned s"], out
-    assert sys.modules["controlplane"] is controlplane
 
 
 @pytest.mark.slow
 def test_a_run_past_its_deadline_prints_the_phases_it_finished_and_exits_1(
     postgres_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.syspath_prepend(str(BENCH))
-    import controlplane
-
-    monkeypatch.setattr(controlplane, "POSTGRES", postgres_url)
     # Long enough to enrol a dozen agents, far too short for the 60 s steady phase.
-    args = ["--quick", "--nodes", "12", "--replicas", "40", "--apply", "10", "--steady", "60"]
-    code = controlplane.main(
-        [*args, "--heartbeat", "1", "--quiet", "2", "--skip", "pair,sqlite", "--deadline", "25"]
+    code = run_bench(
+        postgres_url,
+        monkeypatch,
+        "--steady",
+        "60",
+        "--quiet",
+        "2",
+        "--skip",
+        "pair,sqlite",
+        "--deadline",
+        "25",
     )
 
     captured = capsys.readouterr()
