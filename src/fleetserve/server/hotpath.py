@@ -11,9 +11,10 @@ Only the accepted call is answered here. Anything else — no node credential, a
 limit or not JSON, a document that does not validate, a node speaking for another, a stale
 epoch, an unknown node, a store error — goes on to the FastAPI app unchanged (its body handed on
 as it came), whose middleware and route answer it as they always have: the same 401, 403, 409,
-413, 422 or 503, from the same code. Both paths run the same route logic
-(``agents.record_heartbeat``, ``agents.record_report``), so what is accepted and what is stored
-is the same.
+413, 422 or 503, from the same code. A status report runs the route's own logic
+(``agents.record_report``); a heartbeat accepted here is the route's accepted case in one
+statement (the credential's own node, its current epoch, Ready: the same condition as
+``store.heartbeat``'s, and the same write), so what is accepted and what is stored is the same.
 
 Order of checks: a status report's credential is checked before its body (up to 4 MiB) is read,
 as the token middleware (``server/auth.py``) has it. A heartbeat's body (at most 4 KiB, declared

@@ -115,8 +115,8 @@ class SqlBase:
         self._reader = read_only(engine)
         self._postgres = engine.dialect.name == "postgresql"
         # One statement on its own needs no transaction around it on PostgreSQL: in autocommit it
-        # is one round trip, not three (BEGIN, the statement, COMMIT). The agents' hot path. Its
-        # own pool (``autocommit_twin``), disposed of by ``close``.
+        # is one round trip, not three (BEGIN, the statement, COMMIT). The agents' hot path. A
+        # pool of its own (``autocommit_twin``), disposed of with the engine.
         self._autocommit = autocommit_twin(engine) if self._postgres else None
         self._owned = False
         # Parsed documents kept between whole-fleet reads (``doccache``): one store per process.
