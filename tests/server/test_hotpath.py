@@ -214,10 +214,101 @@ def test_a_long_poll_answers_the_assignment_set_as_fastapi_would_serialise_it(pa
     assert len(got["assignments"]) == 2 and got["assignments"][0]["engine_key"]
     # What FastAPI's response model would have sent: the same document, every field by its alias.
     assert got == AssignmentSet.model_validate(got).model_dump(mode="json", by_alias=True)
-    held = pair.hot.get(
+    # The route holds the first re-issued poll (the watch starts ticking) and keeps the set it
+    # builds with the fingerprint it took; the next, nothing having moved, is held on the hot path.
+    again = f"{AGENT}/assignments?node=n1&epoch=1&since={got['revision']}"
+    assert pair.hot.get(again + "&wait=1", headers=pair.nodes["n1"]).json() == got
+    assert pair.hot.get(again + "&wait=0", headers=pair.nodes["n1"]).json() == got
+    before = pair.hot_path.answered
+    held = pair.hot.get(again + "&wait=0", headers=pair.nodes["n1"])
+    assert held.json() == got
+    assert pair.hot_path.answered == before + 1
+    plain = pair.plain.get(
         f"{AGENT}/assignments?node=n1&epoch=1&since={got['revision']}&wait=0", headers=pair.nodes["n1"]
     )
-    assert held.json() == got
+    assert (plain.content, plain.headers["content-type"]) == (held.content, held.headers["content-type"])
+
+
+def tiny_docs(replicas: int) -> list[dict[str, Any]]:
+    return [
+        {"kind": "Model", "name": "tiny", "source": "/models/tiny.gguf", "format": "gguf", "size": "1MB"},
+        {
+            "kind": "Deployment", "name": "tiny", "model": "tiny", "replicas": replicas,
+            "profiles": [{"name": "cpu", "engine": "llama.cpp", "cpu": {"cores": 1}}],
+        },
+    ]  # fmt: skip
+
+
+def placed_on_n1(pair: Pair, replicas: int) -> str:
+    """Apply a deployment of ``replicas`` on n1 alone and place it; n1's revision after a first poll."""
+    docs = tiny_docs(replicas)
+    assert pair.hot.post("/api/v1/apply", json={"documents": docs}, headers=pair.admin).status_code == 200
+    if "n2" in {n.name for n in pair.store.nodes()}:
+        pair.store.delete_node("n2")
+    from fleetserve.server.reconciler import Reconciler
+
+    Reconciler(pair.store).run_once()
+    first = pair.hot.get(f"{AGENT}/assignments?node=n1&epoch=1", headers=pair.nodes["n1"])
+    assert first.status_code == 200
+    revision: str = first.json()["revision"]
+    return revision
+
+
+def test_a_re_issued_poll_the_hot_path_may_not_hold_gets_the_routes_own_answer(pair: Pair) -> None:
+    """Polls with another node's credential, a made-up one, or a query the route judges (a field
+    twice, an unknown field, out of range): the same status and body with the hot path as
+    without it, and none answered by it."""
+    revision = placed_on_n1(pair, 1)
+    base = f"node=n1&epoch=1&since={revision}&wait=0"
+    polls = [
+        (base, pair.nodes["dead"], 403),
+        (base, bearer("fs_node_" + "A" * 43), 401),
+        (base, pair.admin, 401),
+        (base + "&since=00", pair.nodes["n1"], 200),  # twice: the route takes the last
+        (base + "&x=1", pair.nodes["n1"], 200),
+        (f"node=n1&epoch=1&since={revision}&wait=31", pair.nodes["n1"], 422),
+        (f"node=n1&epoch=0&since={revision}&wait=0", pair.nodes["n1"], 422),
+        ("node=n1&epoch=1&since=XYZ&wait=0", pair.nodes["n1"], 422),
+        (f"node=n1&epoch=2&since={revision}&wait=0", pair.nodes["n1"], 409),
+        (f"node=N1&epoch=1&since={revision}&wait=0", pair.nodes["n1"], 422),
+    ]
+    for query, headers, status in polls:
+        before = pair.hot_path.answered
+        hot = pair.hot.get(f"{AGENT}/assignments?{query}", headers=headers)
+        plain = pair.plain.get(f"{AGENT}/assignments?{query}", headers=headers)
+        assert hot.status_code == status, (query, hot.text)
+        assert (hot.status_code, hot.json()) == (plain.status_code, plain.json()), query
+        assert pair.hot_path.answered == before, query
+
+
+def test_a_held_poll_whose_node_moves_is_answered_with_the_new_set_by_the_route(pair: Pair) -> None:
+    import threading
+    import time
+
+    from fleetserve.server.reconciler import Reconciler
+
+    revision = placed_on_n1(pair, 1)
+    again = f"{AGENT}/assignments?node=n1&epoch=1&since={revision}"
+    for wait in (1, 0):  # the route holds these; the watch ticks and keeps n1's set
+        assert pair.hot.get(f"{again}&wait={wait}", headers=pair.nodes["n1"]).json()["revision"] == revision
+    answered, held = pair.hot_path.answered, pair.hot_path.held
+
+    def scale_up() -> None:
+        time.sleep(1.0)
+        pair.store.delete_deployment("tiny")  # its replica leaves n1
+        Reconciler(pair.store).run_once()
+
+    mover = threading.Thread(target=scale_up)
+    began = time.monotonic()
+    mover.start()
+    moved = pair.hot.get(f"{again}&wait=20", headers=pair.nodes["n1"])
+    took = time.monotonic() - began
+    mover.join()
+    assert moved.status_code == 200 and moved.json()["revision"] != revision
+    assert moved.json()["assignments"] == []
+    assert took < 15, took  # woken by the move, not by the end of its wait
+    # Held on the hot path, then handed on to the route, which built the new set.
+    assert (pair.hot_path.held, pair.hot_path.answered) == (held + 1, answered)
 
 
 def test_a_status_report_with_a_wrong_credential_is_handed_on_with_its_body_unread(store: SqlStore) -> None:

@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 
 from builders import cpu_8c_32g
 from fleetserve.store import SqlStore
-from fleetserve.store.identity import Enrolled, Refusal, Refused
+from fleetserve.store.identity import Beat, Enrolled, Refusal, Refused
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -60,8 +60,8 @@ def test_deleting_a_node_forgets_its_credential(store: SqlStore) -> None:
 def test_a_heartbeat_by_credential_is_written_only_for_the_credentials_own_ready_node_at_its_epoch(
     store: SqlStore,
 ) -> None:
-    """The agents' hot path checks the credential and writes the heartbeat in one statement
-    (``beat_with_credential``): played as a node that holds a real credential and tries every
+    """The agents' hot path checks the credential and writes the heartbeat together
+    (``beat_with_credential``, a batch of one): played as a node that holds a real credential and tries every
     other node's name, old epochs, a made-up credential and a retired one, it writes nothing."""
     from fleetserve.spec.resources import NodeState
 
@@ -95,3 +95,50 @@ def test_a_heartbeat_by_credential_is_written_only_for_the_credentials_own_ready
     assert store.beat_with_credential(one.credential, "n1", 1, t2) is False
     assert store.beat_with_credential(one.credential, "n1", 2, t2) is False
     assert store.beat_with_credential(again.credential, "n1", 2, t2) is True
+
+
+def test_a_batch_of_heartbeats_judges_each_beat_on_its_own_credential(store: SqlStore) -> None:
+    """Concurrent heartbeats are written together (``beats``). Played as a node holding a real
+    credential whose beats share a batch with its victims' own: it claims another node at that
+    node's current epoch while the victim's own beat is stale, claims a node whose own beat is
+    in the batch, and sends made-up and retired credentials. Only the beats that would be
+    accepted one by one are recorded, and only their nodes' rows move."""
+    from fleetserve.spec.resources import NodeState
+
+    enrolled = {}
+    for name in ("n1", "n2", "n3", "n4"):
+        got = store.enrol(cpu_8c_32g(name), T0, approve_new=True, source="10.0.0.1")
+        assert isinstance(got, Enrolled)
+        enrolled[name] = got.credential
+    store.set_state("n4", NodeState.NOT_READY)
+    thief = enrolled["n1"]
+
+    def last() -> dict[str, datetime | None]:
+        return {h.name: h.last_heartbeat for h in store.node_heartbeats()}
+
+    before = last()
+    t1 = datetime(2026, 1, 1, 0, 0, 5, tzinfo=UTC)
+    batch = [
+        Beat(enrolled["n2"], "n2", 7),  # n2's own credential, a stale epoch: refused
+        Beat(thief, "n2", 1),  # the thief claims n2 at its current epoch: refused
+        Beat(thief, "n3", 1),  # the thief claims n3, whose own beat follows
+        Beat(enrolled["n3"], "n3", 1),  # n3's own: recorded
+        Beat(thief + "x", "n1", 1),  # not a credential
+        Beat(enrolled["n4"], "n4", 1),  # NotReady
+        Beat("fs_node_" + "A" * 43, "nobody", 1),
+        Beat(enrolled["n3"], "n3", 1),  # the same beat twice: both recorded
+    ]
+    assert store.beats(batch, t1) == [False, False, False, True, False, False, False, True]
+    after = last()
+    assert {n for n in after if after[n] != before[n]} == {"n3"}
+    assert store.beats([], t1) == []
+    assert store.nodes_for_credentials([thief, "nope", enrolled["n3"], thief]) == ["n1", None, "n3", "n1"]
+
+    store.approve("n2", T0)  # n2 enrolled again: its first credential is retired
+    again = store.enrol(cpu_8c_32g("n2"), T0, approve_new=False, source="10.0.0.2")
+    assert isinstance(again, Enrolled)
+    t2 = datetime(2026, 1, 1, 0, 0, 9, tzinfo=UTC)
+    # The retired credential at the new epoch beside the new one at the old epoch: neither.
+    assert store.beats([Beat(enrolled["n2"], "n2", 2), Beat(again.credential, "n2", 1)], t2) == [False, False]
+    assert last()["n2"] == after["n2"]
+    assert store.beats([Beat(again.credential, "n2", 2), Beat(thief, "n1", 1)], t2) == [True, True]

@@ -33,6 +33,7 @@ from fleetserve.metrics.exposition import FleetMetrics
 from fleetserve.server import audit, auth, limits, problems
 from fleetserve.server.agents import build_agent_router
 from fleetserve.server.apply import apply_batch
+from fleetserve.server.assignwatch import AssignmentWatch
 from fleetserve.server.auth import admin
 from fleetserve.server.enrolment import EnrolmentPolicy
 from fleetserve.server.hotpath import AgentHotPath
@@ -555,8 +556,9 @@ def create_app(
         "the join token only enrols). The "
         "OpenAI-compatible API under /v1 (gateway API keys).",
     )
-    app.state.hot_path = AgentHotPath(store)
-    app.raw_routes = app.state.hot_path.routes()  # accepted heartbeats and reports skip FastAPI
+    watch = AssignmentWatch(store)  # one per process: the route and the hot path hold polls on it
+    app.state.hot_path = AgentHotPath(store, watch, lambda: bool(getattr(app.state, "stopping", False)))
+    app.raw_routes = app.state.hot_path.routes()  # accepted heartbeats, reports, held polls skip FastAPI
     problems.install(app)
     limits.install(app)
     auth.install(app)  # added last, so it runs first: no body is read before the token is checked
@@ -572,7 +574,7 @@ def create_app(
             lambda: serving.observer.engine_values,
         ),
         build_records_router(store),
-        build_agent_router(store, files, enrolment or EnrolmentPolicy()),
+        build_agent_router(store, files, enrolment or EnrolmentPolicy(), watch),
         build_ui_router(store),
     )
     return app

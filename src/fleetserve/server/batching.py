@@ -1,0 +1,78 @@
+"""Concurrent calls gathered into one: at most one worker-thread call at a time per kind.
+
+Thousands of agents each send a heartbeat every few seconds. Each alone is tiny work — one
+indexed statement — but a trip to a worker thread and a database round trip each cost more than
+the work, and under load the event loop, the worker threads and the reconciler fight over the
+GIL for every one. A ``Gather`` hands a many-at-once function (``store.beats``,
+``store.nodes_for_credentials``) every call that arrived while the previous one ran: one thread
+trip and one or two statements for all of them.
+
+No call waits for company: the first of a quiet moment runs at once, alone. Only calls that
+arrive while a batch is in flight wait for it to end (they would have waited for the database
+anyway), and a batch holds at most ``limit`` calls. Each caller gets its own result, in order;
+an error of the batch is each caller's error. A caller that goes away (its task cancelled) takes
+nothing with it: the batch still runs for the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
+
+from starlette.concurrency import run_in_threadpool
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+DEFAULT_LIMIT = 512
+
+
+class Gather(Generic[T, R]):
+    """Calls of ``many`` (a function of a list of arguments to the list of their results, run in a
+    worker thread) gathered while one is in flight. Bound to the event loop that first calls it."""
+
+    def __init__(self, many: Callable[[Sequence[T]], Sequence[R]], limit: int = DEFAULT_LIMIT) -> None:
+        if limit < 1:
+            raise ValueError(f"a batch holds at least one call, not limit={limit}")
+        self.many = many
+        self.limit = limit
+        self._waiting: list[tuple[T, asyncio.Future[R]]] = []
+        self._running: asyncio.Task[None] | None = None
+        self.batches = 0  # calls of ``many`` made, for tests and the curious
+        self.calls = 0
+
+    async def __call__(self, argument: T) -> R:
+        future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
+        self._waiting.append((argument, future))
+        if self._running is None:
+            self._running = asyncio.create_task(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        batch: list[tuple[T, asyncio.Future[R]]] = []
+        try:
+            while self._waiting:
+                batch, self._waiting = self._waiting[: self.limit], self._waiting[self.limit :]
+                self.batches += 1
+                self.calls += len(batch)
+                try:
+                    results = await run_in_threadpool(self.many, [argument for argument, _ in batch])
+                    if len(results) != len(batch):
+                        raise RuntimeError(f"{len(results)} results for a batch of {len(batch)} calls")
+                except Exception as exc:  # every caller's error: each judges it as its own
+                    for _, future in batch:
+                        if not future.done():
+                            future.set_exception(exc)
+                else:
+                    for (_, future), result in zip(batch, results, strict=True):
+                        if not future.done():
+                            future.set_result(result)
+                batch = []
+        finally:
+            self._running = None
+            # Only when the drain itself was cancelled (the loop shutting down): nobody hangs.
+            for _, future in batch + self._waiting:
+                if not future.done():
+                    future.cancel()
+            self._waiting = []
