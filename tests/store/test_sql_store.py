@@ -415,3 +415,41 @@ def test_database_errors_become_store_errors(tmp_path: Path) -> None:
             SqlStore(unmigrated).register(node("n1"))
     finally:
         unmigrated.dispose()
+
+
+def test_a_batch_of_status_reports_is_judged_report_by_report(store: SqlStore) -> None:
+    """``reports`` (concurrent reports in one transaction) accepts or refuses each on its own
+    node's row, as ``report`` would alone: a stale epoch or a node judged dead writes nothing of
+    that report, a replica of another node is only listed to stop, and of two reports of one
+    replica the later wins."""
+    from fleetserve.store.reports import AgentReport
+
+    for name in ("n1", "n2", "n3"):
+        store.register(node(name))
+    base = {"deployment": "chat", "profile": "cpu", "state": "Starting"}
+    for name, where in (("chat-0", "n1"), ("chat-1", "n2"), ("chat-2", "n3")):
+        store.allocate(
+            Replica.model_validate({**base, "name": name, "shards": [{"node": where, "cpuCores": 2}]})
+        )
+    store.set_state("n3", NodeState.NOT_READY)
+    t1 = datetime(2026, 1, 1, tzinfo=UTC)
+    running, failed = (ReplicaState.RUNNING, ReplicaStatus(port=8001)), (ReplicaState.FAILED, ReplicaStatus())
+    beats = {h.name: h.last_heartbeat for h in store.node_heartbeats()}
+    batch = [
+        AgentReport("n2", 7, {"chat-1": running}),  # a stale epoch: nothing of it
+        AgentReport("n1", 1, {"chat-0": failed, "chat-1": running}),  # chat-1 is n2's: stop it
+        AgentReport("n3", 1, {"chat-2": running}),  # judged dead: nothing of it
+        AgentReport("n1", 1, {"chat-0": running}, model_cache=["llama"]),  # later: it wins
+    ]
+    assert store.reports(batch, t1) == [None, ["chat-1"], None, []]
+    assert {r.name: r.state for r in store.replicas()} == {
+        "chat-0": ReplicaState.RUNNING,
+        "chat-1": ReplicaState.STARTING,
+        "chat-2": ReplicaState.STARTING,
+    }
+    assert store.replica_status("chat-0").port == 8001
+    after = {h.name: h.last_heartbeat for h in store.node_heartbeats()}
+    assert after["n1"] is not None and after["n1"].replace(tzinfo=UTC) == t1
+    assert (after["n2"], after["n3"]) == (beats["n2"], beats["n3"])
+    assert store.get_node("n1").model_cache == ("llama",)
+    assert store.reports([], t1) == []

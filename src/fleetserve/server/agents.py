@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
@@ -28,7 +29,7 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from fleetserve.engines.registry import weights_for
-from fleetserve.errors import ConfigError, InternalError, NotFound, Problem, UnknownNode
+from fleetserve.errors import ConfigError, FleetserveError, InternalError, NotFound, Problem, UnknownNode
 from fleetserve.protocol import (
     AgentStatus,
     Assignment,
@@ -48,6 +49,7 @@ from fleetserve.server.params import NameParam
 from fleetserve.server.problems import EnrolmentRefused, Forbidden
 from fleetserve.spec.resources import NAME_PATTERN, Deployment, Model, Node, Replica
 from fleetserve.store.identity import Refusal, Refused
+from fleetserve.store.reports import AgentReport
 from fleetserve.store.sql import SqlStore
 from fleetserve.validation import resolve_profile
 
@@ -211,18 +213,47 @@ def record_report(store: SqlStore, report: StatusReport) -> list[str]:
     """Record a status report the caller may make (it speaks for ``report.node``); the reported
     replicas the node must stop. GPU samples of anything but its own devices are refused (422)."""
     check_gpu_samples(store, report)
-    reports = {name: (r.state, r.status()) for name, r in report.replicas.items()}
     now = datetime.now(UTC)
-    agent_status = AgentStatus(
-        downloads=report.downloads,
-        problems=report.problems,
-        gpuMetrics=report.gpu_metrics,
-        reportedAt=now.isoformat(),
-    )
     try:
-        return store.report(report.node, report.epoch, now, reports, report.model_cache, agent_status)
+        r = agent_report(report, now)
+        return store.report(r.node, r.epoch, now, r.replicas, r.model_cache, r.agent_status)
     except UnknownNode as exc:
         raise NotFound(f"{exc}; register first") from None
+
+
+def record_reports(store: SqlStore, reports: Sequence[StatusReport]) -> list[list[str] | None]:
+    """``record_report`` of many at once (each caller speaks for its report's node), in one
+    transaction; per report, the replicas its node must stop, or None where it was not recorded
+    (``record_report`` then says why: GPU samples not its own, a stale epoch, an unknown node)."""
+    now = datetime.now(UTC)
+    taken: list[int] = []
+    for i, report in enumerate(reports):
+        try:
+            check_gpu_samples(store, report)
+        except FleetserveError:
+            continue
+        taken.append(i)
+    stops = store.reports([agent_report(reports[i], now) for i in taken], now)
+    out: list[list[str] | None] = [None] * len(reports)
+    for i, stop in zip(taken, stops, strict=True):
+        out[i] = stop
+    return out
+
+
+def agent_report(report: StatusReport, now: datetime) -> AgentReport:
+    """A status report as the store takes it, received at ``now``."""
+    return AgentReport(
+        node=report.node,
+        epoch=report.epoch,
+        replicas={name: (r.state, r.status()) for name, r in report.replicas.items()},
+        model_cache=report.model_cache,
+        agent_status=AgentStatus(
+            downloads=report.downloads,
+            problems=report.problems,
+            gpuMetrics=report.gpu_metrics,
+            reportedAt=now.isoformat(),
+        ),
+    )
 
 
 def build_agent_router(

@@ -4,19 +4,19 @@ long-poll — as raw ASGI before FastAPI.
 At thousands of nodes these are most of the control plane's requests, and FastAPI's middleware,
 routing, dependency injection and a trip to a worker thread per database call cost more CPU than
 the calls themselves (the gateway's /v1 is raw ASGI for the same reason, ``gateway/asgi.py``).
-Concurrent heartbeats are written together, and concurrent credential checks asked together
-(``server/batching.py``): one trip to a worker thread and two statements for a batch of
-heartbeats (``store.beats``), one statement for a batch of credentials
-(``store.nodes_for_credentials``); a status report's write is one transaction (``store.report``).
+Concurrent calls of a kind are taken together (``server/batching.py``): one trip to a worker
+thread and two statements for a batch of heartbeats (``store.beats``), one statement for a batch
+of credential checks (``store.nodes_for_credentials``), one transaction for a batch of status
+reports (``store.reports``, each accepted or not on its own node's row).
 
 Only the accepted call is answered here. Anything else — no node credential, a body over its
 limit or not JSON, a document that does not validate, a node speaking for another, a stale
 epoch, an unknown node, a store error — goes on to the FastAPI app unchanged (its body handed on
 as it came), whose middleware and route answer it as they always have: the same 401, 403, 409,
-413, 422 or 503, from the same code. A status report runs the route's own logic
-(``agents.record_report``); a heartbeat accepted here is the route's accepted case (the
-credential's own node, its current epoch, Ready: the same condition as ``store.heartbeat``'s, and
-the same write), so what is accepted and what is stored is the same.
+413, 422 or 503, from the same code. Status reports run the route's own logic
+(``agents.record_reports``, ``record_report`` of many); a heartbeat accepted here is the route's
+accepted case (the credential's own node, its current epoch, Ready: the same condition as
+``store.heartbeat``'s, and the same write), so what is accepted and what is stored is the same.
 
 An assignments poll is held here only when the route would hold it without building anything:
 the agent shows the revision it holds, for its epoch, and nothing that set was built from has
@@ -45,13 +45,12 @@ from datetime import UTC, datetime
 from urllib.parse import parse_qsl, urlencode
 
 from pydantic import ValidationError
-from starlette.concurrency import run_in_threadpool
 
 from fleetserve.errors import FleetserveError
 from fleetserve.gateway.app import Receive, Scope, Send
 from fleetserve.gateway.asgi import App, RawRoute
 from fleetserve.protocol import AssignmentSet, HeartbeatReply, HeartbeatRequest, StatusReply, StatusReport
-from fleetserve.server.agents import MAX_WAIT_SECONDS, record_report, rendered
+from fleetserve.server.agents import MAX_WAIT_SECONDS, record_reports, rendered
 from fleetserve.server.assignwatch import RECHECK_SECONDS, AssignmentWatch
 from fleetserve.server.auth import AGENT_PREFIX
 from fleetserve.server.batching import Gather
@@ -173,6 +172,7 @@ class AgentHotPath:
         self.held = 0  # assignment polls held here (answered here, or handed on when moved)
         self.beats: Gather[Beat, bool] = Gather(self._beats)
         self.credentials: Gather[str, str | None] = Gather(self.store.nodes_for_credentials)
+        self.reports: Gather[tuple[str, bytes], bytes | None] = Gather(self._reports, limit=64)
 
     def routes(self) -> dict[str, RawRoute]:
         """Per exact path, its raw route (for ``ServingApp``)."""
@@ -224,26 +224,34 @@ class AgentHotPath:
         body = await read_body(receive)
         if body is None:
             return
-        reply = await run_in_threadpool(self._report, node, body)
+        try:
+            reply = await self.reports((node, body))
+        except FleetserveError:
+            reply = None
         if reply is None:
             await app(scope, replay(body, receive), send)
             return
         self.answered += 1
         await _answer(send, reply)
 
-    def _report(self, node: str, body: bytes) -> bytes | None:
-        """The status report's answer, or None for the FastAPI path to answer."""
-        try:
-            report = StatusReport.model_validate_json(body)
-        except ValidationError:
-            return None
-        if report.node != node:
-            return None
-        try:
-            stop = record_report(self.store, report)
-        except FleetserveError:
-            return None
-        return StatusReply(stop=stop).model_dump_json().encode()
+    def _reports(self, calls: Sequence[tuple[str, bytes]]) -> list[bytes | None]:
+        """Per (credential's node, body), the status report's answer, or None for the FastAPI
+        path to answer (a body that does not validate, a node speaking for another, a report
+        not recorded): those that validate are recorded together (``record_reports``)."""
+        valid: list[tuple[int, StatusReport]] = []
+        for i, (node, body) in enumerate(calls):
+            try:
+                report = StatusReport.model_validate_json(body)
+            except ValidationError:
+                continue
+            if report.node == node:
+                valid.append((i, report))
+        stops = record_reports(self.store, [report for _, report in valid])
+        out: list[bytes | None] = [None] * len(calls)
+        for (i, _), stop in zip(valid, stops, strict=True):
+            if stop is not None:
+                out[i] = StatusReply(stop=stop).model_dump_json().encode()
+        return out
 
     async def _node(self, token: str) -> str | None:
         """The node whose credential ``token`` is (None: not a node credential, or the store

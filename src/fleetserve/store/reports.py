@@ -86,9 +86,34 @@ _REPORT_BEAT_STATUS = _REPORT_ACCEPTS.values(
     last_heartbeat=bindparam("b_at", type_=NodeRow.last_heartbeat.type),
     agent_status=bindparam("b_agent", type_=NodeRow.agent_status.type),
 ).returning(NodeRow.spec["modelCache"])
-_REPLICAS_ON_NODE = select(ReplicaRow.name, ReplicaRow.state, ReplicaRow.status).where(
-    ReplicaRow.name.in_(select(ReplicaShardRow.replica).where(ReplicaShardRow.node == bindparam("b_node")))
+# A replica's reported state and status; Draining is the control plane's word: an agent's report
+# never undoes it.
+_REPLICA_REPORTED = (
+    update(ReplicaRow)
+    .where(ReplicaRow.name == bindparam("b_name"))
+    .values(
+        status=bindparam("b_status", type_=ReplicaRow.__table__.c.status.type),
+        state=case((ReplicaRow.state == DRAINING, ReplicaRow.state), else_=bindparam("b_state")),
+    )
 )
+# Per node of a batch of reports, its replicas as stored (a replica of several nodes once per node).
+_REPLICAS_ON_NODES = (
+    select(ReplicaShardRow.node, ReplicaRow.name, ReplicaRow.state, ReplicaRow.status)
+    .join(ReplicaRow, ReplicaRow.name == ReplicaShardRow.replica)
+    .where(ReplicaShardRow.node.in_(bindparam("b_nodes", expanding=True)))
+)
+
+
+@dataclass(frozen=True)
+class AgentReport:
+    """One agent's status report as the store takes it: its node and registration, its replicas'
+    states and statuses, its model cache (None: not reported) and the rest of what it reports."""
+
+    node: str
+    epoch: int
+    replicas: Mapping[str, tuple[ReplicaState, ReplicaStatus]]
+    model_cache: Sequence[str] | None = None
+    agent_status: AgentStatus | None = None
 
 
 class SqlReports(SqlBase):
@@ -176,67 +201,97 @@ class SqlReports(SqlBase):
         """An agent's status report, in one transaction: the states of its replicas (only those
         assigned to it), its model cache (placement prefers nodes holding a model) and anything
         else it reports; also a heartbeat. Returns the reported names not assigned to the node —
-        the agent must stop those. Raises StaleEpoch for an old registration."""
+        the agent must stop those. Raises StaleEpoch for an old registration, UnknownNode."""
+        stop = self._reports(
+            [AgentReport(node, epoch, replicas, model_cache, agent_status)], now, explain=True
+        )[0]
+        assert stop is not None  # explained: refused ones raise
+        return stop
+
+    def reports(self, batch: Sequence[AgentReport], now: datetime) -> list[list[str] | None]:
+        """Many agents' status reports in one transaction (``server/batching.py`` gathers them);
+        per report, what ``report`` returns, or None where it was not accepted (a stale epoch, a
+        node not Ready or unknown): nothing of that one is written, and ``report`` says why.
+        Each is accepted or not on its own node's row, as if it came alone."""
+        return self._reports(batch, now, explain=False)
+
+    def _reports(
+        self, batch: Sequence[AgentReport], now: datetime, *, explain: bool
+    ) -> list[list[str] | None]:
         when = stamp(now)
-        with self._write(f"recording a status report of node {node}") as s:
+        out: list[list[str] | None] = [None] * len(batch)
+        if not batch:
+            return out
+        action = (
+            f"recording a status report of node {batch[0].node}"
+            if len(batch) == 1
+            else f"recording {len(batch)} status reports"
+        )
+        with self._write(action) as s:
             conn = s.connection()
-            # The check and the node's write in one statement (it locks the row, as allocation
-            # does); only the cached models read back, not the node's hardware document.
-            accepted: dict[str, object] = {"b_node": node, "b_epoch": epoch, "b_at": when}
-            if agent_status is None:
-                found = conn.execute(_REPORT_BEAT, accepted).first()
-            else:
-                found = conn.execute(
-                    _REPORT_BEAT_STATUS, {**accepted, "b_agent": agent_status.stored()}
-                ).first()
-            if found is None:
-                # Refused: the reason, as the row stands (it raises; a row that passes now moved
-                # under us, and is checked and written with its lock held).
-                row = self._locked_node(s, node)
-                self._check_epoch(row.name, row.epoch, row.state, epoch)
-                row.last_heartbeat = when
-                if agent_status is not None:
-                    row.agent_status = agent_status.stored()
-                s.flush()
-                cached = row.spec.get("modelCache")
-            else:
-                cached = found[0]
-            if model_cache is not None and cached != sorted(set(model_cache)):
-                row = self._locked_node(s, node)
-                row.spec = {**row.spec, "modelCache": sorted(set(model_cache))}
-            # The node's replicas as stored: only a state or status that changed is written.
-            stored = {
-                name: (state, status)
-                for name, state, status in conn.execute(_REPLICAS_ON_NODE, {"b_node": node})
-            }
-            heard = sorted(set(replicas) & set(stored))
-            for i in range(0, len(heard), IN_CHUNK):
+            accepted = []
+            # Nodes' rows locked in one order (by name) whatever order the reports came in.
+            for i in sorted(range(len(batch)), key=lambda i: batch[i].node):
+                r = batch[i]
+                # The check and the node's write in one statement (it locks the row, as allocation
+                # does); only the cached models read back, not the node's hardware document.
+                values: dict[str, object] = {"b_node": r.node, "b_epoch": r.epoch, "b_at": when}
+                if r.agent_status is None:
+                    found = conn.execute(_REPORT_BEAT, values).first()
+                else:
+                    found = conn.execute(
+                        _REPORT_BEAT_STATUS, {**values, "b_agent": r.agent_status.stored()}
+                    ).first()
+                if found is not None:
+                    cached = found[0]
+                elif explain:
+                    # Refused: the reason, as the row stands (it raises; a row that passes now
+                    # moved under us, and is checked and written with its lock held).
+                    row = self._locked_node(s, r.node)
+                    self._check_epoch(row.name, row.epoch, row.state, r.epoch)
+                    row.last_heartbeat = when
+                    if r.agent_status is not None:
+                        row.agent_status = r.agent_status.stored()
+                    s.flush()
+                    cached = row.spec.get("modelCache")
+                else:
+                    continue
+                accepted.append(i)
+                if r.model_cache is not None and cached != sorted(set(r.model_cache)):
+                    row = self._locked_node(s, r.node)
+                    row.spec = {**row.spec, "modelCache": sorted(set(r.model_cache))}
+            # The nodes' replicas as stored: only a state or status that changed is written.
+            nodes = sorted({batch[i].node for i in accepted})
+            stored: dict[str, dict[str, tuple[str, dict[str, object] | None]]] = {n: {} for n in nodes}
+            for j in range(0, len(nodes), IN_CHUNK):
+                for node, name, state, status in conn.execute(
+                    _REPLICAS_ON_NODES, {"b_nodes": nodes[j : j + IN_CHUNK]}
+                ):
+                    stored[node][name] = (state, status)
+            heard: set[str] = set()
+            changed: dict[str, dict[str, object]] = {}
+            for i in sorted(accepted):  # as they came: a later report of a replica wins
+                r, mine = batch[i], stored[batch[i].node]
+                for name in set(r.replicas) & set(mine):
+                    heard.add(name)
+                    state, status = r.replicas[name]
+                    new_state, new_status = ReplicaState(state).value, status.stored()
+                    old_state, old_status = mine[name]
+                    if (old_status or {}) != new_status or old_state not in (new_state, DRAINING):
+                        changed[name] = {"b_name": name, "b_status": new_status, "b_state": new_state}
+                    else:
+                        changed.pop(name, None)
+                out[i] = sorted(set(r.replicas) - set(mine))
+            names = sorted(heard)
+            for j in range(0, len(names), IN_CHUNK):
                 conn.execute(
                     update(ReplicaRow)
-                    .where(ReplicaRow.name.in_(heard[i : i + IN_CHUNK]))
+                    .where(ReplicaRow.name.in_(names[j : j + IN_CHUNK]))
                     .values(reported_at=when)
                 )
-            changed = []
-            for name in heard:
-                state, status = replicas[name]
-                new_state, new_status = ReplicaState(state).value, status.stored()
-                old_state, old_status = stored[name]
-                if (old_status or {}) != new_status or old_state not in (new_state, DRAINING):
-                    changed.append({"b_name": name, "b_status": new_status, "b_state": new_state})
             if changed:  # one statement, executed for each (psycopg sends them in one pipeline)
-                conn.execute(
-                    update(ReplicaRow)
-                    .where(ReplicaRow.name == bindparam("b_name"))
-                    .values(
-                        status=bindparam("b_status", type_=ReplicaRow.__table__.c.status.type),
-                        # Draining is the control plane's word: an agent's report never undoes it.
-                        state=case(
-                            (ReplicaRow.state == DRAINING, ReplicaRow.state), else_=bindparam("b_state")
-                        ),
-                    ),
-                    changed,
-                )
-            return sorted(set(replicas) - set(stored))
+                conn.execute(_REPLICA_REPORTED, [changed[name] for name in sorted(changed)])
+        return out
 
     def replica_status(self, name: str) -> ReplicaStatus:
         """What the agent last reported about a replica (message, restarts, stderr tail)."""
