@@ -23,7 +23,9 @@ the join token (the server runs with ``--approve-new-nodes``) and keeps the cred
 then, spread over the interval, a heartbeat every ``--heartbeat`` seconds (every third one a full
 status report instead, which doubles as a heartbeat, as the real agent's does, reporting each
 assigned replica Running), and one assignments long-poll held open at a time (``wait=20``). Short
-requests go through at most ``--connections`` connections; each agent holds one long-poll.
+requests go through at most ``--connections`` connections (one per 10 agents, at least 64: fewer
+would queue the fleet's heartbeats in this process, not in the server); each agent holds one
+long-poll.
 
 Phases per column: enrol every node; apply the deployments scaled to 1,000 replicas and time
 until every placed replica is in some agent's assignments; scale them to ``--replicas`` and wait
@@ -888,7 +890,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--heartbeat", type=float, default=10.0, help="seconds between an agent's heartbeats (10)"
     )
     parser.add_argument(
-        "--connections", type=int, default=64, help="connections for requests other than long-polls (64)"
+        "--connections",
+        type=int,
+        help="connections for requests other than long-polls (one per 10 agents, at least 64)",
     )
     parser.add_argument("--apply", type=int, help="replicas of the timed first apply (1000; quick 200)")
     parser.add_argument(
@@ -918,6 +922,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.nodes = args.nodes or (300 if args.quick else 1000)
     args.gpus = args.gpus or 8 * args.nodes
+    # Real agents each have their own connection: too few here would queue the fleet's heartbeats
+    # behind each other in this process (late past the server's 40 s NotReady deadline at 5,000).
+    args.connections = args.connections or max(64, args.nodes // 10)
     args.replicas = args.replicas or 10 * args.nodes
     args.steady = args.steady or (15.0 if args.quick else 30.0)
     args.apply = args.apply or (200 if args.quick else 1000)

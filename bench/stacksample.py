@@ -29,9 +29,11 @@ from types import FrameType
 INTERVAL = 0.01
 # Kinds of work, by a frame on the stack (the first that matches), as ``.top`` files group them.
 KINDS = (
-    ("heartbeat (hot path)", "_beat (hotpath.py"),
-    ("status report (hot path)", "_report (hotpath.py"),
-    ("status report: credential (hot path)", "_node (hotpath.py"),
+    # The hot path's batches (``server/batching.py``) run in worker threads under these frames.
+    ("heartbeat (hot path)", "_beats (hotpath.py"),
+    ("status report (hot path)", "_reports (hotpath.py"),
+    ("credential check (hot path)", "nodes_for_credentials ("),
+    ("long-poll held (hot path)", "assignments (hotpath.py"),
     ("heartbeat (FastAPI route)", "heartbeat (agents.py"),
     ("status report (FastAPI route)", "status (agents.py"),
     ("enrolment", "register (agents.py"),

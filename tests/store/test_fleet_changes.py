@@ -44,6 +44,9 @@ class Readers:
         self.observer = Observer(store, FleetMetrics())
         self.routes = EndpointTable(store)
         self.watch = AssignmentWatch(store)
+        # Counted read by read here: no rest after a read (the rest is tested on its own below).
+        for reader in (self.observer, self.routes, self.watch):
+            reader.gate = ChangeGate(pace=0.0)
 
     def look(self) -> tuple[int, int, int]:
         """Each reader's tick (without its loop); how many whole-fleet reads each has made."""
@@ -141,6 +144,20 @@ def test_a_reader_reads_in_full_when_its_last_read_is_old_even_if_nothing_moved(
     assert gate.due(8)
     now[0] = 30.0
     assert gate.due(7)
+
+
+def test_a_reader_rests_after_a_long_read_for_three_times_as_long() -> None:
+    now = [0.0]
+    gate = ChangeGate(full_every=30.0, clock=lambda: now[0])
+    assert gate.due(1)
+    now[0] = 0.5  # a read of 0.5 s, begun at 0
+    gate.read(1, began=0.0)
+    now[0] = 1.99
+    assert not gate.due(2)  # moved, but resting: 1.5 s after a 0.5 s read
+    now[0] = 2.0
+    assert gate.due(2)
+    gate.read(2, began=now[0])  # a read that took no time: no rest
+    assert gate.due(3) and not gate.due(2)
 
 
 @pytest.fixture

@@ -150,8 +150,9 @@ class EndpointTable:
         counter = self.store.fleet_changes()
         if not self.gate.due(counter):
             return None
+        began = self.gate.clock()
         fresh = self.load()
-        self.gate.read(counter)
+        self.gate.read(counter, began)
         self.reads += 1
         return fresh
 

@@ -163,8 +163,9 @@ class AssignmentWatch:
         counter = self.store.fleet_changes()
         if not self.gate.due(counter):
             return None
+        began = self.gate.clock()
         inputs = self.store.assignment_inputs()
-        self.gate.read(counter)
+        self.gate.read(counter, began)
         self.reads += 1
         return inputs
 

@@ -7,6 +7,10 @@ GIL for every one. A ``Gather`` hands a many-at-once function (``store.beats``,
 ``store.nodes_for_credentials``) every call that arrived while the previous one ran: one thread
 trip and one or two statements for all of them.
 
+A ``Gather`` runs its batches on a thread of its own, not in the shared worker pool: when the pool
+is taken (thousands of agents registering, long-polls building their answers), heartbeats do not
+queue behind that work for a thread.
+
 No call waits for company: the first of a quiet moment runs at once, alone. Only calls that
 arrive while a batch is in flight wait for it to end (they would have waited for the database
 anyway), and a batch holds at most ``limit`` calls. Each caller gets its own result, in order;
@@ -18,9 +22,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Generic, TypeVar
-
-from starlette.concurrency import run_in_threadpool
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -29,14 +32,18 @@ DEFAULT_LIMIT = 512
 
 
 class Gather(Generic[T, R]):
-    """Calls of ``many`` (a function of a list of arguments to the list of their results, run in a
-    worker thread) gathered while one is in flight. Bound to the event loop that first calls it."""
+    """Calls of ``many`` (a function of a list of arguments to the list of their results, run on
+    this gather's own thread, ``name``) gathered while one is in flight."""
 
-    def __init__(self, many: Callable[[Sequence[T]], Sequence[R]], limit: int = DEFAULT_LIMIT) -> None:
+    def __init__(
+        self, many: Callable[[Sequence[T]], Sequence[R]], limit: int = DEFAULT_LIMIT, name: str = "gather"
+    ) -> None:
         if limit < 1:
             raise ValueError(f"a batch holds at least one call, not limit={limit}")
         self.many = many
         self.limit = limit
+        self.name = name
+        self._thread: ThreadPoolExecutor | None = None  # started at the first batch
         self._waiting: list[tuple[T, asyncio.Future[R]]] = []
         self._running: asyncio.Task[None] | None = None
         self.batches = 0  # calls of ``many`` made, for tests and the curious
@@ -57,7 +64,11 @@ class Gather(Generic[T, R]):
                 self.batches += 1
                 self.calls += len(batch)
                 try:
-                    results = await run_in_threadpool(self.many, [argument for argument, _ in batch])
+                    if self._thread is None:
+                        self._thread = ThreadPoolExecutor(1, thread_name_prefix=self.name)
+                    arguments = [argument for argument, _ in batch]
+                    loop = asyncio.get_running_loop()
+                    results = await loop.run_in_executor(self._thread, self.many, arguments)
                     if len(results) != len(batch):
                         raise RuntimeError(f"{len(results)} results for a batch of {len(batch)} calls")
                 except Exception as exc:  # every caller's error: each judges it as its own

@@ -170,9 +170,13 @@ class AgentHotPath:
         self.stopping = stopping
         self.answered = 0  # calls answered here (not handed on), for tests and the curious
         self.held = 0  # assignment polls held here (answered here, or handed on when moved)
-        self.beats: Gather[Beat, bool] = Gather(self._beats)
-        self.credentials: Gather[str, str | None] = Gather(self.store.nodes_for_credentials)
-        self.reports: Gather[tuple[str, bytes], bytes | None] = Gather(self._reports, limit=64)
+        self.beats: Gather[Beat, bool] = Gather(self._beats, name="heartbeats")
+        self.credentials: Gather[str, str | None] = Gather(
+            self.store.nodes_for_credentials, name="credentials"
+        )
+        self.reports: Gather[tuple[str, bytes], bytes | None] = Gather(
+            self._reports, limit=64, name="reports"
+        )
 
     def routes(self) -> dict[str, RawRoute]:
         """Per exact path, its raw route (for ``ServingApp``)."""

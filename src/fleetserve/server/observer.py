@@ -78,8 +78,9 @@ class Observer:
         store's change counter, and the replicas only when it moved or a full read is due)."""
         counter = self.store.fleet_changes()
         if self.gate.due(counter):
+            began = self.gate.clock()
             self._targets = self._read_targets()
-            self.gate.read(counter)
+            self.gate.read(counter, began)
             self.reads += 1
         return self._targets
 
