@@ -417,12 +417,19 @@ def test_database_errors_become_store_errors(tmp_path: Path) -> None:
         unmigrated.dispose()
 
 
-def test_a_batch_of_status_reports_is_judged_report_by_report(store: SqlStore) -> None:
+@pytest.mark.parametrize("with_status", [False, True], ids=["states only", "with agent status"])
+def test_a_batch_of_status_reports_is_judged_report_by_report(store: SqlStore, with_status: bool) -> None:
     """``reports`` (concurrent reports in one transaction) accepts or refuses each on its own
     node's row, as ``report`` would alone: a stale epoch or a node judged dead writes nothing of
     that report, a replica of another node is only listed to stop, and of two reports of one
-    replica the later wins."""
+    replica the later wins. Reports with their agents' status have every node written in one
+    statement: the same outcome."""
+    from fleetserve.protocol import AgentStatus
     from fleetserve.store.reports import AgentReport
+
+    def sent(node: str, epoch: int, replicas: dict, model_cache: list[str] | None = None) -> AgentReport:
+        status = AgentStatus(problems=[f"{node} at epoch {epoch}"], reportedAt="t") if with_status else None
+        return AgentReport(node, epoch, replicas, model_cache, status)
 
     for name in ("n1", "n2", "n3"):
         store.register(node(name))
@@ -436,10 +443,10 @@ def test_a_batch_of_status_reports_is_judged_report_by_report(store: SqlStore) -
     running, failed = (ReplicaState.RUNNING, ReplicaStatus(port=8001)), (ReplicaState.FAILED, ReplicaStatus())
     beats = {h.name: h.last_heartbeat for h in store.node_heartbeats()}
     batch = [
-        AgentReport("n2", 7, {"chat-1": running}),  # a stale epoch: nothing of it
-        AgentReport("n1", 1, {"chat-0": failed, "chat-1": running}),  # chat-1 is n2's: stop it
-        AgentReport("n3", 1, {"chat-2": running}),  # judged dead: nothing of it
-        AgentReport("n1", 1, {"chat-0": running}, model_cache=["llama"]),  # later: it wins
+        sent("n2", 7, {"chat-1": running}),  # a stale epoch: nothing of it
+        sent("n1", 1, {"chat-0": failed, "chat-1": running}),  # chat-1 is n2's: stop it
+        sent("n3", 1, {"chat-2": running}),  # judged dead: nothing of it
+        sent("n1", 1, {"chat-0": running}, model_cache=["llama"]),  # later: it wins
     ]
     assert store.reports(batch, t1) == [None, ["chat-1"], None, []]
     assert {r.name: r.state for r in store.replicas()} == {
@@ -452,4 +459,7 @@ def test_a_batch_of_status_reports_is_judged_report_by_report(store: SqlStore) -
     assert after["n1"] is not None and after["n1"].replace(tzinfo=UTC) == t1
     assert (after["n2"], after["n3"]) == (beats["n2"], beats["n3"])
     assert store.get_node("n1").model_cache == ("llama",)
+    if with_status:
+        assert store.agent_status("n1").problems == ["n1 at epoch 1"]
+        assert store.agent_status("n2").problems == store.agent_status("n3").problems == []
     assert store.reports([], t1) == []

@@ -10,7 +10,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import bindparam, case, func, select, update
+from sqlalchemy import (
+    Connection,
+    Integer,
+    String,
+    bindparam,
+    case,
+    cast,
+    column,
+    func,
+    select,
+    update,
+    values,
+)
 
 from fleetserve.errors import (
     StaleEpoch,
@@ -230,13 +242,26 @@ class SqlReports(SqlBase):
         with self._write(action) as s:
             conn = s.connection()
             accepted = []
+            # Many reports with their agents' status, on PostgreSQL: every node's check and write
+            # in one statement (a round trip per report cost more than the rest of the batch; on
+            # SQLite, in process, a statement is no round trip).
+            together = (
+                [i for i, r in enumerate(batch) if r.agent_status is not None]
+                if self._postgres and not explain
+                else []
+            )
+            written = self._beat_nodes(conn, [batch[i] for i in together], when) if together else {}
             # Nodes' rows locked in one order (by name) whatever order the reports came in.
             for i in sorted(range(len(batch)), key=lambda i: batch[i].node):
                 r = batch[i]
                 # The check and the node's write in one statement (it locks the row, as allocation
                 # does); only the cached models read back, not the node's hardware document.
                 values: dict[str, object] = {"b_node": r.node, "b_epoch": r.epoch, "b_at": when}
-                if r.agent_status is None:
+                if together:
+                    found = written.get((r.node, r.epoch)) if r.agent_status is not None else None
+                    if found is None and r.agent_status is None:
+                        found = conn.execute(_REPORT_BEAT, values).first()
+                elif r.agent_status is None:
                     found = conn.execute(_REPORT_BEAT, values).first()
                 else:
                     found = conn.execute(
@@ -292,6 +317,35 @@ class SqlReports(SqlBase):
             if changed:  # one statement, executed for each (psycopg sends them in one pipeline)
                 conn.execute(_REPLICA_REPORTED, [changed[name] for name in sorted(changed)])
         return out
+
+    def _beat_nodes(
+        self, conn: Connection, reports: Sequence[AgentReport], when: datetime
+    ) -> dict[tuple[str, int], tuple[object]]:
+        """The node writes of ``reports`` (each with its agent's status) in one statement
+        (PostgreSQL: ``UPDATE … FROM (VALUES …)``): each
+        node whose epoch is the one its report gives, while Ready, gets the heartbeat and the
+        status (of its last report in the batch); per (node, epoch) written, its cached models."""
+        last: dict[tuple[str, int], AgentReport] = {}
+        for r in reports:
+            last[(r.node, r.epoch)] = r
+        data = [
+            (node, epoch, json.dumps(r.agent_status.stored() if r.agent_status else {}))
+            for (node, epoch), r in sorted(last.items())
+        ]
+        rows = values(
+            column("node", String), column("epoch", Integer), column("agent", String), name="reported"
+        ).data(data)
+        statement = (
+            update(NodeRow)
+            .where(
+                NodeRow.name == rows.c.node,
+                NodeRow.epoch == rows.c.epoch,
+                NodeRow.state == NodeState.READY.value,
+            )
+            .values(last_heartbeat=when, agent_status=cast(rows.c.agent, NodeRow.agent_status.type))
+            .returning(NodeRow.name, NodeRow.epoch, NodeRow.spec["modelCache"])
+        )
+        return {(name, epoch): (cached,) for name, epoch, cached in conn.execute(statement)}
 
     def replica_status(self, name: str) -> ReplicaStatus:
         """What the agent last reported about a replica (message, restarts, stderr tail)."""
