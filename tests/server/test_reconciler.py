@@ -15,6 +15,7 @@ import pytest
 
 from builders import deployment as build_deployment
 from builders import gpu_host_32c_256g, safetensors_8gb
+from fleetserve.autoscale import Signals
 from fleetserve.metrics.exposition import FleetMetrics
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.placement.placer import RECORDED_UNPLACED
@@ -25,7 +26,16 @@ from fleetserve.routing import routable
 from fleetserve.server.apply import apply_batch
 from fleetserve.server.reconciler import LEASE, CyclePhase, CycleResult, Reconciler
 from fleetserve.snapshot import ClusterSnapshot
-from fleetserve.spec.resources import Deployment, DeviceClass, Node, NodeState, Replica, ReplicaState
+from fleetserve.spec.resources import (
+    Deployment,
+    DeviceClass,
+    Fabric,
+    Node,
+    NodeState,
+    Replica,
+    ReplicaRange,
+    ReplicaState,
+)
 from fleetserve.store import SqlStore
 
 T0 = datetime(2025, 6, 1, 12, 0, tzinfo=UTC)
@@ -741,3 +751,154 @@ def test_time_based_steps_still_fire_when_nothing_else_changes(store: SqlStore, 
     assert loop.run_once().released == ["chat-0"]
     assert store.get_deployment("chat").status["rollout"]["complete"] is True
     assert shared_devices(store) == [] and held_devices(store) == 1
+
+
+# --- quiet cycles -------------------------------------------------------------------------------
+
+
+class CountingReadsStore(SqlStore):
+    """The real store, counting the reconciler's whole-fleet reads."""
+
+    snapshots = 0
+
+    def snapshot(self, models: Mapping[str, ModelFacts] | None = None) -> ClusterSnapshot:
+        self.snapshots += 1
+        return super().snapshot(models)
+
+
+def settle(loop: Reconciler) -> int:
+    """Cycle until one is quiet; how many read and planned in full before it (at most three: one
+    that acts, one that records what it did in the status, one that changes nothing)."""
+    for full in range(4):
+        if loop.run_once().quiet:
+            return full
+    raise AssertionError("no quiet cycle after three full ones")
+
+
+def test_a_quiet_fleet_is_not_read_again_until_something_changes(store: SqlStore, clock: FakeClock) -> None:
+    counting = CountingReadsStore(store.engine)
+    setup(counting, [gpu_node("gpu-a")], [deployment("chat", replicas=3)])  # 2 fit, 1 unschedulable
+    metrics = FleetMetrics()
+    loop = Reconciler(counting, policy=POLICY, lease_ttl=TTL, clock=clock.now, holder="one", metrics=metrics)
+    assert sorted(loop.run_once().allocated) == ["chat-0", "chat-1"]
+    full = settle(loop)
+    assert 1 <= full <= 2, "the allocations moved the counter: the next cycle reads and plans again"
+    assert counting.snapshots == 1 + full
+
+    for _ in range(4):  # heartbeats, statuses and decisions move nothing a plan reads
+        clock.advance(5)
+        counting.heartbeat("gpu-a", clock.now())
+        counting.record_decision("chat", {"why": "a test"}, clock.now())
+        cycle = loop.run_once()
+        assert cycle.quiet and cycle.leader and cycle.phases == {}
+    assert counting.snapshots == 1 + full
+    text = metrics.render()[0].decode()
+    assert "fleetserve_reconcile_quiet_total 5.0" in text
+    assert f"fleetserve_reconcile_seconds_count {1 + full}.0" in text
+
+    counting.register(gpu_node("gpu-b"))  # room for the unschedulable third
+    clock.advance(1)
+    counting.heartbeat("gpu-a", clock.now())
+    moved = loop.run_once()
+    assert not moved.quiet and moved.allocated == ["chat-2"]
+    assert counting.snapshots == 2 + full
+
+
+def test_a_quiet_fleet_is_still_read_in_full_every_half_minute(store: SqlStore, clock: FakeClock) -> None:
+    counting = CountingReadsStore(store.engine)
+    setup(counting, [gpu_node("gpu-a")], [deployment("chat", replicas=1)])
+    loop = reconciler(counting, clock)
+    settle(loop)
+    clock.advance(29)
+    counting.heartbeat("gpu-a", clock.now())
+    assert loop.run_once().quiet
+    clock.advance(1)
+    assert not loop.run_once().quiet, "30 s after the last full read, a cycle reads in full again"
+    assert loop.run_once().quiet
+
+
+def test_a_node_falling_silent_ends_the_quiet(store: SqlStore, clock: FakeClock) -> None:
+    """Liveness is judged every cycle, quiet or not: a node that stops heartbeating goes NotReady
+    on time (here after 15 s, well inside the half minute between full reads), and that cycle
+    reads and plans the fleet."""
+    setup(store, [gpu_node("gpu-a", count=1), gpu_node("gpu-b", count=1)], [deployment("chat")])
+    policy = HeartbeatPolicy(not_ready_after=timedelta(seconds=15), lost_after=timedelta(seconds=300))
+    loop = Reconciler(store, policy=policy, lease_ttl=TTL, clock=clock.now, holder="one")
+    for name in ("gpu-a", "gpu-b"):
+        store.heartbeat(name, clock.now())
+    (first,) = loop.run_once().allocated
+    ((silent, _),) = placement(store)[first]
+    other = "gpu-b" if silent == "gpu-a" else "gpu-a"
+    settle(loop)
+    for _ in range(2):
+        clock.advance(5)
+        store.heartbeat(other, clock.now())  # only the other node keeps beating
+        assert loop.run_once().quiet
+    clock.advance(6)  # 16 s of silence from the replica's node
+    cycle = loop.run_once()
+    assert not cycle.quiet
+    assert cycle.transitions == [(silent, "Ready", "NotReady")]
+    assert list(cycle.phases) == list(CyclePhase), "and the fleet is read and planned in that cycle"
+
+
+def test_a_fabric_stored_ends_the_quiet(store: SqlStore, clock: FakeClock) -> None:
+    setup(store, [gpu_node("gpu-a")], [deployment("chat")])
+    loop = reconciler(store, clock)
+    settle(loop)
+    store.put_fabric(Fabric(name="ib0"))
+    assert not loop.run_once().quiet
+
+
+@pytest.mark.parametrize("waiting", ["failed", "draining"])
+def test_a_drain_or_a_failure_waiting_on_the_clock_keeps_every_cycle_full(
+    store: SqlStore, clock: FakeClock, waiting: str
+) -> None:
+    """A failed replica is replaced when its backoff ends, a drain ends at its deadline: with
+    nothing else changing meanwhile, only a full cycle sees the time come."""
+    setup(store, [gpu_node("gpu-a")], [deployment("chat", replicas=1)])
+    loop = reconciler(store, clock)
+    loop.run_once()
+    settle(loop)
+    if waiting == "failed":
+        store.set_replica_state("chat-0", ReplicaState.FAILED)
+    else:
+        store.set_replica_state("chat-0", ReplicaState.RUNNING)
+        store.start_draining(["chat-0"], clock.now())
+    for _ in range(4):
+        clock.advance(1)
+        store.heartbeat("gpu-a", clock.now())
+        assert not loop.run_once().quiet
+
+
+def test_an_autoscaled_deployment_is_judged_in_quiet_cycles_and_a_new_count_ends_the_quiet(
+    store: SqlStore, clock: FakeClock
+) -> None:
+    waiting = {"n": 0}
+
+    def signals(dep: Deployment, replicas: list[Replica], now: float) -> Signals:
+        # None ready: the gateway's held requests are all the load there is.
+        return Signals(dep.name, 0, len(replicas), gateway_waiting=waiting["n"])
+
+    scaled = build_deployment(
+        "chat",
+        1,
+        {"name": "gpu", "engine": "vllm", "deviceClass": H100.name, "devicesPerNode": 1},
+        model=MODEL.name,
+    ).model_copy(update={"replicas": ReplicaRange(min=1, max=2)})
+    setup(store, [gpu_node("gpu-a")], [scaled])
+    loop = Reconciler(store, policy=POLICY, lease_ttl=TTL, clock=clock.now, holder="one", signals=signals)
+    assert loop.run_once().allocated == ["chat-0"]
+    settle(loop)
+    repeats = store.get_deployment("chat").status["autoscaler"][-1]["repeats"]
+    for _ in range(3):
+        clock.advance(1)
+        assert loop.run_once().quiet
+    log = store.get_deployment("chat").status["autoscaler"]
+    assert log[-1]["repeats"] == repeats + 3, "each quiet cycle's decision is in the status's log"
+
+    waiting["n"] = 20  # requests pile up at the gateway: the autoscaler wants a second replica
+    clock.advance(1)
+    cycle = loop.run_once()
+    assert not cycle.quiet and cycle.allocated == ["chat-1"]
+    ups = [e for e in store.get_deployment("chat").status["autoscaler"] if e["changed"]]
+    assert [(e["previous"], e["desired"]) for e in ups][-1:] == [(1, 2)], "decided once, not twice"

@@ -35,6 +35,7 @@ class FakeStore(InMemoryInventory):
         self.decisions: list[tuple[str, Mapping[str, Any]]] = []
         self.heard: dict[str, datetime] = {}
         self.lease_holder: str | None = None
+        self.changes = 0
 
     def list_deployments(self) -> list[StoredDeployment]:
         return [self.deployments[n] for n in sorted(self.deployments)]
@@ -48,6 +49,11 @@ class FakeStore(InMemoryInventory):
     def record_decision(self, deployment: str, explanation: Mapping[str, Any], now: datetime) -> int:
         self.decisions.append((deployment, explanation))
         return len(self.decisions)
+
+    def fleet_changes(self) -> int:
+        # The fake keeps no change counter: every read is a change, so no cycle is ever quiet.
+        self.changes += 1
+        return self.changes
 
     def node_heartbeats(self) -> list[NodeHeartbeat]:
         return [

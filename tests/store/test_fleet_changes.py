@@ -20,7 +20,15 @@ from fleetserve.metrics.exposition import FleetMetrics
 from fleetserve.protocol import AgentStatus, GpuSample, ReplicaStatus
 from fleetserve.server.assignwatch import AssignmentWatch
 from fleetserve.server.observer import Observer
-from fleetserve.spec.resources import DeviceClass, NodeState, Replica, ReplicaState, Shard
+from fleetserve.spec.resources import (
+    DeviceClass,
+    Fabric,
+    FabricType,
+    NodeState,
+    Replica,
+    ReplicaState,
+    Shard,
+)
 from fleetserve.store import SqlStore, make_engine
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
@@ -123,6 +131,18 @@ def test_heartbeats_move_nothing_and_every_change_makes_every_reader_read_again(
     (target,) = readers.observer.targets()
     assert (target.key, target.url) == ("chat-0", "http://10.0.0.1:8001/metrics")
     assert [e.replica for e in readers.routes.routes["chat"].endpoints] == ["chat-0"]
+
+
+def test_a_fabric_stored_changed_or_deleted_moves_the_counter(fleet: SqlStore) -> None:
+    """Placement reads fabrics (migration 0008): the reconciler's quiet cycles must see them."""
+    for change in (
+        lambda: fleet.put_fabric(Fabric(name="ib0")),
+        lambda: fleet.put_fabric(Fabric(name="ib0", type=FabricType.ROCE)),
+        lambda: fleet.delete_fabric("ib0"),
+    ):
+        before = fleet.fleet_changes()
+        change()
+        assert fleet.fleet_changes() > before
 
 
 def test_a_write_that_fails_moves_nothing(fleet: SqlStore) -> None:

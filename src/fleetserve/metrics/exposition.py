@@ -124,6 +124,13 @@ _DEFS = (
         "Time of one phase of a reconcile cycle: snapshot (read), plan (decide) or commit (write).",
     ),
     _own(
+        "fleetserve_reconcile_quiet_total",
+        Kind.COUNTER,
+        (),
+        "Reconcile cycles that found nothing changed since a cycle that changed nothing, and read"
+        " and planned nothing again (not in fleetserve_reconcile_seconds).",
+    ),
+    _own(
         "fleetserve_gateway_requests_total",
         Kind.COUNTER,
         ("deployment", "code"),
@@ -318,6 +325,7 @@ class FleetMetrics:
         self.placement_seconds = histogram("fleetserve_placement_seconds", CYCLE_BUCKETS)
         self.reconcile_seconds = histogram("fleetserve_reconcile_seconds", CYCLE_BUCKETS)
         self.reconcile_phase_seconds = histogram("fleetserve_reconcile_phase_seconds", CYCLE_BUCKETS)
+        self.reconcile_quiet = counter("fleetserve_reconcile_quiet_total")
         self.gateway_requests = counter("fleetserve_gateway_requests_total")
         self.gateway_request_seconds = histogram("fleetserve_gateway_request_seconds", REQUEST_BUCKETS)
         self.gateway_queue_depth = gauge("fleetserve_gateway_queue_depth")
@@ -360,6 +368,10 @@ class FleetMetrics:
 
     def observe_reconcile(self, seconds: float) -> None:
         self.reconcile_seconds.observe(seconds)
+
+    def count_quiet_cycle(self) -> None:
+        """A reconcile cycle that found nothing changed (``server.reconciler``: it read nothing)."""
+        self.reconcile_quiet.inc()
 
     def observe_reconcile_phase(self, phase: str, seconds: float) -> None:
         """One phase of a reconcile cycle (``server.reconciler.CyclePhase``: a closed set of labels)."""

@@ -1,9 +1,20 @@
 """The reconciler loop: the edge around the pure ``reconcile`` core.
 
 Each cycle, on the one server that holds the leader lease: judge node liveness from heartbeats,
-take one snapshot, decide (pure), then commit — releases first, then each new replica in its own
+take one snapshot, decide (pure), then commit — releases first, then the new replicas, a batch to a
 transaction. The store re-checks every allocation against the current state, so a plan built on
 stale state is rejected, never half-applied; the next cycle decides again.
+
+A quiet fleet is not read again every cycle. After a cycle that changed nothing (no node's
+liveness, no replica placed, drained or released, no status but the autoscaler's log) and left no
+step waiting on the clock (no replica draining or failed), the next cycles only judge liveness and
+compare the store's change counter (``changegate``: bumped by the database with every write to
+nodes, replicas, deployments, models, classes and fabrics). While it has not moved, the snapshot
+that cycle read is still the fleet, and planning it again would decide the same: such a cycle is
+*quiet* and reads nothing more (``fleetserve_reconcile_quiet_total``). Autoscaled deployments are
+still judged every cycle, on the replicas that cycle read; a new count ends the quiet. At least
+every ``changegate.FULL_READ_SECONDS`` a cycle reads and plans in full anyway. At 5,000 nodes a
+full cycle is most of a second of CPU in the server process, which its agents' requests waited on.
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ from enum import StrEnum
 from typing import Any
 
 from fleetserve.autoscale import AutoscaleState, DecisionLog, Signals, decide_for, render_decision
+from fleetserve.changegate import FULL_READ_SECONDS
 from fleetserve.errors import AllocationConflict, ConfigError, FleetserveError, UnknownReplica
 from fleetserve.gguf_facts import model_facts
 from fleetserve.metrics.exposition import FleetMetrics
@@ -28,7 +40,8 @@ from fleetserve.modelfacts import ModelFacts
 from fleetserve.reconcile.core import Planner
 from fleetserve.reconcile.health import HeartbeatPolicy, transitions
 from fleetserve.reconcile.lifecycle import FailureHistory
-from fleetserve.spec.resources import Deployment, Model, Replica
+from fleetserve.snapshot import ClusterSnapshot
+from fleetserve.spec.resources import Deployment, Model, Replica, ReplicaState
 from fleetserve.store.protocols import ReconcilerStore
 
 log = logging.getLogger("fleetserve.reconciler")
@@ -63,8 +76,24 @@ class CycleResult:
     draining: list[str] = field(default_factory=list)
     conflicts: list[str] = field(default_factory=list)
     seconds: float = 0.0
-    # Seconds per phase (a follower's cycle has none).
+    # Seconds per phase (a follower's cycle has none, nor a quiet one).
     phases: dict[CyclePhase, float] = field(default_factory=dict)
+    # Nothing had changed since a cycle that changed nothing: the fleet was not read again.
+    quiet: bool = False
+
+
+@dataclass
+class _Quiet:
+    """What a cycle that changed nothing leaves for the next ones: the change counter it read
+    before reading the fleet, when, and what it read and decided (for the autoscaler's judgement
+    and its log in the statuses)."""
+
+    counter: int
+    at: datetime
+    deployments: tuple[Deployment, ...]
+    replicas: tuple[Replica, ...]
+    desired: dict[str, int]
+    statuses: dict[str, dict[str, Any]]
 
 
 class Reconciler:
@@ -93,6 +122,10 @@ class Reconciler:
         self._last_recorded: dict[str, Any] = {}
         # The free capacity, kept between cycles and patched from each snapshot.
         self._planner = Planner()
+        self._quiet: _Quiet | None = None
+        # Autoscaler decisions a quiet check made, for the full cycle it started to use (not
+        # decide twice): per deployment, the stored deployment and its scaled copy.
+        self._scaled: dict[str, tuple[Deployment, Deployment]] = {}
 
     def _model_facts(self, models: list[Model]) -> dict[str, ModelFacts]:
         out = {}
@@ -113,16 +146,27 @@ class Reconciler:
         started = time.perf_counter()
         now = self.clock()
         if not self.store.try_acquire_leadership(LEASE, self.holder, now, self.lease_ttl):
+            self._quiet = None  # another server may change the fleet in ways no counter shows
             return CycleResult(leader=False)
         result = CycleResult(leader=True)
+        # Taken before anything is read: a write that commits meanwhile moves it past this value.
+        counter = self.store.fleet_changes()
         beats = [(h.name, h.state, h.last_heartbeat) for h in self.store.node_heartbeats()]
         for change in transitions(beats, now, self.policy):
             self.store.set_state(change.node, change.new)
             result.transitions.append((change.node, change.old.value, change.new.value))
             log.info("node %s: %s -> %s", change.node, change.old.value, change.new.value)
+        if not result.transitions and self._still_quiet(counter, now):
+            result.quiet = True
+            result.seconds = time.perf_counter() - started
+            if self.metrics is not None:
+                self.metrics.count_quiet_cycle()
+            return result
+        self._quiet = None
         stored = self.store.list_deployments()
         snapshot = self.store.snapshot(self._model_facts(self.store.list_models()))
-        deployments = [self._autoscale(d.deployment, snapshot.replicas) for d in stored]
+        deployments = [self._scale(d.deployment, snapshot.replicas) for d in stored]
+        self._scaled.clear()
         failures = {d.deployment.name: FailureHistory.from_status(d.status.get("failures")) for d in stored}
         placing = time.perf_counter()
         result.phases[CyclePhase.SNAPSHOT] = placing - started
@@ -146,6 +190,8 @@ class Reconciler:
         generations = {d.deployment.name: d.generation for d in stored}
         previous = {d.deployment.name: d.previous for d in stored}
         stored_status = {d.deployment.name: dict(d.status) for d in stored}
+        statuses: dict[str, dict[str, Any]] = {}
+        moved = False
         for decision in plan.decisions:
             conditions = decision.conditions_data()
             life = plan.lifecycles.get(decision.deployment)
@@ -166,9 +212,13 @@ class Reconciler:
                 ),
                 "unschedulable": len(decision.unplaced),
             }
+            statuses[decision.deployment] = status
             # A steady cycle computes the status it read (thousands of replica names at a large
             # fleet): writing it again would only churn the database.
-            if status != stored_status.get(decision.deployment):
+            read = stored_status.get(decision.deployment)
+            if status != read:
+                # The autoscaler's log moves every cycle (repeats, last_at); anything else is news.
+                moved = moved or not _same_but_autoscaler(status, read)
                 try:
                     self.store.set_deployment_status(decision.deployment, status)
                 except FleetserveError:
@@ -184,6 +234,16 @@ class Reconciler:
             if new_conditions or (acted and last != interesting):
                 self.store.record_decision(decision.deployment, decision.to_record(), now)
                 self._last_recorded[decision.deployment] = interesting
+                moved = True
+        if not (moved or result.transitions or result.conflicts or plan.changes) and _settled(snapshot):
+            self._quiet = _Quiet(
+                counter=counter,
+                at=now,
+                deployments=tuple(d.deployment for d in stored),
+                replicas=snapshot.replicas,
+                desired={d.name: d.desired_replicas for d in deployments},
+                statuses=statuses,
+            )
         ended = time.perf_counter()
         result.phases[CyclePhase.COMMIT] = ended - committing
         result.seconds = ended - started
@@ -219,6 +279,47 @@ class Reconciler:
         except FleetserveError as exc:
             return exc
         return None
+
+    def _still_quiet(self, counter: int, now: datetime) -> bool:
+        """Whether this cycle may skip reading and planning: nothing changed since a cycle that
+        changed nothing, not for too long, and no autoscaled deployment wants a new count. Writes
+        each autoscaled deployment's status again when only its autoscaler log moved."""
+        quiet = self._quiet
+        if quiet is None or counter != quiet.counter:
+            return False
+        if now - quiet.at >= timedelta(seconds=FULL_READ_SECONDS):
+            return False
+        # Decisions made here are the full cycle's if one follows (see ``_scale``).
+        scaled: dict[str, tuple[Deployment, Deployment]] = {}
+        self._scaled = scaled
+        for dep in quiet.deployments:
+            if isinstance(dep.replicas, int) or self.signals is None:
+                continue
+            after = self._autoscale(dep, quiet.replicas)
+            scaled[dep.name] = (dep, after)
+            if after.desired_replicas != quiet.desired.get(dep.name):
+                return False
+        for name in scaled:
+            status = quiet.statuses.get(name)
+            if status is None:
+                continue
+            logged = {**status, "autoscaler": list(self.scale_log.entries(name))}
+            if logged != status:
+                try:
+                    self.store.set_deployment_status(name, logged)
+                except FleetserveError:
+                    return False  # deleted meanwhile: a change the next full cycle reads
+                quiet.statuses[name] = logged
+        self._scaled = {}
+        return True
+
+    def _scale(self, dep: Deployment, replicas: tuple[Replica, ...]) -> Deployment:
+        """The deployment as the autoscaler wants it: decided just before by the quiet check that
+        started this cycle, if that was this very deployment, else now."""
+        decided = self._scaled.get(dep.name)
+        if decided is not None and decided[0] == dep:
+            return decided[1]
+        return self._autoscale(dep, replicas)
 
     def _autoscale(self, dep: Deployment, replicas: tuple[Replica, ...]) -> Deployment:
         """The deployment with the autoscaler's replica count, for a {min, max} range; as is otherwise."""
@@ -260,3 +361,19 @@ class Reconciler:
             self.store.release_leadership(LEASE, self.holder)
         except FleetserveError as exc:
             log.warning("could not hand the reconciler lease over: %s", exc)
+
+
+def _same_but_autoscaler(status: dict[str, Any], other: dict[str, Any] | None) -> bool:
+    """Whether two statuses differ at most in the autoscaler's log."""
+    if other is None:
+        return False
+    return {k: v for k, v in status.items() if k != "autoscaler"} == {
+        k: v for k, v in other.items() if k != "autoscaler"
+    }
+
+
+def _settled(snapshot: ClusterSnapshot) -> bool:
+    """Whether no replica waits on the clock: a drain ends at its deadline, a failed replica is
+    replaced when its backoff ends, with nothing else changing meanwhile."""
+    waiting = (ReplicaState.DRAINING, ReplicaState.FAILED)
+    return not any(r.state in waiting for r in snapshot.replicas)

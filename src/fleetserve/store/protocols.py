@@ -144,6 +144,8 @@ class AssignmentSource(Protocol):
 class ReconcilerStore(Inventory, Deployments, Heartbeats, Lease, Drains, Protocol):
     """Everything the reconciler reads and writes."""
 
+    def fleet_changes(self) -> int: ...
+
 
 class UsageSink(Protocol):
     """Where a gateway writes the usage it counted: added into the rows per minute, key and model."""

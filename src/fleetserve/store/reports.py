@@ -177,7 +177,7 @@ class SqlReports(SqlBase):
     def fleet_changes(self) -> int:
         """The change counter (``changegate``): it moves with every committed write that changes
         replicas, their reported ports or restarts, nodes' states, cordons, epochs or documents,
-        deployments' specs, models or classes; never with a heartbeat. One tiny read."""
+        deployments' specs, models, classes or fabrics; never with a heartbeat. One tiny read."""
         with self._single("reading the change counter", write=False) as c:
             return int(c.execute(select(func.coalesce(func.sum(FleetChangeRow.n), 0))).scalar_one())
 
