@@ -1,4 +1,5 @@
-"""NVIDIA discovery through NVML: a recorded 8-GPU HGX H100 replayed, and this machine (no driver) for real."""
+"""NVIDIA discovery through NVML: a recorded 8-GPU HGX H100 and a single H200 we recorded ourselves,
+replayed, and this machine (no driver) for real."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from fleetserve.inventory.matching import FabricMap, to_node
 from fleetserve.spec.resources import DeviceClass, DeviceHealth
 
 HGX = Path(__file__).parent.parent / "fixtures/discovery/nvml/linux_nvidia_8_h100_80gx8.json"
+# Recorded by us on a lent H200 machine while llama-server held the GPU (fixtures README).
+H200_RECORDING = Path(__file__).parent.parent / "fixtures/discovery/nvml/linux_nvidia_1_h200_141gx1.json"
 HOST = HostFacts(
     "hgx-01", physical_cores=112, logical_cpus=224, numa_nodes=2, memory_total=2**41, memory_available=2**40
 )
@@ -220,3 +223,78 @@ def test_the_replay_shuts_nvml_down_after_discovery() -> None:
     replay = NvmlReplay(recording())
     NvidiaDiscoverer(replay).discover()
     assert replay.initialized is False
+
+
+# The lent H200, as NVML answered while llama-server (-ngl 99) ran on it.
+H200_UUID = "GPU-e9d758e2-ec1d-89f3-c1bf-35fef897fa79"
+LLAMA_SERVER_PID = 4888
+H200_HOST = HostFacts(
+    "h200-01", physical_cores=16, logical_cpus=16, numa_nodes=1, memory_total=2**37, memory_available=2**36
+)
+H200 = DeviceClass.model_validate(
+    {
+        "name": "nvidia-h200-141gb",
+        "driver": "gpu.nvidia.com",
+        "memory": "141GB",
+        "match": {"productName": "NVIDIA H200", "pciVendorId": "0x10de", "pciDeviceIds": ["0x2335"]},
+    }
+)
+
+
+def h200() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(H200_RECORDING.read_text())
+    return data
+
+
+def test_the_recorded_h200_is_found_as_the_real_device_showed_it() -> None:
+    found = discover(h200())
+    assert found.problems == ()
+    assert len(found.gpus) == 1
+    gpu = found.gpus[0]
+    assert (gpu.index, gpu.uuid, gpu.pci_bus_id) == (0, H200_UUID, "0000:00:06.0")
+    # nvidia-smi on the same machine: "NVIDIA H200", 143771 MiB, driver 580.159.04.
+    assert (gpu.driver, gpu.name, gpu.memory) == (Driver.NVIDIA, "NVIDIA H200", 143771 * 2**20)
+    assert (gpu.pci_vendor_id, gpu.pci_device_id, gpu.gfx_target, gpu.source) == (
+        "0x10de",
+        "0x2335",
+        None,
+        "nvml",
+    )
+    assert gpu.ecc_uncorrected == 0
+    assert gpu.compute_pids == (LLAMA_SERVER_PID,), "llama-server's process while it held the GPU"
+    assert gpu.nvlink_peers == (), "a single GPU has no NVLink peer (NVML: NVLink NOT_SUPPORTED)"
+
+
+def test_the_h200_recording_says_which_driver_answered_and_that_nvlink_was_not_supported() -> None:
+    data = h200()
+    assert (data["driver_version"], data["cuda_driver_version"]) == ("580.159.04", 13000)
+    assert data["devices"][0]["nvlinks"] == []
+    assert data["nvml_errors"] == {"gpu0.nvlink0.state": "NOT_SUPPORTED"}
+
+
+@pytest.mark.parametrize(
+    ("own_pids", "health"),
+    [
+        pytest.param(frozenset({LLAMA_SERVER_PID}), DeviceHealth(), id="llama-server-started-by-fleetserve"),
+        pytest.param(
+            frozenset(),
+            DeviceHealth(foreign_processes=(LLAMA_SERVER_PID,)),
+            id="the-same-process-not-started-by-fleetserve",
+        ),
+    ],
+)
+def test_a_single_h200_node_has_one_device_no_nvlink_domain_and_health_from_its_process(
+    own_pids: frozenset[int], health: DeviceHealth
+) -> None:
+    node, unmatched = to_node(
+        Discovery(H200_HOST, discover(h200()).gpus, (), ()),
+        {"nvidia-h200-141gb": H200},
+        FabricMap(),
+        "h200-01",
+        {},
+        own_pids,
+    )
+    assert unmatched == ()
+    assert [(d.index, d.device_class) for d in node.devices] == [(0, "nvidia-h200-141gb")]
+    assert node.nvlink_domains == ()
+    assert node.devices[0].health == health
