@@ -4,7 +4,12 @@ an operator; an approval lets one enrolment through; deleting the node forgets i
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import UTC, datetime
+
+import pytest
+from sqlalchemy import text
 
 from builders import cpu_8c_32g
 from fleetserve.store import SqlStore
@@ -142,3 +147,34 @@ def test_a_batch_of_heartbeats_judges_each_beat_on_its_own_credential(store: Sql
     assert store.beats([Beat(enrolled["n2"], "n2", 2), Beat(again.credential, "n2", 1)], t2) == [False, False]
     assert last()["n2"] == after["n2"]
     assert store.beats([Beat(again.credential, "n2", 2), Beat(thief, "n1", 1)], t2) == [True, True]
+
+
+def test_a_batch_of_heartbeats_locks_its_nodes_in_name_order_as_allocations_do(store: SqlStore) -> None:
+    """An allocation locks its nodes in name order (``SqlInventory``). Played on PostgreSQL: a
+    transaction holds n1 and will want n2, like an allocation spanning both; a batch of heartbeats
+    for n2 and n1 (n2 stored first, so a plain scan meets it first) starts meanwhile. The batch
+    waits for n1 holding nothing, so the transaction takes n2 at once and both finish: no
+    deadlock (one of the two aborted by PostgreSQL)."""
+    if store.engine.dialect.name != "postgresql":
+        pytest.skip("SQLite has one writer at a time: there is no lock order to keep")
+    credentials = {}
+    for name in ("n2", "n1"):
+        got = store.enrol(cpu_8c_32g(name), T0, approve_new=True, source="10.0.0.1")
+        assert isinstance(got, Enrolled)
+        credentials[name] = got.credential
+    t1 = datetime(2026, 1, 1, 0, 0, 5, tzinfo=UTC)
+    lock = "SELECT name FROM nodes WHERE name = :name FOR UPDATE"
+    with store.engine.connect() as holder:
+        holder.execute(text("SET lock_timeout = '10s'"))
+        holder.execute(text(lock), {"name": "n1"})
+        result: list[list[bool]] = []
+        batch = threading.Thread(
+            target=lambda: result.append(store.beats([Beat(credentials[n], n, 1) for n in ("n2", "n1")], t1))
+        )
+        batch.start()
+        time.sleep(0.5)  # the batch is waiting for n1 by now
+        holder.execute(text(lock), {"name": "n2"})  # refused (deadlock) if the batch held n2
+        holder.commit()
+    batch.join(timeout=30)
+    assert result == [[True, True]]
+    assert {h.name: h.last_heartbeat for h in store.node_heartbeats()} == {"n1": t1, "n2": t1}

@@ -19,7 +19,7 @@ from datetime import datetime
 from enum import StrEnum
 
 from sqlalchemy import bindparam, func, select, tuple_, update
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased
 
 from fleetserve.inventory.base import Registration
 from fleetserve.spec.resources import Node, NodeState
@@ -76,17 +76,29 @@ _BOUND_NODE = select(NodeCredentialRow.node).where(NodeCredentialRow.token_hash 
 _BOUND_NODES = select(NodeCredentialRow.token_hash, NodeCredentialRow.node).where(
     NodeCredentialRow.token_hash.in_(bindparam("b_hashes", expanding=True))
 )
-_BEATS = (
-    update(NodeRow)
+_BEATING = aliased(NodeRow, name="beating")
+# The rows are locked in name order before they are written, as every other writer of several
+# nodes locks them (allocations: ``SqlInventory``): a batch's UPDATE alone locks them in the order
+# its scan meets them, and PostgreSQL then found it in a deadlock with an allocation (one of the two
+# aborted, its calls answered again by the route). SQLite has one writer: no lock to order.
+_BEAT_LOCKS = (
+    select(_BEATING.name)
     .where(
-        tuple_(NodeRow.name, NodeRow.epoch).in_(bindparam("b_pairs", expanding=True)),
-        NodeRow.name.in_(
+        tuple_(_BEATING.name, _BEATING.epoch).in_(bindparam("b_pairs", expanding=True)),
+        _BEATING.name.in_(
             select(NodeCredentialRow.node)
             .where(NodeCredentialRow.token_hash.in_(bindparam("b_hashes", expanding=True)))
             .scalar_subquery()
         ),
-        NodeRow.state == NodeState.READY.value,
+        _BEATING.state == NodeState.READY.value,
     )
+    .order_by(_BEATING.name)
+    .with_for_update()
+    .subquery("locked")
+)
+_BEATS = (
+    update(NodeRow)
+    .where(NodeRow.name == _BEAT_LOCKS.c.name)
     .values(last_heartbeat=bindparam("b_at", type_=NodeRow.last_heartbeat.type))
     .returning(NodeRow.name, NodeRow.epoch)
 )

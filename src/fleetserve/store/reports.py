@@ -23,6 +23,7 @@ from sqlalchemy import (
     update,
     values,
 )
+from sqlalchemy.orm import aliased
 
 from fleetserve.errors import (
     StaleEpoch,
@@ -335,9 +336,20 @@ class SqlReports(SqlBase):
         rows = values(
             column("node", String), column("epoch", Integer), column("agent", String), name="reported"
         ).data(data)
+        # Locked in name order first, as every writer of several nodes locks them (see
+        # ``identity._BEAT_LOCKS``): the join alone would lock them in the order it meets them.
+        reporting = aliased(NodeRow, name="reporting")
+        locked = (
+            select(reporting.name)
+            .where(reporting.name.in_(sorted({node for node, _ in last})))
+            .order_by(reporting.name)
+            .with_for_update()
+            .subquery("locked")
+        )
         statement = (
             update(NodeRow)
             .where(
+                NodeRow.name == locked.c.name,
                 NodeRow.name == rows.c.node,
                 NodeRow.epoch == rows.c.epoch,
                 NodeRow.state == NodeState.READY.value,
