@@ -450,7 +450,16 @@ class Fleet:
         and long-poll as soon as it has enrolled, as a real one does."""
 
         async def one(i: int) -> None:
-            await self.register(i)
+            # A real agent whose server does not answer tries again, backing off (to 30 s).
+            delay = 1.0
+            while True:
+                try:
+                    await self.register(i)
+                    break
+                except (UpstreamError, OSError) as exc:
+                    self.stats.fail("register", exc)
+                    await asyncio.sleep(delay * (0.5 + random.random()))
+                    delay = min(2 * delay, 30.0)
             self.start(i, interval, report_every)
 
         await asyncio.gather(*(one(i) for i in range(len(self.nodes))))
@@ -728,6 +737,11 @@ async def run_column(
             if reg:
                 col.figures["enrolment p50 / p99 ms"] = (
                     f"{quantile(reg, 50) * 1e3:.1f} / {quantile(reg, 99) * 1e3:.1f}"
+                )
+            retried = fleet.stats.failures.get("register", 0)
+            if retried:
+                col.figures["enrolment: attempts failed, tried again"] = (
+                    f"{retried:,} ({fleet.stats.first_error['register'][:40]})"
                 )
         fleet.stats.recording = False
         await asyncio.sleep(2)

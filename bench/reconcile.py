@@ -21,8 +21,12 @@ Phases, per column (the reconciler's clock is simulated: one second per cycle):
 
 - **fill**: cycles until one allocates, drains and releases nothing; between cycles every new
   replica is reported Running and every node heartbeats, as agents would (not timed).
-- **steady**: ``--cycles`` cycles with nothing changed but the heartbeats: p50/p99 of the cycle
-  and of each phase (snapshot, plan, commit), RSS at the first and the last.
+- **steady**: ``--cycles`` cycles with nothing changed but the heartbeats, each read and planned
+  in full (``Reconciler.quiet_cycles`` off): p50/p99 of the cycle and of each phase (snapshot,
+  plan, commit), RSS at the first and the last.
+- **quiet**: ``--cycles`` more such cycles as the server runs them: a cycle that finds nothing
+  changed since one that changed nothing reads and plans nothing (how many were, and their
+  p50/p99; a ref without quiet cycles reads in full every time).
 - **one change**: a cycle after each of: one deployment scaled by -10 (its Running replicas
   start to drain); the drain deadline passing (they are released, and other deployments' waiting
   replicas take the room); the same deployment scaled by +10 again; one node silent past the
@@ -172,10 +176,14 @@ def worker(kind: str, url: str, args: argparse.Namespace) -> dict[str, Any]:
         rss: list[float] = []
         watch = fleetgen.GcWatch()  # full (generation 2) collections: a pause inside some cycle
         gc.callbacks.append(watch)
+        reconciler.quiet_cycles = False
         for _ in range(args.cycles):
             steady.append(cycle())
             rss.append(rss_mib())
         gc.callbacks.remove(watch)
+        reconciler.quiet_cycles = True
+        quiet = [cycle() for _ in range(args.cycles)]
+        out["quiet"] = [r.seconds for r in quiet if getattr(r, "quiet", False)]
         out["full gc"] = [watch.passes, watch.total_s, watch.longest_s]
         out["steady"] = {
             "cycle": [r.seconds for r in steady],
@@ -246,6 +254,10 @@ def rows(fig: dict[str, Any]) -> dict[str, str]:
         label = "steady cycle p50 / p99 s" if name == "cycle" else f"  {name} p50 / p99 s"
         out[label] = f"{quantile(values, 50):.3f} / {quantile(values, 99):.3f}"
     out["  changes in steady cycles"] = str(fig["steady changes"])
+    quiet = fig["quiet"]
+    out["quiet cycles: of steady, p50 / p99 ms"] = f"{len(quiet)} of {len(fig['steady']['cycle'])}, " + (
+        f"{quantile(quiet, 50) * 1e3:.1f} / {quantile(quiet, 99) * 1e3:.1f}" if quiet else "-"
+    )
     out["RSS MiB first / last cycle"] = f"{fig['rss'][0]:,.0f} / {fig['rss'][1]:,.0f}"
     passes, total, longest = fig["full gc"]
     out["  full GC passes, s (longest)"] = f"{passes}, {total:.2f} ({longest:.2f})"

@@ -35,6 +35,7 @@ def test_a_tiny_run_prints_every_figure_for_both_stores(
         "plan p50 / p99 s",
         "commit p50 / p99 s",
         "RSS MiB first / last cycle",
+        "quiet cycles: of steady, p50 / p99 ms",
         "scale -10 (drain): s",
         "drain deadline passed: s",
         "scale +10: s",
@@ -45,5 +46,7 @@ def test_a_tiny_run_prints_every_figure_for_both_stores(
     assert "failed" not in out, out
     # The fleet filled, and a steady cycle changed nothing.
     assert rows["changes in steady cycles"].split()[-2:] == ["0", "0"], out
+    # Once settled, the cycles the server runs read nothing: every one of them quiet.
+    assert rows["quiet cycles: of steady, p50 / p99 ms"].count("2 of 2") == 2, out
     # The silent nodes were judged: one transition each.
     assert rows["one node NotReady: split"].split()[-1] == "t1", out

@@ -108,8 +108,11 @@ class Reconciler:
         holder: str | None = None,
         signals: SignalSource | None = None,
         metrics: FleetMetrics | None = None,
+        quiet_cycles: bool = True,
     ) -> None:
         self.store = store
+        # False: every cycle reads and plans in full (bench/reconcile.py times such cycles).
+        self.quiet_cycles = quiet_cycles
         self.signals = signals
         self.metrics = metrics
         self.scale_log = DecisionLog()
@@ -156,7 +159,7 @@ class Reconciler:
             self.store.set_state(change.node, change.new)
             result.transitions.append((change.node, change.old.value, change.new.value))
             log.info("node %s: %s -> %s", change.node, change.old.value, change.new.value)
-        if not result.transitions and self._still_quiet(counter, now):
+        if self.quiet_cycles and not result.transitions and self._still_quiet(counter, now):
             result.quiet = True
             result.seconds = time.perf_counter() - started
             if self.metrics is not None:
