@@ -42,13 +42,16 @@ thread, per kind of work (heartbeat, status report, enrolment, long-poll, creden
 reconciler, assignment watch, observer, ...) and per frame.
 
 ``--nodes 5000 --skip pair,sqlite`` is the fleet the targets are set for: 5,000 agents ask for
-about 750 requests a second (500 heartbeats and reports, 250 re-issued long-polls), and one server
-process answers them at about two thirds of a core (heartbeats, reports and credential checks
-gathered into batches, re-issued polls held without FastAPI: ``server/hotpath.py``). That column
-takes about five minutes on the 2-core development machine, most of it enrolment (5,000 nodes at
-about 60 a second) and the scale-up. The default stays at 1,000 agents so that all three columns
-(the second server and SQLite too) end well inside ten minutes. ``--deadline SECONDS`` (and
-SIGTERM or Ctrl-C) prints the phases that ended, with how far enrolment got.
+about 750 requests a second (500 heartbeats and reports, 250 re-issued long-polls). One server
+process answers them with about three quarters of a core (heartbeats, reports and credential
+checks gathered into batches, re-issued polls held without FastAPI: ``server/hotpath.py``), but
+it cannot use more than about one (Python runs one thread at a time). On a lent 16-core machine
+that column ran to the end in about five minutes, most of it enrolment (about 50 nodes a second)
+and the scale-up; on the 2-core development machine, where this process and PostgreSQL share the
+two cores with the server, it may not settle (enrolments time out and are tried again, as agents
+do). The default stays at 1,000 agents so that all three columns (the second server and SQLite
+too) end well inside ten minutes. ``--deadline SECONDS`` (and SIGTERM or Ctrl-C) prints the phases
+that ended, with how far enrolment got.
 
 This prints figures; it asserts nothing (the machine may be shared and noisy).
 """
