@@ -100,7 +100,8 @@ def test_the_recorded_h200_read_through_nvml_gives_canonical_nvidia_samples(
     samples = {s.name: s.model_dump() for s in make_reader(tmp_path)(node)}
     labels = {"node": "h200-01", "device": "0", "driver": "gpu.nvidia.com", "class": "nvidia-h200-141gb"}
     assert all(s["labels"] == labels for s in samples.values())
-    # NVML's units (%, bytes, mW, mJ, °C) as the H200 answered, in canonical units.
+    # NVML's units (%, bytes, mW, mJ, °C) as the H200 answered, in canonical units. The recording
+    # holds v1 memory info only, so the replay answers as a driver without v2 (the v2 test below).
     assert {name: s["value"] for name, s in samples.items()} == {
         "fleetserve_gpu_utilization_ratio": 0.0,
         "fleetserve_gpu_memory_used_bytes": 1308491776.0,
@@ -108,3 +109,83 @@ def test_the_recorded_h200_read_through_nvml_gives_canonical_nvidia_samples(
         "fleetserve_gpu_energy_joules_total": 20442.366,
         "fleetserve_gpu_temperature_celsius": 34.0,
     }, "and no tensor-active ratio: NVML has no such reading (DCGM profiling only)"
+
+
+# NVML's memory info, v1 and v2, read on the lent H200 (idle, then holding 1 GiB): fixtures README.
+H200_MEMORY = FIXTURES / "nvml/linux_nvidia_1_h200_141gx1.memory.json"
+
+
+@dataclass(frozen=True)
+class _MemoryV2:
+    total: int
+    reserved: int
+    free: int
+    used: int
+
+
+class _RecordedMemory:
+    """pynvml as the H200 answered its memory calls in one state; every other reading unsupported.
+    ``v2`` False: a driver without ``nvmlDeviceGetMemoryInfo_v2`` (pynvml then raises
+    FUNCTION_NOT_FOUND)."""
+
+    NVMLError = pynvml.NVMLError
+    nvmlMemory_v2 = pynvml.nvmlMemory_v2
+
+    def __init__(self, state: dict[str, Any], v2: bool = True) -> None:
+        self.state, self.v2 = state, v2
+
+    def nvmlInit(self) -> None: ...
+
+    def nvmlShutdown(self) -> None: ...
+
+    def nvmlDeviceGetCount(self) -> int:
+        return 1
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
+        return index
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int, version: int | None = None) -> object:
+        if version is None:
+            return _Memory(
+                total=self.state["v1"]["total"], used=self.state["v1"]["used"], free=self.state["v1"]["free"]
+            )
+        if not self.v2:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        assert version == pynvml.nvmlMemory_v2
+        v2 = self.state["v2"]
+        return _MemoryV2(total=v2["total"], reserved=v2["reserved"], free=v2["free"], used=v2["used"])
+
+    def __getattr__(self, call: str) -> Any:
+        def unsupported(*args: object) -> None:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+        return unsupported
+
+
+@pytest.mark.parametrize(
+    ("state", "v2", "used"),
+    [
+        # nvidia-smi said 1551 MiB used (and 616 MiB reserved) while the process held its GiB …
+        ("holding_1GiB", True, 1_626_144_768),
+        # … and 0 MiB idle, where NVML's v1 "used" is the driver's reservation alone.
+        ("idle", True, 0),
+        # A driver without v2: v1's used, reservation included, rather than nothing.
+        ("holding_1GiB", False, 2_271_084_544),
+    ],
+)
+def test_gpu_memory_used_leaves_out_what_the_driver_reserves_as_nvidia_smi_and_dcgm_do(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, state: str, v2: bool, used: int
+) -> None:
+    recorded = json.loads(H200_MEMORY.read_text())[state]
+    if v2:
+        assert recorded["v1"]["used"] == recorded["v2"]["used"] + recorded["v2"]["reserved"]
+    monkeypatch.setitem(sys.modules, "pynvml", _RecordedMemory(recorded, v2))
+    node = Node.model_validate(
+        {
+            "name": "h200-01",
+            "cpu": {"cores": 16, "memory": "128GiB"},
+            "devices": [{"index": 0, "class": "h200"}],
+        }
+    )
+    samples = {s.name: s.value for s in make_reader(tmp_path)(node)}
+    assert samples == {"fleetserve_gpu_memory_used_bytes": float(used)}

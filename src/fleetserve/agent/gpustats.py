@@ -24,6 +24,19 @@ def _read(nvml: Any, call: str, *args: Any) -> Any:
         return None
 
 
+def _memory_used(nvml: Any, handle: Any) -> int | None:
+    """Bytes in use on the device as ``nvidia-smi`` and DCGM's FB_USED count them: NVML's v2
+    memory info, whose ``used`` leaves out what the driver reserves (615 MiB on an H200, read on
+    one: the v1 ``used`` is v2's ``used`` plus ``reserved``). Drivers without v2 answer v1."""
+    version = getattr(nvml, "nvmlMemory_v2", None)
+    if version is not None:
+        memory = _read(nvml, "nvmlDeviceGetMemoryInfo", handle, version)
+        if memory is not None:
+            return int(memory.used)
+    memory = _read(nvml, "nvmlDeviceGetMemoryInfo", handle)
+    return None if memory is None else int(memory.used)
+
+
 def _nvml_readings() -> list[NvmlReading]:
     """One reading per NVIDIA GPU; none when NVML cannot start (no driver, as on CPU machines)."""
     try:
@@ -37,12 +50,11 @@ def _nvml_readings() -> list[NvmlReading]:
         for index in range(pynvml.nvmlDeviceGetCount()):
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             util = _read(pynvml, "nvmlDeviceGetUtilizationRates", handle)
-            memory = _read(pynvml, "nvmlDeviceGetMemoryInfo", handle)
             out.append(
                 NvmlReading(
                     index=index,
                     utilization_gpu=None if util is None else int(util.gpu),
-                    memory_used=None if memory is None else int(memory.used),
+                    memory_used=_memory_used(pynvml, handle),
                     power_usage=_read(pynvml, "nvmlDeviceGetPowerUsage", handle),
                     total_energy_consumption=_read(pynvml, "nvmlDeviceGetTotalEnergyConsumption", handle),
                     temperature_gpu=_read(pynvml, "nvmlDeviceGetTemperature", handle, 0),

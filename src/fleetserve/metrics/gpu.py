@@ -249,7 +249,7 @@ class NvmlReading:
     index: int
     name: str = ""
     utilization_gpu: int | None = None  # nvmlDeviceGetUtilizationRates().gpu, percent
-    memory_used: int | None = None  # nvmlDeviceGetMemoryInfo().used, bytes
+    memory_used: int | None = None  # nvmlDeviceGetMemoryInfo(nvmlMemory_v2).used (v1 where absent), bytes
     power_usage: int | None = None  # nvmlDeviceGetPowerUsage, milliwatts
     total_energy_consumption: int | None = None  # nvmlDeviceGetTotalEnergyConsumption, millijoules
     temperature_gpu: int | None = None  # nvmlDeviceGetTemperature(NVML_TEMPERATURE_GPU), Celsius
