@@ -26,11 +26,19 @@ from fleetserve.errors import InternalError, StoreError
 # Execution option that makes a SQLite transaction start with a plain (deferred) BEGIN.
 READ_ONLY = "fleetserve_read_only"
 DEFAULT_BUSY_TIMEOUT = 30.0
-# PostgreSQL connections kept open per process, and the most opened beyond them under load (each
-# closed again when returned to a full pool). The server's threads (40) share them; a pool too
-# small for its load opens and closes connections all the time, and each costs PostgreSQL a process.
+# PostgreSQL connections per server process, in two pools: the transactions' (the server's 40
+# worker threads share it) and the autocommit twin's (single statements: the agents' hot path, a
+# thread per batch kind, and whatever route falls back to it). Each keeps its SIZE open and opens
+# up to OVERFLOW more under load (closed again when returned to a full pool); a thread finding
+# its pool exhausted waits for a connection. At most MAX_CONNECTIONS in all, so that two server
+# processes stay inside a stock PostgreSQL's max_connections of 100 (three of them reserved for
+# superusers); more processes need max_connections raised to MAX_CONNECTIONS each, plus headroom.
+# (Twice 40 each, before, and two servers under 1,000 agents met "sorry, too many clients".)
 POOL_SIZE = 20
-POOL_OVERFLOW = 20
+POOL_OVERFLOW = 10
+TWIN_POOL_SIZE = 10
+TWIN_POOL_OVERFLOW = 5
+MAX_CONNECTIONS = POOL_SIZE + POOL_OVERFLOW + TWIN_POOL_SIZE + TWIN_POOL_OVERFLOW
 # A pooled connection idle longer than this is pinged before use (one that answered a moment ago
 # is taken as alive: a ping on every checkout was a round trip per statement on the agents' path).
 PING_AFTER_IDLE = 2.0
@@ -89,6 +97,7 @@ def make_engine(
             args.setdefault("connect_timeout", 10)
             engine = create_engine(target, connect_args=args, pool_size=POOL_SIZE, max_overflow=POOL_OVERFLOW)
             _ping_when_idle(engine)
+            _CONNECT_ARGS[engine] = args
     except (SQLAlchemyError, ImportError) as exc:
         raise StoreError(f"cannot create a database engine for {target!r}: {exc}") from exc
     return engine
@@ -96,8 +105,9 @@ def make_engine(
 
 def autocommit_twin(engine: Engine) -> Engine:
     """A second engine on ``engine``'s PostgreSQL database whose connections stay in autocommit
-    for life: a pool of its own, made by ``engine``'s pool (the same connection arguments), with
-    the same ping after idle. For single statements, atomic on their own (the agents' hot path).
+    for life: a pool of its own (``TWIN_POOL_SIZE``; the connection arguments ``make_engine`` gave
+    ``engine``), with the same ping after idle. For single statements, atomic on their own (the
+    agents' hot path).
 
     ``engine.execution_options(isolation_level="AUTOCOMMIT")`` shares the pool instead, so every
     checkout switched a connection into autocommit and every return switched it back: half the
@@ -105,7 +115,17 @@ def autocommit_twin(engine: Engine) -> Engine:
     engine, and disposed of with it (``Engine.dispose``)."""
     twin = _TWINS.get(engine)
     if twin is None:
-        twin = create_engine(engine.url, pool=engine.pool.recreate(), isolation_level="AUTOCOMMIT")
+        args = _CONNECT_ARGS.get(engine)
+        if args is None:  # an engine not made by make_engine: its own pool's settings
+            twin = create_engine(engine.url, pool=engine.pool.recreate(), isolation_level="AUTOCOMMIT")
+        else:
+            twin = create_engine(
+                engine.url,
+                connect_args=args,
+                pool_size=TWIN_POOL_SIZE,
+                max_overflow=TWIN_POOL_OVERFLOW,
+                isolation_level="AUTOCOMMIT",
+            )
         _ping_when_idle(twin)
         _TWINS[engine] = twin
         # One twin per engine, whatever the number of stores over it; gone with the engine's pool.
@@ -114,6 +134,8 @@ def autocommit_twin(engine: Engine) -> Engine:
 
 
 _TWINS: weakref.WeakKeyDictionary[Engine, Engine] = weakref.WeakKeyDictionary()
+# The driver arguments each PostgreSQL engine was made with, for its twin.
+_CONNECT_ARGS: weakref.WeakKeyDictionary[Engine, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
 def _ping_when_idle(engine: Engine) -> None:
