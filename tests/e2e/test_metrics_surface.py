@@ -505,6 +505,7 @@ def test_fleetserves_own_metrics_count_gateway_requests_by_code_and_reconcile_cy
     wait_for(lambda: surface.running("tiny"), timeout=90, what="the tiny replica to be Running")
     before = surface.metrics()
     reconciles_before = value(before, "fleetserve_reconcile_seconds_count")
+    quiet_before = value(before, "fleetserve_reconcile_quiet_total")
     t_before = time.monotonic()
 
     only_coder = surface.create_key("coder-only", ["coder"])
@@ -552,16 +553,18 @@ def test_fleetserves_own_metrics_count_gateway_requests_by_code_and_reconcile_cy
         after, "fleetserve_gateway_rejections_total", deployment="tiny", reason="RateLimited"
     ) - value(before, "fleetserve_gateway_rejections_total", deployment="tiny", reason="RateLimited")
     reconciles = value(after, "fleetserve_reconcile_seconds_count") - reconciles_before
+    # A settled fleet's cycles are mostly quiet: they read nothing and are counted apart.
+    quiet = value(after, "fleetserve_reconcile_quiet_total") - quiet_before
     print(
         f"\ngateway requests counted for tiny by code: {delta}; request-seconds count +{counted:g}; "
-        f"RateLimited rejections +{rejected:g}; reconcile cycles +{reconciles:g} in "
+        f"RateLimited rejections +{rejected:g}; reconcile cycles +{reconciles:g} full, +{quiet:g} quiet in "
         f"{t_after - t_before:.1f} s (interval 0.2 s), reconcile seconds sum "
         f"{value(after, 'fleetserve_reconcile_seconds_sum'):.3f}"
     )
     assert delta == {"200": 4, "403": 0, "429": 1, "404": 0}, delta
     assert not [lbl for (n, lbl) in after if n == requests and dict(lbl).get("deployment") == "no-such-model"]
     assert counted == 5 and rejected == 1
-    assert reconciles >= 3, reconciles
+    assert reconciles + quiet >= 3, (reconciles, quiet)
     assert value(after, "fleetserve_reconcile_seconds_bucket", le="+Inf") == value(
         after, "fleetserve_reconcile_seconds_count"
     )
