@@ -586,9 +586,18 @@ class Column:
 def cpu_of(procs: Sequence[psutil.Process]) -> float:
     total = 0.0
     for p in procs:
-        t = p.cpu_times()
-        total += t.user + t.system
+        with contextlib.suppress(psutil.NoSuchProcess):  # a reconciler process started again
+            t = p.cpu_times()
+            total += t.user + t.system
     return total
+
+
+def rss_of(procs: Sequence[psutil.Process]) -> float:
+    total = 0
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            total += p.memory_info().rss
+    return total / 2**20
 
 
 async def admin(origin: Origin, token: str, method: str, path: str, body: Any) -> Any:
@@ -637,6 +646,8 @@ async def steady(
 ) -> None:
     """The steady phase: latencies, request rate, reconcile cycles, CPU and RSS."""
     procs = [psutil.Process(s.proc.pid) for s in servers]
+    # A server on PostgreSQL runs its reconciler in a process of its own (``--reconciler``).
+    children = [c for p in procs for c in p.children(recursive=True)]
     me = psutil.Process()
     before_text = await metrics_text(servers[0].origin)
     fleet.stats = Stats(recording=True, reregistered=fleet.stats.reregistered)
@@ -647,22 +658,25 @@ async def steady(
     gc.freeze()
     gc.disable()
     try:
-        cpu0, t0 = cpu_of(procs), time.perf_counter()
+        cpu0, child0, t0 = cpu_of(procs), cpu_of(children), time.perf_counter()
         load0, db0 = cpu_of([me]), backend_cpu(database)
         rss: list[float] = []
+        child_rss: list[float] = []
         end = t0 + seconds
         while time.perf_counter() < end:
-            rss.append(sum(p.memory_info().rss for p in procs) / 2**20)
+            rss.append(rss_of(procs))
+            child_rss.append(rss_of(children))
             await asyncio.sleep(min(2.0, max(0.0, end - time.perf_counter())))
         elapsed = time.perf_counter() - t0
     finally:
         gc.enable()
         gc.unfreeze()
-    cpu = cpu_of(procs) - cpu0
+    cpu, child_cpu = cpu_of(procs) - cpu0, cpu_of(children) - child0
     load, db1 = cpu_of([me]) - load0, backend_cpu(database)
     # Backends that ended in the phase are not seen; those that began count from zero.
     database_cpu = sum(t - db0.get(pid, 0.0) for pid, t in db1.items())
-    rss.append(sum(p.memory_info().rss for p in procs) / 2**20)
+    rss.append(rss_of(procs))
+    child_rss.append(rss_of(children))
     fleet.stats.recording = False
     # The leader's histograms: whichever server holds the lease reconciles.
     texts = [await metrics_text(s.origin) for s in servers]
@@ -683,9 +697,11 @@ async def steady(
     f["requests/s sustained"] = f"{stats.requests / elapsed:,.0f}"
     cycle_figures(f, None if servers[0] is not servers[-1] else before_text, texts, "")
     f["server CPU (cores busy)"] = f"{cpu / elapsed:.2f}"
+    f["reconciler process CPU (cores)"] = f"{child_cpu / elapsed:.2f}" if children else "-"
     f["database CPU (cores busy)"] = f"{database_cpu / elapsed:.2f}" if database else "-"
     f["load process CPU (cores busy)"] = f"{load / elapsed:.2f}"
     f["server RSS MiB start/end"] = f"{rss[0]:,.0f} / {rss[-1]:,.0f}"
+    f["reconciler process RSS MiB"] = f"{child_rss[0]:,.0f} / {child_rss[-1]:,.0f}" if children else "-"
     f["re-registrations (409)"] = str(stats.reregistered)
 
 

@@ -37,7 +37,14 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
-from fleetserve.spec.resources import AutoscalePolicy, Deployment, LoadMetric, ReplicaRange
+from fleetserve.spec.resources import (
+    AutoscalePolicy,
+    Deployment,
+    LoadMetric,
+    Replica,
+    ReplicaRange,
+    ReplicaState,
+)
 
 # ``ceil(load / target)`` is capped here before rounding so absurd loads stay integers; the clamp
 # to ``replicas.max`` follows anyway.
@@ -90,6 +97,26 @@ class Signals:
     outstanding_per_replica: tuple[float, ...] = ()
     gateway_waiting: int = 0
     last_request_at: float | None = None
+
+
+@dataclass(frozen=True)
+class SignalsQuery:
+    """What the reconciler asks of the process that sees the traffic, to build one deployment's
+    ``Signals``: the policy's metric, the names of its Running replicas, how many it has in all, and
+    ``now`` (monotonic seconds: one clock for every process of the machine)."""
+
+    deployment: str
+    metric: LoadMetric
+    ready: tuple[str, ...]
+    total: int
+    now: float
+
+    @classmethod
+    def of(cls, dep: Deployment, replicas: list[Replica], now: float) -> SignalsQuery:
+        """What the autoscaler asks about ``dep``, given its replicas."""
+        policy = dep.autoscale or AutoscalePolicy()
+        ready = tuple(r.name for r in replicas if r.state is ReplicaState.RUNNING)
+        return cls(dep.name, policy.metric, ready, len(replicas), now)
 
 
 @dataclass(frozen=True)

@@ -70,12 +70,12 @@ def test_an_unstorable_replica_does_not_stop_the_reconciler(servers, database_ur
         def placed(n: int) -> bool:
             return len(api.get("/replicas", params={"deployment": "b-normal"}).json()) == n
 
-        time.sleep(1.0)  # ten cycles with the bad replica in the plan
-        assert "Exception in thread reconciler" not in server.log(), server.log()[-3000:]
-        assert placed(1), (
-            "b-normal was never placed: reconciling stopped at the unstorable replica.\n"
-            + server.log()[-2000:]
-        )
+        # Cycles every 0.1 s with the bad replica in the plan (on PostgreSQL the reconciler is a
+        # process of its own, which takes a second or two to start).
+        eventually(lambda: placed(1), timeout=15, what="b-normal placed beside the unstorable replica")
+        time.sleep(1.0)  # ten more such cycles
+        for crash in ("Exception in thread reconciler", "reconciler process exited unasked"):
+            assert crash not in server.log(), server.log()[-3000:]
         # And the reconciler still acts on later changes.
         scaled = api.post("/apply", json={"documents": [docs(3)[-1]]})
         assert scaled.status_code == 200, scaled.text

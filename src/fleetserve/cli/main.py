@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 from rich.console import Console
@@ -258,6 +258,15 @@ def server_command(
     reconcile_interval: Annotated[
         float, typer.Option(help="Seconds between reconcile cycles.", min=0.05)
     ] = 2.0,
+    reconciler: Annotated[
+        Literal["auto", "process", "thread"],
+        typer.Option(
+            help="Where the reconciler runs: 'process' (a process of its own beside the server's, "
+            "so a large fleet's reconcile cycles do not hold up the agents' requests; PostgreSQL "
+            "only), 'thread' (inside the server process), or 'auto' (process on PostgreSQL, "
+            "thread on SQLite).",
+        ),
+    ] = "auto",
     not_ready_after: Annotated[
         float, typer.Option(help="Seconds without a heartbeat before a node is NotReady.", min=0.1)
     ] = 40.0,
@@ -320,7 +329,14 @@ def server_command(
     loopback only with --insecure.
     """
     from fleetserve.server.enrolment import EnrolmentPolicy, parse_networks
-    from fleetserve.server.process import ControlPlane, Listen, SharedWindows, heartbeat_policy, run_server
+    from fleetserve.server.process import (
+        ControlPlane,
+        Listen,
+        ReconcilerMode,
+        SharedWindows,
+        heartbeat_policy,
+        run_server,
+    )
 
     if lost_after <= not_ready_after:
         raise typer.BadParameter("--lost-after must be longer than --not-ready-after")
@@ -339,7 +355,13 @@ def server_command(
     try:
         served = _listen_tls(host, tls_cert, tls_key, tls_dir, tls_san, tls, insecure, "server")
         listen = Listen(host, port, log_level, served, tuple(tls_san or ()), grace_seconds)
-        run_server(database_url, listen, control, SharedWindows(redis_url, redis_namespace))
+        run_server(
+            database_url,
+            listen,
+            control,
+            SharedWindows(redis_url, redis_namespace),
+            ReconcilerMode(reconciler),
+        )
     except FleetserveError as err:
         raise fail(err) from None
 

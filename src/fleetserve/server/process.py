@@ -14,10 +14,12 @@ import asyncio
 import logging
 import math
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from enum import StrEnum
+from functools import partial
 from pathlib import Path
 from types import FrameType
 
@@ -27,7 +29,8 @@ from fastapi import FastAPI
 from rich.console import Console
 from starlette.concurrency import run_in_threadpool
 
-from fleetserve.autoscale import Signals, load_of
+from fleetserve.autoscale import Signals, SignalsQuery, load_of
+from fleetserve.errors import ConfigError, Problem
 from fleetserve.gateway.app import Gateway
 from fleetserve.gateway.picker import FRESH_SECONDS
 from fleetserve.reconcile.health import HeartbeatPolicy
@@ -36,10 +39,12 @@ from fleetserve.server.app import Lifespan, Serving, create_app, create_gateway_
 from fleetserve.server.collector import tune_collector
 from fleetserve.server.enrolment import EnrolmentPolicy
 from fleetserve.server.observer import Observer
-from fleetserve.server.reconciler import Reconciler, SignalSource
+from fleetserve.server.reconciler import Reconciler, SignalSource, holder_name
+from fleetserve.server.reconcilerproc import ReconcilerConfig, ReconcilerProcess
 from fleetserve.server.retention import RetentionPolicy, prune_forever
-from fleetserve.spec.resources import AutoscalePolicy, Deployment, Replica, ReplicaState
 from fleetserve.store.credentials import TokenKind
+from fleetserve.store.db import database_url as database_url_of
+from fleetserve.store.db import shown_url
 from fleetserve.store.protocols import Tokens
 from fleetserve.store.sql import SqlStore
 from fleetserve.tls import ServerTls, is_loopback, public_host, url_of
@@ -136,67 +141,123 @@ def ensure_tokens(store: Tokens, token_file: Path | None, console: Console) -> N
     )
 
 
-def autoscale_signals(observer: Observer, gateway: Gateway | None) -> SignalSource:
-    """What the autoscaler sees, from this process's observer (engine metrics) and gateway."""
+def signal_answers(observer: Observer, gateway: Gateway | None) -> Callable[[SignalsQuery], Signals]:
+    """How this process answers the autoscaler: from its observer (engine metrics) and gateway."""
 
-    def signals(dep: Deployment, replicas: list[Replica], now: float) -> Signals:
-        policy = dep.autoscale or AutoscalePolicy()
-        ready = [r for r in replicas if r.state is ReplicaState.RUNNING]
+    def answer(query: SignalsQuery) -> Signals:
         fresh = []
-        for replica in ready:
-            load = observer.loads.get(replica.name)
-            if load is not None and now - load.at <= FRESH_SECONDS:
-                fresh.append(load_of(policy.metric, load.running, load.waiting))
-        held = gateway.admission.depth(dep.name).waiting if gateway is not None else 0
-        last = gateway.last_request.get(dep.name) if gateway is not None else None
-        return Signals(dep.name, len(ready), len(replicas), tuple(fresh), held, last)
+        for name in query.ready:
+            load = observer.loads.get(name)
+            if load is not None and query.now - load.at <= FRESH_SECONDS:
+                fresh.append(load_of(query.metric, load.running, load.waiting))
+        held = gateway.admission.depth(query.deployment).waiting if gateway is not None else 0
+        last = gateway.last_request.get(query.deployment) if gateway is not None else None
+        return Signals(query.deployment, len(query.ready), query.total, tuple(fresh), held, last)
 
-    return signals
+    return answer
 
 
-def reconciling(store: SqlStore, control: ControlPlane, serving: Serving) -> Lifespan:
-    """The control plane's own lifespan: the reconciler thread, started and stopped with the app,
-    so a SIGTERM hands the lease over before exit; and the pruning of old usage and audit events."""
+def autoscale_signals(observer: Observer, gateway: Gateway | None) -> SignalSource:
+    """What the autoscaler sees, asked of this process's observer and gateway directly."""
+    answer = signal_answers(observer, gateway)
+    return lambda dep, replicas, now: answer(SignalsQuery.of(dep, replicas, now))
+
+
+class ReconcilerMode(StrEnum):
+    """Where the control plane runs its reconciler (``--reconciler``; ``server/reconcilerproc.py``)."""
+
+    AUTO = "auto"  # a process of its own on PostgreSQL, a thread on SQLite
+    PROCESS = "process"
+    THREAD = "thread"
+
+
+def reconciler_process(
+    mode: ReconcilerMode, database_url: str, control: ControlPlane, log_level: str
+) -> ReconcilerConfig | None:
+    """The reconciler process's settings, or None where the reconciler runs on a thread."""
+    postgres = database_url_of(database_url).get_backend_name() == "postgresql"
+    if mode is ReconcilerMode.PROCESS and not postgres:
+        raise ConfigError(
+            [
+                Problem(
+                    "",
+                    "--reconciler",
+                    "process needs PostgreSQL: a SQLite file has one writer at a time, and a second "
+                    "process would wait on its lock; use --reconciler thread (or auto) with SQLite",
+                )
+            ]
+        )
+    if mode is ReconcilerMode.THREAD or not postgres:
+        return None
+    return ReconcilerConfig(
+        database_url, control.reconcile_interval, control.policy, holder_name(), log_level
+    )
+
+
+def reconciling(
+    store: SqlStore, control: ControlPlane, serving: Serving, process: ReconcilerConfig | None = None
+) -> Lifespan:
+    """The control plane's own lifespan: the reconciler — a thread, or with ``process`` a process
+    of its own — started and stopped with the app, so a SIGTERM hands the lease over before exit;
+    and the pruning of old usage and audit events."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        stop = threading.Event()
-        reconciler = Reconciler(
-            store,
-            policy=control.policy,
-            signals=autoscale_signals(serving.observer, serving.gateway),
-            metrics=serving.metrics,
-        )
-        loop = threading.Thread(
-            target=reconciler.run_forever,
-            args=(stop, control.reconcile_interval),
-            name="reconciler",
-            daemon=True,
-        )
-        loop.start()
+        stop_reconciling: Callable[[], None]
+        if process is not None:
+            child = ReconcilerProcess(
+                process, signal_answers(serving.observer, serving.gateway), serving.metrics
+            )
+            child.start()
+            app.state.reconciler_process = child
+            stop_reconciling = partial(child.stop, control.reconcile_interval + 10)
+        else:
+            stop = threading.Event()
+            reconciler = Reconciler(
+                store,
+                policy=control.policy,
+                signals=autoscale_signals(serving.observer, serving.gateway),
+                metrics=serving.metrics,
+            )
+            loop = threading.Thread(
+                target=reconciler.run_forever,
+                args=(stop, control.reconcile_interval),
+                name="reconciler",
+                daemon=True,
+            )
+            loop.start()
+
+            def stop_reconciling() -> None:
+                stop.set()
+                loop.join(control.reconcile_interval + 10)
+
         stop_pruning = asyncio.Event()
         pruning = asyncio.create_task(prune_forever(store, control.retention, stop_pruning))
         try:
             yield
         finally:
-            stop.set()
             stop_pruning.set()
             await pruning
-            await run_in_threadpool(loop.join, control.reconcile_interval + 10)
+            await run_in_threadpool(stop_reconciling)
 
     return lifespan
 
 
 def server_app(
-    store: SqlStore, control: ControlPlane, ca_pem: bytes | None = None, windows: SharedWindows | None = None
+    store: SqlStore,
+    control: ControlPlane,
+    ca_pem: bytes | None = None,
+    windows: SharedWindows | None = None,
+    process: ReconcilerConfig | None = None,
 ) -> FastAPI:
-    """The control plane's app: admin and agents' API, gateway, observer and reconciler; it
-    publishes ``ca_pem`` (a generated CA) for clients that pin it."""
+    """The control plane's app: admin and agents' API, gateway, observer and reconciler (a thread,
+    or with ``process`` a process of its own); it publishes ``ca_pem`` (a generated CA) for
+    clients that pin it."""
     windows = windows or SharedWindows()
     serving = Serving.build(store, redis_url=windows.redis_url, redis_namespace=windows.namespace)
     return create_app(
         store,
-        lifespan=reconciling(store, control, serving),
+        lifespan=reconciling(store, control, serving, process),
         models_dir=control.models_dir,
         serving=serving,
         ca_pem=ca_pem,
@@ -283,9 +344,14 @@ def serve(app: FastAPI, listen: Listen, access_log: bool) -> bool:
 
 
 def run_server(
-    database_url: str, listen: Listen, control: ControlPlane, windows: SharedWindows | None = None
+    database_url: str,
+    listen: Listen,
+    control: ControlPlane,
+    windows: SharedWindows | None = None,
+    mode: ReconcilerMode = ReconcilerMode.AUTO,
 ) -> None:
     """Open (and migrate) the store, then serve the API and run the reconciler until stopped."""
+    process = reconciler_process(mode, database_url, control, listen.log_level)
     logging.basicConfig(
         level=listen.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
@@ -294,9 +360,11 @@ def run_server(
     store = SqlStore.open(database_url)
     try:
         ensure_tokens(store, control.token_file, console)
-        app = server_app(store, control, listen.tls.ca_pem if listen.tls else None, windows)
+        app = server_app(store, control, listen.tls.ca_pem if listen.tls else None, windows, process)
         console.print(
-            f"fleetserve server: {listen.url} (OpenAPI at /docs, dashboard at /ui), state in {database_url}"
+            f"fleetserve server: {listen.url} (OpenAPI at /docs, dashboard at /ui), state in "
+            f"{shown_url(database_url)}; reconciler in {'a process of its own' if process else 'a thread'}",
+            markup=False,
         )
         print_tls(listen, console, "server")
         serve(app, listen, access_log=False)

@@ -29,7 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from fleetserve.autoscale import AutoscaleState, DecisionLog, Signals, decide_for, render_decision
 from fleetserve.changegate import FULL_READ_SECONDS
@@ -50,6 +52,12 @@ LEASE = "reconciler"
 
 # What the autoscaler sees of a deployment: (deployment, its replicas, monotonic now) → signals.
 SignalSource = Callable[[Deployment, list[Replica], float], Signals]
+
+
+def holder_name() -> str:
+    """Who holds the lease, as operators read it: ``host:pid:random``, the pid of this process (a
+    reconciler process is given its server's)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
 def utcnow() -> datetime:
@@ -80,6 +88,48 @@ class CycleResult:
     phases: dict[CyclePhase, float] = field(default_factory=dict)
     # Nothing had changed since a cycle that changed nothing: the fleet was not read again.
     quiet: bool = False
+    # The autoscaler's desired count of every deployment a full cycle planned (None: not planned).
+    desired: dict[str, int] | None = None
+
+    def figures(self) -> CycleFigures:
+        """What this cycle tells ``/metrics``."""
+        return CycleFigures(
+            leader=self.leader,
+            seconds=self.seconds,
+            quiet=self.quiet,
+            phases=self.phases,
+            desired=self.desired,
+        )
+
+
+class CycleFigures(BaseModel):
+    """What a cycle tells ``/metrics``: a typed value, so that a reconciler in a process of its own
+    (``server/reconcilerproc.py``) hands it to the process that serves ``/metrics``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    leader: bool
+    seconds: float = Field(ge=0)
+    quiet: bool = False
+    phases: dict[CyclePhase, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
+    desired: dict[str, int] | None = None
+
+    def record(self, metrics: FleetMetrics) -> None:
+        """Count a quiet cycle; time a full one, its phases (placement is the plan), and set the
+        autoscaler's desired counts. A follower's cycle did nothing to tell."""
+        if not self.leader:
+            return
+        if self.quiet:
+            metrics.count_quiet_cycle()
+            return
+        plan = self.phases.get(CyclePhase.PLAN)
+        if plan is not None:
+            metrics.observe_placement(plan)
+        metrics.observe_reconcile(self.seconds)
+        for phase, seconds in self.phases.items():
+            metrics.observe_reconcile_phase(phase.value, seconds)
+        if self.desired is not None:
+            metrics.set_desired_replicas(self.desired)
 
 
 @dataclass
@@ -120,7 +170,7 @@ class Reconciler:
         self.policy = policy or HeartbeatPolicy()
         self.lease_ttl = lease_ttl
         self.clock = clock
-        self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.holder = holder or holder_name()
         self._facts: dict[str, tuple[Model, ModelFacts]] = {}
         self._last_recorded: dict[str, Any] = {}
         # The free capacity, kept between cycles and patched from each snapshot.
@@ -162,8 +212,7 @@ class Reconciler:
         if self.quiet_cycles and not result.transitions and self._still_quiet(counter, now):
             result.quiet = True
             result.seconds = time.perf_counter() - started
-            if self.metrics is not None:
-                self.metrics.count_quiet_cycle()
+            self._record(result)
             return result
         self._quiet = None
         stored = self.store.list_deployments()
@@ -176,8 +225,6 @@ class Reconciler:
         plan = self._planner.plan(deployments, snapshot, now, failures)
         committing = time.perf_counter()
         result.phases[CyclePhase.PLAN] = committing - placing
-        if self.metrics is not None:
-            self.metrics.observe_placement(committing - placing)
         if plan.drain:
             result.draining = self.store.start_draining(plan.drain, now)
             for name in result.draining:
@@ -250,12 +297,13 @@ class Reconciler:
         ended = time.perf_counter()
         result.phases[CyclePhase.COMMIT] = ended - committing
         result.seconds = ended - started
-        if self.metrics is not None:
-            self.metrics.observe_reconcile(result.seconds)
-            for phase, seconds in result.phases.items():
-                self.metrics.observe_reconcile_phase(phase.value, seconds)
-            self.metrics.set_desired_replicas({d.name: d.desired_replicas for d in deployments})
+        result.desired = {d.name: d.desired_replicas for d in deployments}
+        self._record(result)
         return result
+
+    def _record(self, result: CycleResult) -> None:
+        if self.metrics is not None:
+            result.figures().record(self.metrics)
 
     def _allocate(self, replicas: tuple[Replica, ...], result: CycleResult) -> None:
         """Commit the plan's new replicas, in batches; each refused one is recorded as a conflict."""
@@ -339,11 +387,16 @@ class Reconciler:
             log.info("autoscaler: %s", render_decision(decision))
         return dep.model_copy(update={"replicas": decision.desired})
 
-    def run_forever(self, stop: threading.Event, interval: float) -> None:
-        """Cycle every ``interval`` seconds until ``stop`` is set; a failing cycle is logged, not fatal."""
+    def run_forever(
+        self, stop: threading.Event, interval: float, on_cycle: Callable[[CycleResult], None] | None = None
+    ) -> None:
+        """Cycle every ``interval`` seconds until ``stop`` is set; a failing cycle is logged, not
+        fatal. ``on_cycle`` is given each cycle that ended (a reconciler process sends its figures)."""
         while not stop.is_set():
             try:
                 result = self.run_once()
+                if on_cycle is not None:
+                    on_cycle(result)
                 if result.allocated or result.released or result.draining or result.transitions:
                     log.info(
                         "cycle: allocated %s, draining %s, released %s, %d conflicts, %.1f ms",

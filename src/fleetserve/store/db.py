@@ -76,6 +76,16 @@ def database_url(url: str | os.PathLike[str] | None) -> URL:
     )
 
 
+def shown_url(url: str | os.PathLike[str] | None) -> str:
+    """``url`` as logs and output may show it: its password hidden (a path as it was given)."""
+    if url is None or isinstance(url, os.PathLike) or "://" not in url:
+        return str(url if url is not None else default_database_path())
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except (ArgumentError, ValueError):
+        return "<not a database URL>"
+
+
 def make_engine(
     url: str | os.PathLike[str] | None = None,
     *,
