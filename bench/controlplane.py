@@ -29,7 +29,8 @@ long-poll.
 
 Phases per column: enrol every node; apply the deployments scaled to 1,000 replicas and time
 until every placed replica is in some agent's assignments; scale them to ``--replicas`` and wait
-until the placements settle; then a steady phase of ``--steady`` seconds, over which the table's
+until the placements settle and every placed replica is reported Running (a settled fleet: each
+Starting -> Running is a change the whole-fleet readers read again); then a steady phase of ``--steady`` seconds, over which the table's
 latencies, request rate, reconcile cycles (from the server's ``/metrics`` histograms, differenced
 over the phase; p50/p99 interpolated in buckets as PromQL's histogram_quantile does), CPU and RSS
 (from /proc) are measured, with the CPU of the PostgreSQL backends serving the benchmark's database
@@ -547,8 +548,32 @@ class Shards:
         with self.engine.connect() as conn:
             return int(conn.execute(select(func.count()).select_from(ReplicaShardRow)).scalar() or 0)
 
+    def not_running(self) -> int:
+        """Replicas placed but not yet reported Running by their agents."""
+        from sqlalchemy import func, select
+
+        from fleetserve.store.tables import ReplicaRow
+
+        with self.engine.connect() as conn:
+            query = select(func.count()).select_from(ReplicaRow).where(ReplicaRow.state != "Running")
+            return int(conn.execute(query).scalar() or 0)
+
     def close(self) -> None:
         self.engine.dispose()
+
+
+async def all_running(shards: Shards, timeout: float) -> float:
+    """Wait until every placed replica is reported Running (agents report every third beat, so
+    up to 30 s after the last assignment); the seconds it took."""
+    began = time.perf_counter()
+    while time.perf_counter() - began < timeout:
+        if await asyncio.to_thread(shards.not_running) == 0:
+            break
+        await asyncio.sleep(1.0)
+    else:
+        left = await asyncio.to_thread(shards.not_running)
+        print(f"  {left:,} replicas still not Running after {timeout:.0f} s", file=sys.stderr, flush=True)
+    return time.perf_counter() - began
 
 
 async def settle(
@@ -794,6 +819,10 @@ async def run_column(
         seconds, total = await settle(fleet, shards, args.quiet, args.settle_timeout, began)
         col.figures[f"scale to {args.replicas:,}: placed"] = f"{total:,} in {seconds:.0f} s"
         cycle_figures(col.figures, before_scale, [await metrics_text(origin)], " in scale-up")
+        # Steady means settled: every replica placed and reported Running (each Starting ->
+        # Running is a change that the whole-fleet readers read again).
+        waited = await all_running(shards, args.settle_timeout)
+        col.figures["then all reported Running s"] = f"{waited:.0f}"
 
         print(f"  [{label}] steady {args.steady:.0f} s ...", file=sys.stderr, flush=True)
         servers[0].mark("steady")

@@ -322,7 +322,8 @@ def server_command(
     once on a terminal); only their hashes are stored. Agents enrol with the join token and get a
     credential of their own; new names wait for `fleetserve nodes approve NAME` unless
     --approve-new-nodes. Several servers may share one PostgreSQL database: one of them (the
-    holder of a lease in the database) reconciles at a time.
+    holder of a lease in the database) reconciles at a time. On PostgreSQL the reconciler runs in a
+    process of its own beside the server's (--reconciler), started again if it dies.
 
     Off loopback it serves TLS: --tls-cert/--tls-key, or a CA and certificate it generates in
     --tls-dir; it then prints the join command with the CA's pin (sha256:...). Plain HTTP off
