@@ -30,8 +30,8 @@ long-poll.
 Phases per column: enrol every node; apply the deployments scaled to 1,000 replicas and time
 until every placed replica is in some agent's assignments; scale them to ``--replicas`` and wait
 until the placements settle and every placed replica is reported Running (a settled fleet: each
-Starting -> Running is a change the whole-fleet readers read again); then a steady phase of ``--steady`` seconds, over which the table's
-latencies, request rate, reconcile cycles (from the server's ``/metrics`` histograms, differenced
+Starting -> Running is a change the whole-fleet readers read again); then a steady phase of
+``--steady`` seconds, over which the table's latencies, request rate, reconcile cycles (from the server's ``/metrics`` histograms, differenced
 over the phase; p50/p99 interpolated in buckets as PromQL's histogram_quantile does), CPU and RSS
 (from /proc) are measured, with the CPU of the PostgreSQL backends serving the benchmark's database
 and of this load process. Then the database's rows and size.
