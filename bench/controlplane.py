@@ -31,10 +31,11 @@ Phases per column: enrol every node; apply the deployments scaled to 1,000 repli
 until every placed replica is in some agent's assignments; scale them to ``--replicas`` and wait
 until the placements settle and every placed replica is reported Running (a settled fleet: each
 Starting -> Running is a change the whole-fleet readers read again); then a steady phase of
-``--steady`` seconds, over which the table's latencies, request rate, reconcile cycles (from the server's ``/metrics`` histograms, differenced
-over the phase; p50/p99 interpolated in buckets as PromQL's histogram_quantile does), CPU and RSS
-(from /proc) are measured, with the CPU of the PostgreSQL backends serving the benchmark's database
-and of this load process. Then the database's rows and size.
+``--steady`` seconds, over which the table's latencies, request rate, reconcile cycles (from the
+server's ``/metrics`` histograms, differenced over the phase; p50/p99 interpolated in buckets as
+PromQL's histogram_quantile does), CPU and RSS (from /proc; a server's reconciler process apart)
+are measured, with the CPU of the PostgreSQL backends serving the benchmark's database and of this
+load process. Then the database's rows and size.
 
 ``--profile DIR`` runs each server under ``bench/stacksample.py``, a sampling profiler weighted by
 each thread's CPU time; the benchmark marks its phases (enrol, apply, scale, steady), and each phase
