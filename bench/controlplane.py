@@ -45,15 +45,21 @@ reconciler, assignment watch, observer, ...) and per frame.
 
 ``--nodes 5000 --skip pair,sqlite`` is the fleet the targets are set for: 5,000 agents ask for
 about 750 requests a second (500 heartbeats and reports, 250 re-issued long-polls). One server
-process answers them with about three quarters of a core (heartbeats, reports and credential
-checks gathered into batches, re-issued polls held without FastAPI: ``server/hotpath.py``), but
-it cannot use more than about one (Python runs one thread at a time). On a lent 16-core machine
-that column ran to the end in about five minutes, most of it enrolment (about 50 nodes a second)
-and the scale-up; on the 2-core development machine, where this process and PostgreSQL share the
-two cores with the server, it may not settle (enrolments time out and are tried again, as agents
-do). The default stays at 1,000 agents so that all three columns (the second server and SQLite
-too) end well inside ten minutes. ``--deadline SECONDS`` (and SIGTERM or Ctrl-C) prints the phases
-that ended, with how far enrolment got.
+process answers them with about a quarter of a core in a settled fleet (heartbeats, reports and
+credential checks gathered into batches, re-issued polls held without FastAPI:
+``server/hotpath.py``; the reconciler in a process of its own). That column runs to the end in
+about six minutes on the 2-core development machine (enrolment about 85 nodes a second, the
+scale-up about 90 s), this process and PostgreSQL sharing the two cores with the server. The
+default stays at 1,000 agents so that all three columns (the second server and SQLite too) end
+well inside ten minutes. ``--deadline SECONDS`` (and SIGTERM or Ctrl-C) prints the phases that
+ended, with how far enrolment got.
+
+The latencies are this process's view, so its own stalls would read as the server's: its
+collector is paused over the steady phase (after one last pass, whose held-back requests are let
+through before the phase starts: ``SETTLE_SECONDS``), /proc is read on a thread, and the table
+shows how late its event loop woke a 10 ms sleeper (``load process loop lag``). ``--trace DIR``
+writes every steady-phase request (send time, kind, latency) and every stall of this loop over
+20 ms to ``DIR/COLUMN.csv``, to line the slow ones up with what the server was doing then.
 
 This prints figures; it asserts nothing (the machine may be shared and noisy).
 """
@@ -386,15 +392,56 @@ class Stats:
     failures: dict[str, int] = field(default_factory=dict)
     first_error: dict[str, str] = field(default_factory=dict)
     reregistered: int = 0
+    since: float = 0.0  # perf_counter: requests sent before it are not recorded
+    trace: list[tuple[float, str, float]] | None = None  # (sent, unix s; kind; seconds): --trace
 
-    def record(self, kind: str, seconds: float) -> None:
-        if self.recording:
+    def record(self, kind: str, seconds: float, sent: float) -> None:
+        if not self.recording:
+            return
+        self.requests += 1  # answered in the phase: the rate counts it wherever it was sent
+        if sent >= self.since or kind == "long-poll":  # a held poll's wait is no latency
             self.latencies.setdefault(kind, []).append(seconds)
-            self.requests += 1
+            if self.trace is not None:
+                self.trace.append((time.time() - seconds, kind, seconds))
 
     def fail(self, kind: str, error: BaseException) -> None:
         self.failures[kind] = self.failures.get(kind, 0) + 1
         self.first_error.setdefault(kind, f"{type(error).__name__}: {error}"[:300])
+
+
+SETTLE_SECONDS = 3.0  # after the load's last collection, before a steady phase records (steady())
+
+
+class LoopLag:
+    """How late this process's event loop wakes a 10 ms sleeper: a stall here (a collection, a
+    blocking read) delays every simulated agent's request and reads as server latency."""
+
+    TICK = 0.01
+
+    def __init__(self) -> None:
+        self.late: list[float] = []
+        self.stalls: list[tuple[float, str, float]] = []  # over 20 ms, for --trace: (began, kind, s)
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            began = time.perf_counter()
+            await asyncio.sleep(self.TICK)
+            late = max(0.0, time.perf_counter() - began - self.TICK)
+            self.late.append(late)
+            if late > 0.02:
+                self.stalls.append((time.time() - late, "load-loop-stall", late))
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    def figure(self) -> str:
+        late = sorted(self.late)
+        return f"{quantile(late, 99) * 1e3:.1f} / {late[-1] * 1e3:.1f}" if late else "-"
 
 
 class StaleRegistration(Exception):
@@ -437,7 +484,7 @@ class Fleet:
             raise StaleRegistration()
         if response.status >= 400:
             raise RuntimeError(f"{method} {path}: {response.status} {data[:300]!r}")
-        self.stats.record(kind, took)
+        self.stats.record(kind, took, began)
         return json.loads(data)
 
     async def register(self, i: int) -> None:
@@ -668,42 +715,69 @@ def backend_cpu(database: str | None) -> dict[int, float]:
 
 
 async def steady(
-    fleet: Fleet, servers: Sequence[Server], seconds: float, col: Column, database: str | None
+    fleet: Fleet,
+    servers: Sequence[Server],
+    seconds: float,
+    col: Column,
+    database: str | None,
+    trace: Path | None = None,
 ) -> None:
-    """The steady phase: latencies, request rate, reconcile cycles, CPU and RSS."""
+    """The steady phase: latencies, request rate, reconcile cycles, CPU and RSS; under --trace,
+    every request's send time, kind and latency written to ``trace`` (CSV)."""
     procs = [psutil.Process(s.proc.pid) for s in servers]
     # A server on PostgreSQL runs its reconciler in a process of its own (``--reconciler``).
     children = [c for p in procs for c in p.children(recursive=True)]
     me = psutil.Process()
-    before_text = await metrics_text(servers[0].origin)
-    fleet.stats = Stats(recording=True, reregistered=fleet.stats.reregistered)
     # This process's own collector is paused over the phase, its long-lived agents' state frozen
     # out of it: its full passes (0.6 to 0.8 s at 5,000 agents) stalled every simulated agent
-    # and were read as server latency.
+    # and were read as server latency. That last pass still stalls this loop once, and the
+    # requests it held back then arrive at the server at once: the phase starts when they are
+    # answered (SETTLE_SECONDS later) and records only requests sent after it. Readings of /proc
+    # run on a thread so that they do not stall the simulated agents either.
     gc.collect()
     gc.freeze()
     gc.disable()
+    lag = LoopLag()
+    lag.start()
     try:
-        cpu0, child0, t0 = cpu_of(procs), cpu_of(children), time.perf_counter()
-        load0, db0 = cpu_of([me]), backend_cpu(database)
+        await asyncio.sleep(SETTLE_SECONDS)
+        cpu0, child0, load0, db0 = await asyncio.to_thread(
+            lambda: (cpu_of(procs), cpu_of(children), cpu_of([me]), backend_cpu(database))
+        )
+        before_text = await metrics_text(servers[0].origin)
+        t0 = time.perf_counter()
+        lag.late.clear()
+        lag.stalls.clear()
+        fleet.stats = Stats(
+            recording=True, since=t0, reregistered=fleet.stats.reregistered, trace=[] if trace else None
+        )
         rss: list[float] = []
         child_rss: list[float] = []
         end = t0 + seconds
         while time.perf_counter() < end:
-            rss.append(rss_of(procs))
-            child_rss.append(rss_of(children))
+            rss.append(await asyncio.to_thread(rss_of, procs))
+            child_rss.append(await asyncio.to_thread(rss_of, children))
             await asyncio.sleep(min(2.0, max(0.0, end - time.perf_counter())))
         elapsed = time.perf_counter() - t0
+        fleet.stats.recording = False
     finally:
+        lag.stop()
         gc.enable()
         gc.unfreeze()
-    cpu, child_cpu = cpu_of(procs) - cpu0, cpu_of(children) - child0
-    load, db1 = cpu_of([me]) - load0, backend_cpu(database)
+    cpu1, child1, load1, db1 = await asyncio.to_thread(
+        lambda: (cpu_of(procs), cpu_of(children), cpu_of([me]), backend_cpu(database))
+    )
+    cpu, child_cpu, load = cpu1 - cpu0, child1 - child0, load1 - load0
     # Backends that ended in the phase are not seen; those that began count from zero.
     database_cpu = sum(t - db0.get(pid, 0.0) for pid, t in db1.items())
     rss.append(rss_of(procs))
     child_rss.append(rss_of(children))
-    fleet.stats.recording = False
+    if trace is not None and fleet.stats.trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        with trace.open("w") as out:
+            out.write("sent_unix_s,kind,ms\n")
+            lines = sorted(fleet.stats.trace + lag.stalls)
+            out.writelines(f"{t:.4f},{k},{v * 1e3:.2f}\n" for t, k, v in lines)
     # The leader's histograms: whichever server holds the lease reconciles.
     texts = [await metrics_text(s.origin) for s in servers]
     stats = fleet.stats
@@ -726,6 +800,7 @@ async def steady(
     f["reconciler process CPU (cores)"] = f"{child_cpu / elapsed:.2f}" if children else "-"
     f["database CPU (cores busy)"] = f"{database_cpu / elapsed:.2f}" if database else "-"
     f["load process CPU (cores busy)"] = f"{load / elapsed:.2f}"
+    f["load process loop lag p99 / max ms"] = lag.figure()
     f["server RSS MiB start/end"] = f"{rss[0]:,.0f} / {rss[-1]:,.0f}"
     f["reconciler process RSS MiB"] = f"{child_rss[0]:,.0f} / {child_rss[-1]:,.0f}" if children else "-"
     f["re-registrations (409)"] = str(stats.reregistered)
@@ -735,6 +810,13 @@ def write_documents(snapshot: ClusterSnapshot) -> list[dict[str, Any]]:
     docs = [spec_doc("DeviceClass", c) for c in snapshot.classes.values()]
     docs += [spec_doc("Fabric", f) for f in snapshot.fabrics.values()]
     return docs + model_docs()
+
+
+def trace_file(args: argparse.Namespace, label: str) -> Path | None:
+    """Where --trace writes a column's steady-phase requests (None without --trace)."""
+    if args.trace is None:
+        return None
+    return Path(args.trace).resolve() / ("".join(c if c.isalnum() else "-" for c in label) + ".csv")
 
 
 async def run_column(
@@ -827,7 +909,7 @@ async def run_column(
 
         print(f"  [{label}] steady {args.steady:.0f} s ...", file=sys.stderr, flush=True)
         servers[0].mark("steady")
-        await steady(fleet, servers, args.steady, col, database)
+        await steady(fleet, servers, args.steady, col, database, trace_file(args, label))
         servers[0].mark("after-steady")
 
         if pair is not None:
@@ -840,7 +922,7 @@ async def run_column(
             await asyncio.sleep(3)
             for server in servers:
                 server.mark("steady-pair")
-            await steady(fleet, servers, args.steady, pair, database)
+            await steady(fleet, servers, args.steady, pair, database, trace_file(args, pair.label))
     finally:
         shards.close()
         if fleet is not None:
@@ -1006,6 +1088,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--profile",
         metavar="DIR",
         help="run each server under bench/stacksample.py, writing where its CPU went to DIR/COLUMN/",
+    )
+    parser.add_argument(
+        "--trace",
+        metavar="DIR",
+        help="write each steady phase's requests (send time, kind, latency) to DIR/COLUMN.csv",
     )
     args = parser.parse_args(argv)
     args.nodes = args.nodes or (300 if args.quick else 1000)

@@ -27,9 +27,11 @@ def run_bench(postgres_url: str, monkeypatch: pytest.MonkeyPatch, *args: str) ->
 
 @pytest.mark.slow
 def test_a_small_run_prints_every_figure_for_both_databases(
-    postgres_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    postgres_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    code = run_bench(postgres_url, monkeypatch, "--steady", "4", "--quiet", "4", "--skip", "pair")
+    code = run_bench(
+        postgres_url, monkeypatch, "--steady", "4", "--quiet", "4", "--skip", "pair", "--trace", str(tmp_path)
+    )
 
     out = capsys.readouterr().out
     assert code == 0, out
@@ -44,9 +46,16 @@ def test_a_small_run_prints_every_figure_for_both_databases(
         "reconcile cycle p50 / p99 s (mean)",
         "snapshot p50 / p99 s (mean)",
         "server RSS MiB start/end",
+        "load process loop lag p99 / max ms",
         "database rows",
     ):
         assert row in rows, out
+    # --trace: each column's steady-phase requests, one line each, sent in the phase.
+    for column in ("postgres", "sqlite"):
+        lines = (tmp_path / f"{column}.csv").read_text().splitlines()
+        assert lines[0] == "sent_unix_s,kind,ms"
+        kinds = {line.split(",")[1] for line in lines[1:]}
+        assert "heartbeat" in kinds, lines
     # Every agent enrolled and was heard from; none of their requests failed.
     assert rows["failed requests"].split()[-2:] == ["0", "0"], out
     assert "placed)" in rows["apply 10 -> all assigned s"], out
