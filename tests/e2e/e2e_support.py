@@ -91,8 +91,17 @@ class ServerProcess:
         return self.proc.poll() is None
 
     def kill(self) -> None:
-        """SIGKILL: no shutdown code runs, as in a crash or an OOM kill."""
+        """SIGKILL the server and its own processes (on PostgreSQL its reconciler's), children
+        first: no shutdown code runs, as in a crash or an OOM kill of the machine. A reconciler
+        process that outlived its server would finish the cycle in progress (it takes its
+        server's death as Stop), and the kill would not be mid-cycle."""
+        import psutil
+
         if self.proc.poll() is None:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                for child in psutil.Process(self.proc.pid).children(recursive=True):
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        child.kill()
             self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=30)
 
