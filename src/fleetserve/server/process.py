@@ -36,7 +36,7 @@ from fleetserve.gateway.picker import FRESH_SECONDS
 from fleetserve.reconcile.health import HeartbeatPolicy
 from fleetserve.secretfile import write_secret
 from fleetserve.server.app import Lifespan, Serving, create_app, create_gateway_app
-from fleetserve.server.collector import tune_collector
+from fleetserve.server.collector import collect_paced, tune_collector
 from fleetserve.server.enrolment import EnrolmentPolicy
 from fleetserve.server.observer import Observer
 from fleetserve.server.reconciler import Reconciler, SignalSource, holder_name
@@ -199,7 +199,8 @@ def reconciling(
 ) -> Lifespan:
     """The control plane's own lifespan: the reconciler — a thread, or with ``process`` a process
     of its own — started and stopped with the app, so a SIGTERM hands the lease over before exit;
-    and the pruning of old usage and audit events."""
+    the pruning of old usage and audit events; with the reconciler a process of its own, this
+    process's paced collections (``collector.collect_paced``)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -233,9 +234,13 @@ def reconciling(
 
         stop_pruning = asyncio.Event()
         pruning = asyncio.create_task(prune_forever(store, control.retention, stop_pruning))
+        # With the reconciler's heap in its own process, this one's is requests and held polls.
+        collecting = asyncio.create_task(collect_paced()) if process is not None else None
         try:
             yield
         finally:
+            if collecting is not None:
+                collecting.cancel()
             stop_pruning.set()
             await pruning
             await run_in_threadpool(stop_reconciling)
@@ -355,7 +360,8 @@ def run_server(
     logging.basicConfig(
         level=listen.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    tune_collector()
+    if process is None:  # else paced on the event loop (``reconciling``); collector.py says why
+        tune_collector()
     console = Console(soft_wrap=True)
     store = SqlStore.open(database_url)
     try:
