@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 
@@ -125,6 +126,33 @@ def test_many_held_polls_share_one_read_per_tick_and_only_the_changed_node_wakes
     assert results == [False, False, True] * 20
     # Sixty held polls over about a second of ticks: one read per tick, never one per poll.
     assert reads == source.reads and reads < 60
+
+
+def test_a_stopping_server_wakes_every_held_poll_at_its_next_tick_and_a_lost_agent_its_own() -> None:
+    source = CountingSource()
+    stopping = [False]
+
+    async def scenario() -> tuple[list[bool], list[bool], float]:
+        watch = AssignmentWatch(source, tick=0.05, stopping=lambda: stopping[0])
+        assert await watch.changed("n1", None, 5)  # the first tick
+        seen = {n: watch.current(n) for n in ("n1", "n2", "n3")}
+        # Held for 30 s each, as the hot path holds them: one wait, no re-arming.
+        first = [asyncio.create_task(watch.changed(n, seen[n], 30)) for n in ("n1", "n2", "n3")]
+        await asyncio.sleep(0.2)
+        watch.wake("n2")  # n2's agent went away: only its own poll wakes (to find it gone)
+        await asyncio.sleep(0.1)
+        lost = [task.done() for task in first]
+        began = time.monotonic()
+        stopping[0] = True
+        woken = await asyncio.gather(*first)
+        took = time.monotonic() - began
+        await watch.aclose()
+        return lost, woken, took
+
+    lost, woken, took = asyncio.run(scenario())
+    assert lost == [False, True, False]
+    assert woken == [True, True, True]  # none waited out its 30 s
+    assert took < 5, took
 
 
 # --- a poll held by the real app -----------------------------------------------------------------

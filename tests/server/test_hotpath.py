@@ -311,6 +311,37 @@ def test_a_held_poll_whose_node_moves_is_answered_with_the_new_set_by_the_route(
     assert (pair.hot_path.held, pair.hot_path.answered) == (held + 1, answered)
 
 
+def test_a_held_poll_answers_its_set_at_once_when_the_server_stops(pair: Pair) -> None:
+    """Held on the hot path with one wait for all of its 20 s: the server stopping (SIGTERM sets
+    ``app.state.stopping``) wakes it at the watch's next tick, and it answers the set it holds."""
+    import threading
+    import time
+
+    revision = placed_on_n1(pair, 1)
+    again = f"{AGENT}/assignments?node=n1&epoch=1&since={revision}"
+    for wait in (1, 0):  # the route holds these; the watch ticks and keeps n1's set
+        pair.hot.get(f"{again}&wait={wait}", headers=pair.nodes["n1"])
+    answered, held = pair.hot_path.answered, pair.hot_path.held
+    app = pair.hot.app
+
+    def stop() -> None:
+        time.sleep(1.0)
+        app.state.stopping = True  # type: ignore[attr-defined]
+
+    stopper = threading.Thread(target=stop)
+    began = time.monotonic()
+    stopper.start()
+    try:
+        got = pair.hot.get(f"{again}&wait=20", headers=pair.nodes["n1"])
+    finally:
+        stopper.join()
+        app.state.stopping = False  # type: ignore[attr-defined]
+    took = time.monotonic() - began
+    assert got.status_code == 200 and got.json()["revision"] == revision
+    assert 1.0 <= took < 10, took
+    assert (pair.hot_path.held, pair.hot_path.answered) == (held + 1, answered + 1)
+
+
 def test_a_status_report_with_a_wrong_credential_is_handed_on_with_its_body_unread(store: SqlStore) -> None:
     hot = AgentHotPath(store)
     read: list[bool] = []

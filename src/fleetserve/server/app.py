@@ -556,8 +556,12 @@ def create_app(
         "the join token only enrols). The "
         "OpenAI-compatible API under /v1 (gateway API keys).",
     )
-    watch = AssignmentWatch(store)  # one per process: the route and the hot path hold polls on it
-    app.state.hot_path = AgentHotPath(store, watch, lambda: bool(getattr(app.state, "stopping", False)))
+
+    def stopping() -> bool:  # set by the server on SIGTERM: held polls answer at once
+        return bool(getattr(app.state, "stopping", False))
+
+    watch = AssignmentWatch(store, stopping=stopping)  # one per process: route and hot path hold on it
+    app.state.hot_path = AgentHotPath(store, watch, stopping)
     app.raw_routes = app.state.hot_path.routes()  # accepted heartbeats, reports, held polls skip FastAPI
     problems.install(app)
     limits.install(app)

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from starlette.concurrency import run_in_threadpool
@@ -36,7 +36,9 @@ log = logging.getLogger("fleetserve.assignwatch")
 
 # How often the held polls' nodes are checked: the delay an agent sees before a new assignment.
 TICK_SECONDS = 0.5
-# The longest a held poll sleeps between looks at its own request (disconnected? shutting down?).
+# The longest a poll held by the route sleeps between looks at its own request (disconnected?
+# shutting down?). The hot path's held polls wait once: a disconnect wakes them (``wake``), and
+# so does the server stopping (at the next tick).
 RECHECK_SECONDS = 2.0
 
 Fingerprint = int
@@ -80,9 +82,15 @@ def fingerprints(inputs: AssignmentInputs) -> Fingerprints:
 class AssignmentWatch:
     """One per server process: ticks while polls are held, and wakes those whose node changed."""
 
-    def __init__(self, store: AssignmentSource, tick: float = TICK_SECONDS) -> None:
+    def __init__(
+        self,
+        store: AssignmentSource,
+        tick: float = TICK_SECONDS,
+        stopping: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.store = store
         self.tick = tick
+        self.stopping = stopping  # once true, every held poll wakes at the next tick
         self._prints: Fingerprints | None = None
         self._inputs: AssignmentInputs | None = None  # what ``_prints`` was computed from
         self._waiters: dict[str, list[tuple[Fingerprint | None, asyncio.Future[None]]]] = {}
@@ -155,6 +163,8 @@ class AssignmentWatch:
                 self._wake()
             except FleetserveError as exc:
                 log.warning("checking the held assignment polls failed: %s", exc)
+                if self.stopping():
+                    self._wake()
             await asyncio.sleep(max(0.0, self.tick - (time.monotonic() - began)))
 
     def inputs_if_changed(self) -> AssignmentInputs | None:
@@ -170,11 +180,19 @@ class AssignmentWatch:
         return inputs
 
     def _wake(self) -> None:
+        stopping = self.stopping()
         for node, waiting in list(self._waiters.items()):
             now = self.current(node)
             for seen, future in waiting:
-                if (seen is None or seen != now) and not future.done():
+                if (stopping or seen is None or seen != now) and not future.done():
                     future.set_result(None)
+
+    def wake(self, node: str) -> None:
+        """Wake the node's held polls now, moved or not (one of them has lost its agent): each
+        looks at its own request, and a poll whose node has not moved waits again."""
+        for _, future in self._waiters.get(node, ()):
+            if not future.done():
+                future.set_result(None)
 
     async def aclose(self) -> None:
         """Stop ticking (the app is shutting down)."""

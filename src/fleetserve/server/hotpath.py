@@ -51,7 +51,7 @@ from fleetserve.gateway.app import Receive, Scope, Send
 from fleetserve.gateway.asgi import App, RawRoute
 from fleetserve.protocol import AssignmentSet, HeartbeatReply, HeartbeatRequest, StatusReply, StatusReport
 from fleetserve.server.agents import MAX_WAIT_SECONDS, record_reports, rendered
-from fleetserve.server.assignwatch import RECHECK_SECONDS, AssignmentWatch
+from fleetserve.server.assignwatch import AssignmentWatch
 from fleetserve.server.auth import AGENT_PREFIX
 from fleetserve.server.batching import Gather
 from fleetserve.server.limits import BODY_LIMITS, replay
@@ -281,6 +281,7 @@ class AgentHotPath:
         self.held += 1
         deadline = time.monotonic() + poll.wait
         gone = asyncio.ensure_future(_until_disconnect(receive))
+        gone.add_done_callback(lambda _: watch.wake(poll.node))
         try:
             while True:
                 left = deadline - time.monotonic()
@@ -290,7 +291,10 @@ class AgentHotPath:
                     self.answered += 1
                     await _send_set(scope, receive, send, held)
                     return
-                if await watch.changed(poll.node, seen, min(left, RECHECK_SECONDS)):
+                # One wait for all that is left (at 5,000 agents a wait re-armed every few seconds
+                # was most of what the collector scanned): woken when the node moves, when the
+                # agent goes (``gone``) or the server stops (the watch's next tick).
+                if await watch.changed(poll.node, seen, left) and watch.current(poll.node) != seen:
                     break
         finally:
             gone.cancel()
