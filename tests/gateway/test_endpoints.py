@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import dataclass, field
 
 import pytest
 
 from builders import deployment
+from fleetserve.changegate import ChangeGate
+from fleetserve.errors import StoreError
 from fleetserve.gateway.endpoints import EJECT_MAX_SECONDS, EJECT_SECONDS, Ejections, EndpointTable
 from fleetserve.httpclient import ConnectFailed, UpstreamBroke, UpstreamTimeout
 from fleetserve.protocol import ReplicaStatus
@@ -201,3 +204,84 @@ def test_a_connect_failure_ejects_the_endpoint_for_this_gateway_at_once(error, e
     del source.endpoints[0]
     asyncio.run(table.refresh())
     assert "chat-0" not in table.ejections.until
+
+
+@dataclass
+class SlowRoutes(Routes):
+    """Routes whose deployment list takes a moment to read (until ``released``) and is counted."""
+
+    released: threading.Event = field(default_factory=threading.Event)
+    reads: int = 0
+    fail: bool = False
+
+    def list_deployments(self) -> list[StoredDeployment]:
+        self.reads += 1
+        snapshot = list(self.deployments)  # what the store held when the read began
+        self.released.wait(10)
+        if self.fail:
+            raise StoreError("state store: listing deployments failed: OperationalError: disk I/O error")
+        return snapshot
+
+
+def test_a_miss_reads_again_and_misses_at_the_same_time_share_the_reads():
+    async def main() -> None:
+        source = SlowRoutes()
+        table = EndpointTable(source, gate=ChangeGate(pace=0.0))  # no rest after these slow reads
+        source.released.set()
+        await table.refresh()
+        source.released.clear()
+        source.reads = 0
+        # Applied after the table's read: 20 requests for it at once.
+        source.deployments = stored(deployment("chat", 1, LLAMA_CPU))
+        lookups = [asyncio.ensure_future(table.lookup("chat")) for _ in range(20)]
+        await asyncio.sleep(0.05)
+        source.released.set()
+        routes = await asyncio.gather(*lookups)
+        assert all(r is not None and r.deployment == "chat" for r in routes)
+        assert source.reads == 1
+        # 20 misses of a model nobody applied: the first reads, the others wait for that read and
+        # then share one more (it may have begun before what they ask for was applied).
+        source.reads = 0
+        assert await asyncio.gather(*(table.lookup("ghost") for _ in range(20))) == [None] * 20
+        assert source.reads == 2
+
+    asyncio.run(main())
+
+
+def test_a_refresh_that_began_before_the_apply_is_followed_by_a_read_of_the_misses_own():
+    async def main() -> None:
+        source = SlowRoutes()
+        table = EndpointTable(source, gate=ChangeGate(pace=0.0))  # no rest after these slow reads
+        periodic = asyncio.ensure_future(table.refresh())  # reading, with no deployment yet
+        await asyncio.sleep(0.05)
+        source.deployments = stored(deployment("chat", 1, LLAMA_CPU))  # applied meanwhile
+        lookup = asyncio.ensure_future(table.lookup("chat"))
+        await asyncio.sleep(0.05)
+        source.released.set()
+        await periodic
+        route = await lookup
+        assert route is not None and route.deployment == "chat"
+        assert source.reads == 2
+
+    asyncio.run(main())
+
+
+def test_a_miss_the_store_cannot_answer_stays_a_miss_and_a_cancelled_caller_leaves_the_read_to_finish(caplog):
+    async def main() -> None:
+        source = SlowRoutes(stored(deployment("chat", 1, LLAMA_CPU)), fail=True)
+        source.released.set()
+        table = EndpointTable(source)
+        assert await table.lookup("chat") is None
+        assert "reading the routes for 'chat' failed" in caplog.text and "disk I/O error" in caplog.text
+        source.fail = False
+        source.released.clear()
+        gone = asyncio.ensure_future(table.lookup("chat"))
+        await asyncio.sleep(0.05)
+        gone.cancel()  # the client went away while the read ran
+        await asyncio.sleep(0)
+        assert table._refreshing is not None and not table._refreshing.done()
+        source.released.set()
+        assert await table.lookup("chat") is not None
+        await table.stop()
+
+    asyncio.run(main())

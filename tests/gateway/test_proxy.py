@@ -151,6 +151,31 @@ def test_a_key_without_the_model_gets_the_same_404_as_a_missing_model(served):
     assert a["message"].replace("tiny", "X") == b["message"].replace("no-such", "X")
 
 
+def test_a_deployment_is_served_from_its_apply_on_not_from_the_next_refresh(tmp_path):
+    """The replica of a just-applied deployment can be Running before the gateway's next refresh
+    (llama.cpp on the tiny model is healthy within a second); a request then must be served, not
+    told the model does not exist. The periodic refresh is an hour here: only the miss reads."""
+    with SqlStore.open(tmp_path / "state.db") as store:
+        gw = ServedGateway(store, engines=1)
+        gw.gateway.table.refresh_seconds = 3600.0
+        with gw:
+            table = gw.gateway.table
+            assert "tiny" not in table.routes
+            engines_on(store, [gw.engines[0].port], tmp_path / "tiny.gguf")
+            with client(gw, key(gw, "all")) as http:
+                answered = http.post("/chat/completions", json=chat())
+            assert answered.status_code == 200, answered.text
+            reads = table.reads
+            # A key that may not use a model costs the store nothing; a missing model for a key that
+            # may costs one read of the change counter, not of the fleet, while nothing changed.
+            with client(gw, key(gw, "other-only", models=["other"])) as http:
+                assert http.post("/chat/completions", json=chat(model="ghost")).status_code == 404
+            with client(gw, key(gw, "all-2")) as http:
+                for _ in range(3):
+                    assert http.post("/chat/completions", json=chat(model="ghost")).status_code == 404
+            assert table.reads == reads
+
+
 @pytest.mark.parametrize(
     "body",
     [

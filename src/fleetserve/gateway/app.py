@@ -359,8 +359,9 @@ class Gateway:
                 send, 400, "You must provide a model parameter.", "invalid_request_error", param="model"
             )
             return
-        route = self.table.routes.get(model)
-        if route is None or not key.allows(model):
+        # A key's own models only: another key's miss must not cost the store a read.
+        route = await self.table.lookup(model) if key.allows(model) else None
+        if route is None:
             # The same answer either way: a key must not learn which models exist beyond its own.
             await send_error(
                 send,

@@ -2,7 +2,9 @@
 
 Every gateway process reads the same store, so a replica that starts, stops or moves reaches all
 of them within one refresh, without a restart; so does a node judged NotReady, and an engine whose
-health check failed (``routing.routable`` leaves both out).
+health check failed (``routing.routable`` leaves both out). A request for a model the table does
+not hold reads again at once if the store changed (``EndpointTable.lookup``): a deployment is
+served from its apply on, not from the next refresh.
 
 Between refreshes, each gateway ejects on its own (outlier ejection, as Envoy does) an endpoint
 it could not connect to: out of its picks at once, for a backoff that doubles with each ejection
@@ -112,6 +114,7 @@ class EndpointTable:
     gate: ChangeGate = field(default_factory=ChangeGate)
     reads: int = 0  # whole-fleet reads made by ``refresh``, for tests and the curious
     _task: asyncio.Task[None] | None = None
+    _refreshing: asyncio.Future[None] | None = None  # the refresh running now, shared by its callers
 
     def load(self) -> dict[str, Route]:
         """Read the routes from the store now (blocking)."""
@@ -158,7 +161,40 @@ class EndpointTable:
 
     async def refresh(self) -> None:
         """Reload the routes if the fleet changed; tell ``on_change`` which deployments' endpoints
-        changed."""
+        changed. One refresh at a time: a call while one runs waits for that one."""
+        if self._refreshing is None:
+            self._refreshing = asyncio.ensure_future(self._refresh())
+            self._refreshing.add_done_callback(self._refreshed)
+        # Shielded: a caller cancelled while it waits (a client gone) leaves the read to finish.
+        await asyncio.shield(self._refreshing)
+
+    def _refreshed(self, done: asyncio.Future[None]) -> None:
+        if self._refreshing is done:
+            self._refreshing = None
+        if not done.cancelled():
+            done.exception()  # retrieved here too: a failure no caller waited for is not "never retrieved"
+
+    async def lookup(self, name: str) -> Route | None:
+        """``name``'s route. When there is none, the routes are read again first if the store's
+        change counter moved, so a deployment applied a moment ago is served rather than refused
+        until the next refresh (a replica can be Running within a second of the apply). Misses at
+        the same time share one read; a refresh already running when the miss came is waited for
+        and then followed by one of its own, since it may have begun before the apply. A store
+        that cannot be read leaves the miss a miss."""
+        route = self.routes.get(name)
+        if route is not None:
+            return route
+        try:
+            if self._refreshing is not None:
+                await self.refresh()
+                if name in self.routes:
+                    return self.routes[name]
+            await self.refresh()
+        except FleetserveError as exc:
+            log.warning("reading the routes for %r failed: %s", name, exc)
+        return self.routes.get(name)
+
+    async def _refresh(self) -> None:
         fresh = await run_in_threadpool(self.load_if_changed)
         if fresh is None:
             return
@@ -207,3 +243,8 @@ class EndpointTable:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        refreshing = self._refreshing
+        if refreshing is not None:  # a lookup's read, left running by a cancelled caller
+            refreshing.cancel()
+            with contextlib.suppress(asyncio.CancelledError, FleetserveError):
+                await refreshing
