@@ -128,7 +128,7 @@ def populate(store: Any, snapshot: Any, replicas: int, seed: int) -> None:
 
 def worker(kind: str, url: str, args: argparse.Namespace) -> dict[str, Any]:
     """One column: fill, steady cycles and single changes; its figures."""
-    from fleetserve.server.reconciler import Reconciler
+    from fleetserve.server.reconciler.loop import Reconciler
     from fleetserve.spec.resources import NodeState
     from fleetserve.store.sql import SqlStore
 

@@ -29,7 +29,7 @@ from types import FrameType
 INTERVAL = 0.01
 # Kinds of work, by a frame on the stack (the first that matches), as ``.top`` files group them.
 KINDS = (
-    # The hot path's batches (``server/batching.py``) run in worker threads under these frames.
+    # The hot path's batches (``server/agents/batching.py``) run in worker threads under these frames.
     ("heartbeat (hot path)", "_beats (hotpath.py"),
     ("status report (hot path)", "_reports (hotpath.py"),
     ("credential check (hot path)", "nodes_for_credentials ("),

@@ -34,7 +34,7 @@ Classes without a module are defined here.
     │   ├── BadStatus            an answer with a status other than 200
     │   ├── BodyTooLarge         a body over the size limit
     │   └── FetchFailed          the connection failed or the answer was not HTTP (cause chained)
-    ├── ReconcilerLinkError      (fleetserve.server.reconcilerproc) the reconciler process and its
+    ├── ReconcilerLinkError      (fleetserve.server.reconciler.process) the reconciler process and its
     │                            server could not reach each other: the autoscaler's question
     │                            went unanswered or the server went away
     ├── UpstreamError            (fleetserve.httpclient) a request to an upstream (an engine) failed

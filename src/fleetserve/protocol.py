@@ -1,5 +1,5 @@
 """The server↔agent protocol, defined once: every body that crosses between the control plane and
-a node agent, imported by the server's agent routes (``server/agents.py``), the agent's client
+a node agent, imported by the server's agent routes (``server/agents/routes.py``), the agent's client
 (``agent/client.py``) and its runtime (``agent/runtime.py``); the store keeps the statuses typed.
 
     agent → server   NodeReport (register), HeartbeatRequest, StatusReport (ReplicaReport, Download,
@@ -7,7 +7,7 @@ a node agent, imported by the server's agent routes (``server/agents.py``), the 
     server → agent   Registered, AssignmentSet (Assignment), HeartbeatReply, StatusReply
 
 Every input is bounded (lengths, counts, ranges: the ``MAX_*`` caps below, named in every 422) and
-free text may not hold NUL; the server also bounds each route's body (``server/limits.py``). Field
+free text may not hold NUL; the server also bounds each route's body (``server/agents/limits.py``). Field
 names on the wire are camelCase where they were (``stderrTail``, ``modelCache``, ``gpuMetrics``).
 An answer never tells a node's epoch to anyone but the agent that just registered.
 """

@@ -372,7 +372,7 @@ def test_usage_of_the_playground_and_key_requests_is_shown(dash: Dashboard) -> N
 
 
 def contract_usage(now: datetime) -> dict[str, Any]:
-    """A GET /api/v1/usage answer in the shape server/records.py returns: two keys, two models,
+    """A GET /api/v1/usage answer in the shape server/admin/records.py returns: two keys, two models,
     three minutes."""
     rows = []
     for minutes_ago, key, name, model, requests in [

@@ -1,4 +1,4 @@
-"""The reconciler in a process of its own (``server/reconcilerproc.py``), on a real PostgreSQL.
+"""The reconciler in a process of its own (``server/reconciler/process.py``), on a real PostgreSQL.
 
 A server process (here the test's own, or a small script standing in for one) starts the
 reconciler as a spawned child: the child places replicas, asks the server what the autoscaler
@@ -25,8 +25,8 @@ from builders import deployment, gpu_host_32c_256g, safetensors_8gb
 from fleetserve.autoscale import Signals, SignalsQuery
 from fleetserve.metrics.exposition import FleetMetrics
 from fleetserve.reconcile.health import HeartbeatPolicy
-from fleetserve.server.reconciler import LEASE
-from fleetserve.server.reconcilerproc import ReconcilerConfig, ReconcilerProcess
+from fleetserve.server.reconciler.loop import LEASE
+from fleetserve.server.reconciler.process import ReconcilerConfig, ReconcilerProcess
 from fleetserve.spec.resources import DeviceClass, ReplicaRange
 from fleetserve.store import SqlStore
 
@@ -135,7 +135,7 @@ import sys, time
 from datetime import timedelta
 from fleetserve.autoscale import Signals
 from fleetserve.reconcile.health import HeartbeatPolicy
-from fleetserve.server.reconcilerproc import ReconcilerConfig, ReconcilerProcess
+from fleetserve.server.reconciler.process import ReconcilerConfig, ReconcilerProcess
 
 def answer(query):
     return Signals(query.deployment, len(query.ready), query.total)

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from fleetserve.server.agents.enrolment import EnrolmentPolicy
 from fleetserve.server.app import create_app
-from fleetserve.server.enrolment import EnrolmentPolicy
-from fleetserve.server.reconciler import CycleResult, Reconciler
+from fleetserve.server.reconciler.loop import CycleResult, Reconciler
 from fleetserve.store import SqlStore, TokenKind
 
 T0 = datetime(2025, 6, 1, 12, 0, tzinfo=UTC)

@@ -7,8 +7,8 @@ from datetime import UTC, datetime
 
 from fastapi.testclient import TestClient
 
+from fleetserve.server.agents.enrolment import EnrolmentPolicy
 from fleetserve.server.app import create_app
-from fleetserve.server.enrolment import EnrolmentPolicy
 from fleetserve.spec.resources import Node
 from fleetserve.store.credentials import TokenKind
 from fleetserve.store.sql import SqlStore

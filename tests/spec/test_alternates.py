@@ -27,7 +27,7 @@ from fleetserve.kube.cluster import render_cluster
 from fleetserve.placement.demand import CPU_RUNTIME_OVERHEAD
 from fleetserve.placement.placer import SearchKind, plan
 from fleetserve.protocol import Assignment
-from fleetserve.server.apply import apply_batch
+from fleetserve.server.admin.apply import apply_batch
 from fleetserve.spec.loader import Documents, load_text
 from fleetserve.spec.resources import MAX_ALTERNATES, Model, ModelFormat, Replica, Shard, Weights
 from fleetserve.store.sql import SqlStore

@@ -18,7 +18,7 @@ from fleetserve.changegate import ChangeGate
 from fleetserve.gateway.endpoints import EndpointTable
 from fleetserve.metrics.exposition import FleetMetrics
 from fleetserve.protocol import AgentStatus, GpuSample, ReplicaStatus
-from fleetserve.server.assignwatch import AssignmentWatch
+from fleetserve.server.agents.assignwatch import AssignmentWatch
 from fleetserve.server.observer import Observer
 from fleetserve.spec.resources import (
     DeviceClass,

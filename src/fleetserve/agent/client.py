@@ -22,7 +22,7 @@ from fleetserve.spec.resources import DeviceClass, Node
 API = "/api/v1/agent"
 log = logging.getLogger("fleetserve.agent")
 
-# Error types the server answers when an enrolment waits for an operator (server/agents.py).
+# Error types the server answers when an enrolment waits for an operator (server/agents/routes.py).
 PENDING = frozenset({"name_taken", "approval_required"})
 
 

@@ -17,7 +17,7 @@ from fleetserve.errors import ConfigError, FleetserveError
 from fleetserve.spec.resources import ModelFormat
 
 if TYPE_CHECKING:
-    from fleetserve.server.retention import RetentionPolicy
+    from fleetserve.server.admin.retention import RetentionPolicy
     from fleetserve.tls import ServerTls
 
 app = typer.Typer(
@@ -186,7 +186,7 @@ def _retention(usage: str, audit: str) -> RetentionPolicy:
     from datetime import timedelta
 
     from fleetserve.cli.admin import parse_duration
-    from fleetserve.server.retention import RetentionPolicy
+    from fleetserve.server.admin.retention import RetentionPolicy
 
     values: list[timedelta] = []
     for flag, text in (("--usage-retention", usage), ("--audit-retention", audit)):
@@ -329,7 +329,7 @@ def server_command(
     --tls-dir; it then prints the join command with the CA's pin (sha256:...). Plain HTTP off
     loopback only with --insecure.
     """
-    from fleetserve.server.enrolment import EnrolmentPolicy, parse_networks
+    from fleetserve.server.agents.enrolment import EnrolmentPolicy, parse_networks
     from fleetserve.server.process import (
         ControlPlane,
         Listen,

@@ -59,7 +59,7 @@ RawRoute = Callable[[Scope, Receive, Send, App], Awaitable[None]]
 
 class ServingApp(FastAPI):
     """A FastAPI app whose ``/v1/`` requests go to the OpenAI API's raw ASGI app first, and whose
-    ``raw_routes`` (by exact path) are tried before FastAPI (``server/hotpath.py``)."""
+    ``raw_routes`` (by exact path) are tried before FastAPI (``server/agents/hotpath.py``)."""
 
     def __init__(
         self,

@@ -29,19 +29,16 @@ from fastapi import FastAPI
 from rich.console import Console
 from starlette.concurrency import run_in_threadpool
 
-from fleetserve.autoscale import Signals, SignalsQuery, load_of
 from fleetserve.errors import ConfigError, Problem
-from fleetserve.gateway.app import Gateway
-from fleetserve.gateway.picker import FRESH_SECONDS
 from fleetserve.reconcile.health import HeartbeatPolicy
 from fleetserve.secretfile import write_secret
+from fleetserve.server.admin.retention import RetentionPolicy, prune_forever
+from fleetserve.server.agents.enrolment import EnrolmentPolicy
 from fleetserve.server.app import Lifespan, Serving, create_app, create_gateway_app
 from fleetserve.server.collector import collect_paced, tune_collector
-from fleetserve.server.enrolment import EnrolmentPolicy
-from fleetserve.server.observer import Observer
-from fleetserve.server.reconciler import Reconciler, SignalSource, holder_name
-from fleetserve.server.reconcilerproc import ReconcilerConfig, ReconcilerProcess
-from fleetserve.server.retention import RetentionPolicy, prune_forever
+from fleetserve.server.reconciler.loop import Reconciler, holder_name
+from fleetserve.server.reconciler.process import ReconcilerConfig, ReconcilerProcess
+from fleetserve.server.reconciler.signals import autoscale_signals, signal_answers
 from fleetserve.store.credentials import TokenKind
 from fleetserve.store.db import database_url as database_url_of
 from fleetserve.store.db import shown_url
@@ -141,30 +138,8 @@ def ensure_tokens(store: Tokens, token_file: Path | None, console: Console) -> N
     )
 
 
-def signal_answers(observer: Observer, gateway: Gateway | None) -> Callable[[SignalsQuery], Signals]:
-    """How this process answers the autoscaler: from its observer (engine metrics) and gateway."""
-
-    def answer(query: SignalsQuery) -> Signals:
-        fresh = []
-        for name in query.ready:
-            load = observer.loads.get(name)
-            if load is not None and query.now - load.at <= FRESH_SECONDS:
-                fresh.append(load_of(query.metric, load.running, load.waiting))
-        held = gateway.admission.depth(query.deployment).waiting if gateway is not None else 0
-        last = gateway.last_request.get(query.deployment) if gateway is not None else None
-        return Signals(query.deployment, len(query.ready), query.total, tuple(fresh), held, last)
-
-    return answer
-
-
-def autoscale_signals(observer: Observer, gateway: Gateway | None) -> SignalSource:
-    """What the autoscaler sees, asked of this process's observer and gateway directly."""
-    answer = signal_answers(observer, gateway)
-    return lambda dep, replicas, now: answer(SignalsQuery.of(dep, replicas, now))
-
-
 class ReconcilerMode(StrEnum):
-    """Where the control plane runs its reconciler (``--reconciler``; ``server/reconcilerproc.py``)."""
+    """Where the control plane runs its reconciler (``--reconciler``; ``server/reconciler/process.py``)."""
 
     AUTO = "auto"  # a process of its own on PostgreSQL, a thread on SQLite
     PROCESS = "process"

@@ -69,7 +69,7 @@ class EnrolmentRecord:
 # The agents' per-request statements, built once: building one cost more CPU than running it
 # (0.35 against 0.27 ms in process, bench/controlplane.py's heartbeat).
 _BOUND_NODE = select(NodeCredentialRow.node).where(NodeCredentialRow.token_hash == bindparam("b_hash"))
-# Many at once (``server/batching.py`` gathers concurrent calls): which of these hashes are whose
+# Many at once (``server/agents/batching.py`` gathers concurrent calls): which of these hashes are whose
 # credential; and the heartbeats of the nodes whose own credential a caller showed, at the epoch
 # that caller gave, while Ready (the credential checked again as the row is written: a revocation
 # between the two statements writes nothing).

@@ -237,7 +237,7 @@ class SqlReports(SqlBase):
         return stop
 
     def reports(self, batch: Sequence[AgentReport], now: datetime) -> list[list[str] | None]:
-        """Many agents' status reports in one transaction (``server/batching.py`` gathers them);
+        """Many agents' status reports in one transaction (``server/agents/batching.py`` gathers them);
         per report, what ``report`` returns, or None where it was not accepted (a stale epoch, a
         node not Ready or unknown): nothing of that one is written, and ``report`` says why.
         Each is accepted or not on its own node's row, as if it came alone."""

@@ -15,14 +15,14 @@ import pytest
 from fastapi.testclient import TestClient
 from starlette.datastructures import Headers
 
+from fleetserve.server.admin.ui import PAGES
 from fleetserve.server.app import create_app
 from fleetserve.server.auth import CSRF_HEADER, Admin, check_admin
-from fleetserve.server.reconciler import Reconciler
-from fleetserve.server.ui import PAGES
+from fleetserve.server.reconciler.loop import Reconciler
 from fleetserve.store import SqlStore, TokenKind
 
 T0 = datetime(2025, 6, 1, 12, 0, tzinfo=UTC)
-UI_DIR = Path(__file__).resolve().parents[2] / "src" / "fleetserve" / "ui"
+UI_DIR = Path(__file__).resolve().parents[3] / "src" / "fleetserve" / "ui"
 NODE = {"kind": "Node", "name": "n1", "cpu": {"cores": 8, "memory": "32GiB"}}
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from fleetserve.server.enrolment import AddressVerdict, EnrolmentPolicy, parse_networks
+from fleetserve.server.agents.enrolment import AddressVerdict, EnrolmentPolicy, parse_networks
 
 DNS = {"gpu-7.lab": ["10.0.0.7"], "split.lab": ["10.0.0.7", "10.0.0.8"]}
 

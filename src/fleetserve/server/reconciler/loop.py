@@ -33,7 +33,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fleetserve.autoscale import AutoscaleState, DecisionLog, Signals, decide_for, render_decision
+from fleetserve.autoscale import AutoscaleState, DecisionLog, decide_for, render_decision
 from fleetserve.changegate import FULL_READ_SECONDS
 from fleetserve.errors import AllocationConflict, ConfigError, FleetserveError, UnknownReplica
 from fleetserve.gguf_facts import model_facts
@@ -42,6 +42,7 @@ from fleetserve.modelfacts import ModelFacts
 from fleetserve.reconcile.core import Planner
 from fleetserve.reconcile.health import HeartbeatPolicy, transitions
 from fleetserve.reconcile.lifecycle import FailureHistory
+from fleetserve.server.reconciler.signals import SignalSource
 from fleetserve.snapshot import ClusterSnapshot
 from fleetserve.spec.resources import Deployment, Model, Replica, ReplicaState
 from fleetserve.store.protocols import ReconcilerStore
@@ -49,9 +50,6 @@ from fleetserve.store.protocols import ReconcilerStore
 log = logging.getLogger("fleetserve.reconciler")
 
 LEASE = "reconciler"
-
-# What the autoscaler sees of a deployment: (deployment, its replicas, monotonic now) → signals.
-SignalSource = Callable[[Deployment, list[Replica], float], Signals]
 
 
 def holder_name() -> str:
@@ -104,7 +102,7 @@ class CycleResult:
 
 class CycleFigures(BaseModel):
     """What a cycle tells ``/metrics``: a typed value, so that a reconciler in a process of its own
-    (``server/reconcilerproc.py``) hands it to the process that serves ``/metrics``."""
+    (``server/reconciler/process.py``) hands it to the process that serves ``/metrics``."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

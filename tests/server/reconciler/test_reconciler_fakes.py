@@ -13,7 +13,7 @@ from typing import Any
 from builders import deployment, gpu_host_32c_256g, safetensors_8gb
 from fleetserve.inventory.memory import InMemoryInventory
 from fleetserve.reconcile.health import HeartbeatPolicy
-from fleetserve.server.reconciler import Reconciler
+from fleetserve.server.reconciler.loop import Reconciler
 from fleetserve.spec.resources import DeviceClass, Model, NodeState, ReplicaState
 from fleetserve.store.deployments import StoredDeployment
 from fleetserve.store.protocols import ReconcilerStore

@@ -41,10 +41,10 @@ from fleetserve.protocol import (
     StatusReply,
     StatusReport,
 )
-from fleetserve.server.assignwatch import RECHECK_SECONDS, AssignmentWatch
+from fleetserve.server.agents.assignwatch import RECHECK_SECONDS, AssignmentWatch
+from fleetserve.server.agents.enrolment import AddressVerdict, EnrolmentPolicy
+from fleetserve.server.agents.modelfiles import ModelFiles
 from fleetserve.server.auth import agent, caller_of, node_of, speaks_for
-from fleetserve.server.enrolment import AddressVerdict, EnrolmentPolicy
-from fleetserve.server.modelfiles import ModelFiles
 from fleetserve.server.params import NameParam
 from fleetserve.server.problems import EnrolmentRefused, Forbidden
 from fleetserve.spec.resources import NAME_PATTERN, Deployment, Model, Node, Replica

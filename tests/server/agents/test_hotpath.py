@@ -1,4 +1,4 @@
-"""The agents' hot path (``server/hotpath.py``) against the FastAPI routes it stands in front of.
+"""The agents' hot path (``server/agents/hotpath.py``) against the FastAPI routes it stands in front of.
 
 For every request of a corpus — accepted, forged, malformed, stale, over its limit — the answer of
 the app with the hot path is the one of the same app without it (status and body), and only
@@ -22,9 +22,9 @@ from sqlalchemy import Engine
 
 from builders import cpu_8c_32g
 from fleetserve.protocol import AssignmentSet
+from fleetserve.server.agents.enrolment import EnrolmentPolicy
+from fleetserve.server.agents.hotpath import AgentHotPath
 from fleetserve.server.app import create_app
-from fleetserve.server.enrolment import EnrolmentPolicy
-from fleetserve.server.hotpath import AgentHotPath
 from fleetserve.spec.resources import NodeState
 from fleetserve.store import SqlStore, TokenKind, make_engine
 
@@ -178,7 +178,7 @@ def test_a_status_report_keeps_draining_replicas_draining_and_writes_only_what_c
     ]  # fmt: skip
     assert pair.hot.post("/api/v1/apply", json={"documents": docs}, headers=pair.admin).status_code == 200
     pair.store.delete_node("n2")
-    from fleetserve.server.reconciler import Reconciler
+    from fleetserve.server.reconciler.loop import Reconciler
 
     Reconciler(pair.store).run_once()
     (replica,) = pair.store.replicas()
@@ -205,7 +205,7 @@ def test_a_long_poll_answers_the_assignment_set_as_fastapi_would_serialise_it(pa
     ]  # fmt: skip
     assert pair.hot.post("/api/v1/apply", json={"documents": docs}, headers=pair.admin).status_code == 200
     pair.store.delete_node("n2")
-    from fleetserve.server.reconciler import Reconciler
+    from fleetserve.server.reconciler.loop import Reconciler
 
     Reconciler(pair.store).run_once()
     response = pair.hot.get(f"{AGENT}/assignments?node=n1&epoch=1", headers=pair.nodes["n1"])
@@ -245,7 +245,7 @@ def placed_on_n1(pair: Pair, replicas: int) -> str:
     assert pair.hot.post("/api/v1/apply", json={"documents": docs}, headers=pair.admin).status_code == 200
     if "n2" in {n.name for n in pair.store.nodes()}:
         pair.store.delete_node("n2")
-    from fleetserve.server.reconciler import Reconciler
+    from fleetserve.server.reconciler.loop import Reconciler
 
     Reconciler(pair.store).run_once()
     first = pair.hot.get(f"{AGENT}/assignments?node=n1&epoch=1", headers=pair.nodes["n1"])
@@ -285,7 +285,7 @@ def test_a_held_poll_whose_node_moves_is_answered_with_the_new_set_by_the_route(
     import threading
     import time
 
-    from fleetserve.server.reconciler import Reconciler
+    from fleetserve.server.reconciler.loop import Reconciler
 
     revision = placed_on_n1(pair, 1)
     again = f"{AGENT}/assignments?node=n1&epoch=1&since={revision}"

@@ -17,8 +17,8 @@ from fastapi.testclient import TestClient
 
 from builders import cpu_8c_32g, gpu_host_8c_64g
 from fleetserve.protocol import MAX_DEVICES, MAX_GPU_SAMPLES, MAX_LABELS
+from fleetserve.server.agents.enrolment import EnrolmentPolicy, parse_networks
 from fleetserve.server.app import create_app
-from fleetserve.server.enrolment import EnrolmentPolicy, parse_networks
 from fleetserve.spec.resources import Node, NodeState
 from fleetserve.store import SqlStore, TokenKind
 
@@ -222,7 +222,7 @@ def test_a_report_naming_another_nodes_replica_changes_nothing_and_tells_to_stop
         == 200
     )
     plane.enrol(cpu_8c_32g("victim"))
-    from fleetserve.server.reconciler import Reconciler
+    from fleetserve.server.reconciler.loop import Reconciler
 
     Reconciler(plane.store).run_once()
     (replica,) = plane.store.replicas()

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from fleetserve.cli.main import app
-from fleetserve.server.retention import RetentionPolicy, prune_forever, prune_once
+from fleetserve.server.admin.retention import RetentionPolicy, prune_forever, prune_once
 from fleetserve.store import SqlStore
 from fleetserve.store.audit import AuditAction
 from fleetserve.store.usage import UsageCounts, UsageRecord

@@ -23,8 +23,8 @@ from fleetserve.protocol import ReplicaStatus
 from fleetserve.reconcile.core import reconcile
 from fleetserve.reconcile.health import HeartbeatPolicy
 from fleetserve.routing import routable
-from fleetserve.server.apply import apply_batch
-from fleetserve.server.reconciler import LEASE, CyclePhase, CycleResult, Reconciler
+from fleetserve.server.admin.apply import apply_batch
+from fleetserve.server.reconciler.loop import LEASE, CyclePhase, CycleResult, Reconciler
 from fleetserve.snapshot import ClusterSnapshot
 from fleetserve.spec.resources import (
     Deployment,

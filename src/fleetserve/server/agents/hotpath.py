@@ -4,7 +4,7 @@ long-poll — as raw ASGI before FastAPI.
 At thousands of nodes these are most of the control plane's requests, and FastAPI's middleware,
 routing, dependency injection and a trip to a worker thread per database call cost more CPU than
 the calls themselves (the gateway's /v1 is raw ASGI for the same reason, ``gateway/asgi.py``).
-Concurrent calls of a kind are taken together (``server/batching.py``): one trip to a worker
+Concurrent calls of a kind are taken together (``server/agents/batching.py``): one trip to a worker
 thread and two statements for a batch of heartbeats (``store.beats``), one statement for a batch
 of credential checks (``store.nodes_for_credentials``), one transaction for a batch of status
 reports (``store.reports``, each accepted or not on its own node's row).
@@ -50,11 +50,11 @@ from fleetserve.errors import FleetserveError
 from fleetserve.gateway.app import Receive, Scope, Send
 from fleetserve.gateway.asgi import App, RawRoute
 from fleetserve.protocol import AssignmentSet, HeartbeatReply, HeartbeatRequest, StatusReply, StatusReport
-from fleetserve.server.agents import MAX_WAIT_SECONDS, record_reports, rendered
-from fleetserve.server.assignwatch import AssignmentWatch
+from fleetserve.server.agents.assignwatch import AssignmentWatch
+from fleetserve.server.agents.batching import Gather
+from fleetserve.server.agents.limits import BODY_LIMITS, replay
+from fleetserve.server.agents.routes import MAX_WAIT_SECONDS, record_reports, rendered
 from fleetserve.server.auth import AGENT_PREFIX
-from fleetserve.server.batching import Gather
-from fleetserve.server.limits import BODY_LIMITS, replay
 from fleetserve.spec.resources import NAME_PATTERN
 from fleetserve.store.identity import Beat
 from fleetserve.store.sql import SqlStore

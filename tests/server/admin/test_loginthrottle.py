@@ -3,7 +3,7 @@ with bounded memory."""
 
 from __future__ import annotations
 
-from fleetserve.server.loginthrottle import LoginThrottle, ThrottlePolicy
+from fleetserve.server.admin.loginthrottle import LoginThrottle, ThrottlePolicy
 
 POLICY = ThrottlePolicy(per_address=3, overall=5, window=60.0, max_addresses=4)
 

@@ -1,4 +1,4 @@
-"""Held assignment long-polls woken by one shared check (``server/assignwatch.py``): the pure
+"""Held assignment long-polls woken by one shared check (``server/agents/assignwatch.py``): the pure
 fingerprints, the watch over a fake store, and a poll held by the real app over SQLite that
 answers with a replica allocated while it was held."""
 
@@ -16,9 +16,9 @@ from fastapi.testclient import TestClient
 from builders import cpu_8c_32g, safetensors_8gb
 from builders import deployment as build_deployment
 from fleetserve.protocol import AssignmentSet
+from fleetserve.server.agents.assignwatch import AssignmentWatch, fingerprints
+from fleetserve.server.agents.enrolment import EnrolmentPolicy
 from fleetserve.server.app import create_app
-from fleetserve.server.assignwatch import AssignmentWatch, fingerprints
-from fleetserve.server.enrolment import EnrolmentPolicy
 from fleetserve.spec.resources import Replica, Shard
 from fleetserve.store import SqlStore, TokenKind
 from fleetserve.store.reports import AssignmentInputs

@@ -23,8 +23,8 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, RedirectResponse
 from starlette.concurrency import run_in_threadpool
 
+from fleetserve.server.admin.loginthrottle import LoginThrottle
 from fleetserve.server.auth import CSRF_COOKIE, CSRF_HEADER, SESSION_COOKIE
-from fleetserve.server.loginthrottle import LoginThrottle
 from fleetserve.store.credentials import TokenKind
 from fleetserve.store.protocols import AdminAuth
 

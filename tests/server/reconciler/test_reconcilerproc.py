@@ -1,4 +1,4 @@
-"""The reconciler process's messages and settings (``server/reconcilerproc.py``); the processes
+"""The reconciler process's messages and settings (``server/reconciler/process.py``); the processes
 themselves run in ``tests/e2e/test_reconciler_process.py``."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from fleetserve.cli.main import app
 from fleetserve.errors import ConfigError
 from fleetserve.metrics.exposition import FleetMetrics
 from fleetserve.reconcile.health import HeartbeatPolicy
-from fleetserve.server import reconcilerproc
 from fleetserve.server.process import ControlPlane, ReconcilerMode, reconciler_process
-from fleetserve.server.reconciler import CycleFigures, CyclePhase
-from fleetserve.server.reconcilerproc import (
+from fleetserve.server.reconciler import process as reconcilerproc
+from fleetserve.server.reconciler.loop import CycleFigures, CyclePhase
+from fleetserve.server.reconciler.process import (
     Answer,
     Ask,
     Cycle,

@@ -12,7 +12,7 @@ What crosses the boundary is typed, JSON over a pipe, validated on arrival (``To
 
 - reconciler → server, ``Ask``: the autoscaler's ``SignalsQuery`` for one deployment; the server
   answers from its observer (engine load) and gateway (held requests, last request) — the same
-  function that answers a reconciler thread (``process.signal_answers``).
+  function that answers a reconciler thread (``signals.signal_answers``).
 - reconciler → server, ``Cycle``: each cycle's ``CycleFigures``, which the server records on its
   ``/metrics`` as a reconciler thread's are.
 - server → reconciler, ``Stop``: end after the cycle in progress, hand the lease over, exit.
@@ -57,7 +57,7 @@ from fleetserve.errors import FleetserveError
 from fleetserve.metrics.exposition import FleetMetrics
 from fleetserve.reconcile.health import HeartbeatPolicy
 from fleetserve.server.collector import tune_collector
-from fleetserve.server.reconciler import CycleFigures, CycleResult, Reconciler
+from fleetserve.server.reconciler.loop import CycleFigures, CycleResult, Reconciler
 from fleetserve.spec.resources import Deployment, Replica
 
 log = logging.getLogger("fleetserve.reconciler")

@@ -16,7 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from fleetserve.errors import FleetserveError
 from fleetserve.store.protocols import Retention
 
-log = logging.getLogger("fleetserve.server.retention")
+log = logging.getLogger("fleetserve.server.admin.retention")
 
 # Seconds between two prunings.
 PRUNE_SECONDS = 3600.0

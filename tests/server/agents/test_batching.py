@@ -1,4 +1,4 @@
-"""``server/batching.py``: concurrent calls gathered into one worker-thread call at a time."""
+"""``server/agents/batching.py``: concurrent calls gathered into one worker-thread call at a time."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import pytest
 
 from fleetserve.errors import StoreError
-from fleetserve.server.batching import Gather
+from fleetserve.server.agents.batching import Gather
 
 
 class Doubler:

@@ -14,8 +14,8 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
+from fleetserve.server.agents.enrolment import EnrolmentPolicy
 from fleetserve.server.app import create_app
-from fleetserve.server.enrolment import EnrolmentPolicy
 from fleetserve.store import SqlStore, TokenKind
 from fleetserve.store.tables import AuditEventRow
 from fleetserve.store.usage import UsageCounts, UsageRecord
