@@ -47,8 +47,8 @@ Classes without a module are defined here.
     │   ├── QueueFull            as many requests as the policy allows already wait
     │   ├── QueueTimeout         the request waited its longest in the queue without a slot
     │   └── NoReplica            no replica became Ready before the hold deadline
-    ├── ClientGone               (fleetserve.gateway.app) the client disconnected before its answer;
-    │                            the upstream request was cancelled
+    ├── ClientGone               (fleetserve.rawasgi.disconnect) the client disconnected before its
+    │                            answer; the work for it (an upstream request) was cancelled
     ├── Unauthorized             (fleetserve.server.problems) no valid credentials for this API
     ├── Forbidden                (fleetserve.server.problems) valid credentials, not for this: a node
     │                            speaking for another, the join token beyond enrolment

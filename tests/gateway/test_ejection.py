@@ -50,7 +50,7 @@ def test_a_replica_that_refuses_connections_is_ejected_and_left_alone_by_later_p
         client = HttpClient()
         failure: UpstreamError | None = None
         try:
-            from fleetserve.gateway.app import origin_of
+            from fleetserve.gateway.upstream import origin_of
 
             origin, host = origin_of(f"http://127.0.0.1:{dead}")
             await client.request(origin, b"GET /health HTTP/1.1\r\nHost: " + host + b"\r\n\r\n", 5.0)

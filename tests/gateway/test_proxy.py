@@ -309,8 +309,8 @@ def test_each_engine_gets_its_own_replicas_key_from_the_one_place_headers_are_bu
 
 
 def test_an_engine_key_with_a_line_break_is_never_sent():
-    from fleetserve.gateway.app import upstream_request
     from fleetserve.gateway.picker import Endpoint
+    from fleetserve.gateway.upstream import upstream_request
     from fleetserve.httpclient import UpstreamError
 
     _, request = upstream_request(

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible gateway: API keys, rate limits, admission, endpoint picking, streaming.
+"""The gateway's proxy: API keys, rate limits, admission, endpoint picking, forwarding, streaming.
 
 - ``GET /v1/models``; ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``.
 - API keys are Bearer tokens, stored hashed, each with its models and request/token limits;
@@ -10,52 +10,50 @@
   a client that disconnects closes the upstream request, which cancels it.
 - Tokens count against a key's limit whether or not the client asked for them: the gateway asks
   the engine for the usage event and strips it when the client did not (``sse.UsageTap``).
-- Every answered request is counted per minute, key and model in memory (``gateway.usage``) and
-  written to the store every few seconds and at stop (``gateway.usage_flush``), never per request.
+- Its refusals are OpenAI error bodies (``gateway.openai_errors``); what it sends an engine is
+  built in ``gateway.upstream``; what a request reserves and how it is counted, in
+  ``gateway.accounting``.
 
-This is the data path, served as raw ASGI (``gateway.asgi``) under uvicorn with uvloop and
-httptools: the body is parsed once with orjson, upstream requests go over ``httpclient``'s pooled
-keep-alive connections, streamed events are relayed without being parsed. Everything a request
-does not need to compute (routes, key lookups, origins, metric label children) is computed once.
+This is the data path, served as raw ASGI (``gateway.asgi``, ``rawasgi``) under uvicorn with
+uvloop and httptools: the body is parsed once with orjson, upstream requests go over
+``httpclient``'s pooled keep-alive connections, streamed events are relayed without being parsed.
+Everything a request does not need to compute (routes, key lookups, origins, metric label
+children) is computed once.
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
-import logging
 import math
 import random
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Callable
 from contextlib import AsyncExitStack
-from typing import Any
 
 import orjson
 from starlette.concurrency import run_in_threadpool
 
-from fleetserve.errors import FleetserveError, InternalError
+from fleetserve.errors import InternalError
+from fleetserve.gateway.accounting import Accounting, Exchange, held_reserved, reservation
 from fleetserve.gateway.admission import Admission, AdmissionPolicy, GatewayRejection
 from fleetserve.gateway.endpoints import EndpointTable, Route
+from fleetserve.gateway.openai_errors import send_error
 from fleetserve.gateway.picker import Endpoint, Load, pick, prefix_key_for
 from fleetserve.gateway.ratelimit import Limits
 from fleetserve.gateway.sse import UsageTap, usage_of_body
+from fleetserve.gateway.upstream import UPSTREAM_TIMEOUT, relay_stream, relayed, upstream_request
 from fleetserve.gateway.usage import UsageCounter
 from fleetserve.gateway.usage_flush import FLUSH_SECONDS, UsageFlusher
 from fleetserve.gateway.windows import Held, LocalWindows, Windows
-from fleetserve.httpclient import HttpClient, Origin, Response, UpstreamError
+from fleetserve.httpclient import HttpClient, UpstreamError
 from fleetserve.metrics.exposition import UNKNOWN_MODEL, FleetMetrics
-from fleetserve.routing import engine_auth
+from fleetserve.rawasgi.answers import answer
+from fleetserve.rawasgi.body import Unread, read_body
+from fleetserve.rawasgi.disconnect import ClientGone, unless_gone
+from fleetserve.rawasgi.headers import bearer, header
+from fleetserve.rawasgi.types import Receive, Scope, Send
 from fleetserve.store.credentials import ApiKey
 from fleetserve.store.protocols import GatewayStore, UsageSink
-
-log = logging.getLogger("fleetserve.gateway")
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 # Requests larger than this are refused with 413 before they are parsed.
 BODY_LIMIT = 8 << 20
@@ -63,134 +61,6 @@ BODY_LIMIT = 8 << 20
 HOLD_SECONDS = 30.0
 # API-key lookups are cached this long, so the database is not hit on every request.
 KEY_CACHE_SECONDS = 5.0
-# How long an engine may take to start answering (the head of its answer).
-UPSTREAM_TIMEOUT = 600.0
-# Tokens reserved for a request without max_tokens, until its real usage is known.
-DEFAULT_RESERVE_TOKENS = 256
-# Bytes of request body per prompt token, for the reservation's estimate of the prompt.
-BYTES_PER_TOKEN = 4
-# Upstream headers not relayed: hop-by-hop ones, and those uvicorn sets itself (no duplicates).
-HOP_HEADERS = frozenset(
-    {
-        b"content-length",
-        b"transfer-encoding",
-        b"connection",
-        b"keep-alive",
-        b"content-encoding",
-        b"date",
-        b"server",
-    }
-)
-_JSON = (b"content-type", b"application/json")
-
-
-def error_body(message: str, kind: str, code: str | None = None, param: str | None = None) -> bytes:
-    """An error in OpenAI's JSON shape."""
-    return orjson.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}})
-
-
-async def send_body(
-    send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
-) -> None:
-    """Answer with a whole body (JSON unless ``headers`` say otherwise)."""
-    head = headers if headers is not None else [_JSON]
-    head.append((b"content-length", str(len(body)).encode()))
-    await send({"type": "http.response.start", "status": status, "headers": head})
-    await send({"type": "http.response.body", "body": body})
-
-
-async def send_error(
-    send: Send,
-    status: int,
-    message: str,
-    kind: str,
-    code: str | None = None,
-    param: str | None = None,
-    retry_after: int | None = None,
-) -> None:
-    """Answer with an error in OpenAI's shape (and ``Retry-After`` when given)."""
-    headers = [_JSON]
-    if retry_after is not None:
-        headers.append((b"retry-after", str(retry_after).encode()))
-    await send_body(send, status, error_body(message, kind, code, param), headers)
-
-
-def broken_stream_event(replica: str) -> bytes:
-    """The server-sent event that ends a stream whose upstream broke off mid-way."""
-    body = {
-        "error": {
-            "message": f"the upstream stream from replica {replica} broke off before it was complete",
-            "type": "upstream_error",
-            "param": None,
-            "code": "stream_broken",
-        }
-    }
-    return b"\n\ndata: " + orjson.dumps(body) + b"\n\n"
-
-
-@functools.lru_cache(maxsize=4096)
-def origin_of(url: str) -> tuple[Origin, bytes]:
-    """An endpoint URL's origin and its Host header value (cached: URLs repeat)."""
-    scheme, _, authority = url.partition("://")
-    host, _, port = authority.rpartition(":")
-    return Origin(host.strip("[]"), int(port), scheme == "https"), authority.encode()
-
-
-@functools.lru_cache(maxsize=4096)
-def _auth_line(engine_key: str | None) -> bytes:
-    """The replica's engine key as a header line (none for a replica placed before engine keys)."""
-    if engine_key is not None and ("\r" in engine_key or "\n" in engine_key):
-        raise UpstreamError("the replica's engine key holds a line break: not sent")
-    return b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in engine_auth(engine_key).items())
-
-
-def upstream_request(endpoint: Endpoint, path: bytes, body: bytes) -> tuple[Origin, bytes]:
-    """The request to send to an engine, head and body: the one place its headers are built."""
-    origin, host = origin_of(endpoint.url)
-    # The replica's own engine key: the engine refuses any request without it.
-    head = (
-        b"POST %s HTTP/1.1\r\nHost: %s\r\n%sContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-        % (
-            path,
-            host,
-            _auth_line(endpoint.engine_key),
-            len(body),
-        )
-    )
-    return origin, head + body
-
-
-def reservation(data: dict[str, Any], body: bytes) -> int:
-    """Tokens to reserve for a request before its usage is known: its completion budget and prompt."""
-    budget = data.get("max_tokens")
-    if not isinstance(budget, int) or budget < 0:
-        budget = data.get("max_completion_tokens")
-    if not isinstance(budget, int) or budget < 0:
-        budget = DEFAULT_RESERVE_TOKENS
-    return budget + len(body) // BYTES_PER_TOKEN
-
-
-class ClientGone(FleetserveError):
-    """The client disconnected before its answer was ready; the upstream request was cancelled."""
-
-
-class _Exchange:
-    """One request's bookkeeping across its tries: what was sent where, when, and what came back."""
-
-    __slots__ = (
-        "broken", "completion", "endpoint", "first_at", "last_at", "prompt", "sent_at", "tap", "usage_total",
-    )  # fmt: skip
-
-    def __init__(self) -> None:
-        self.endpoint: Endpoint | None = None
-        self.sent_at = 0.0
-        self.first_at: float | None = None
-        self.last_at = 0.0
-        self.tap: UsageTap | None = None
-        self.usage_total: int | None = None
-        self.prompt = 0
-        self.completion = 0
-        self.broken = False  # a stream whose upstream broke off after its first byte
 
 
 class Gateway:
@@ -226,7 +96,7 @@ class Gateway:
         self.rng = random.Random(seed)
         self.in_flight: dict[str, int] = defaultdict(int)
         self._keys: dict[bytes, tuple[ApiKey | None, float]] = {}
-        self._queue_depth: dict[str, int] = {}
+        self.accounting = Accounting(self.usage, metrics, self.admission, self.table)
         self._policies: dict[str, tuple[Route, AdmissionPolicy]] = {}
         self.http: HttpClient | None = None
 
@@ -258,9 +128,8 @@ class Gateway:
         cached = self._keys.get(authorization)
         if cached is not None and cached[1] > now:
             return cached[0]
-        scheme, _, token = authorization.decode("latin-1").partition(" ")
-        token = token.strip()
-        if scheme.lower() != "bearer" or not token:
+        token = bearer(authorization)
+        if token is None:
             return None
         key = await run_in_threadpool(self.store.verify_api_key, token)
         if len(self._keys) > 10_000:
@@ -306,7 +175,7 @@ class Gateway:
     # --- GET /v1/models ---------------------------------------------------------------------------
 
     async def models(self, scope: Scope, send: Send) -> None:
-        key = await self.authenticate(_header(scope, b"authorization"))
+        key = await self.authenticate(header(scope, b"authorization"))
         if key is None:
             await send_error(
                 send, 401, "Incorrect or missing API key.", "invalid_request_error", "invalid_api_key"
@@ -317,7 +186,7 @@ class Gateway:
             for name, route in sorted(self.table.routes.items())
             if (route.endpoints or route.scales_from_zero) and key.allows(name)
         ]
-        await send_body(send, 200, orjson.dumps({"object": "list", "data": data}))
+        await answer(send, 200, orjson.dumps({"object": "list", "data": data}))
 
     # --- POST /v1/... ------------------------------------------------------------------------------
 
@@ -344,10 +213,11 @@ class Gateway:
         if declared is not None and declared.isdigit() and int(declared) > BODY_LIMIT:
             await send_error(send, 413, too_large, "invalid_request_error")
             return
-        body = await _read_body(receive)
-        if body is None:
-            await send_error(send, 413, too_large, "invalid_request_error")
-            return
+        body = await read_body(receive, BODY_LIMIT)
+        if isinstance(body, Unread):
+            if body is Unread.OVER_LIMIT:
+                await send_error(send, 413, too_large, "invalid_request_error")
+            return  # or the client went away: nobody to answer
         try:
             data = orjson.loads(body)
         except orjson.JSONDecodeError:  # invalid, or nested deeper than orjson's 1024 levels
@@ -371,7 +241,7 @@ class Gateway:
                 "model_not_found",
                 "model",
             )
-            self._account(key, UNKNOWN_MODEL, None, 404, started, None)
+            self.accounting.account(key, UNKNOWN_MODEL, None, 404, started, None)
             return
         held: Held | None = None
         if key.rpm is not None or key.tpm is not None:
@@ -390,7 +260,7 @@ class Gateway:
                     "rate_limit_exceeded",
                     retry_after=decision.retry_after_header,
                 )
-                self._account(key, model, model, 429, started, None)
+                self.accounting.account(key, model, model, 429, started, None)
                 return
         # Past the checks: from here the request is demand (activity for scale-to-zero).
         self.last_request[model] = time.monotonic()
@@ -410,7 +280,7 @@ class Gateway:
         prefix = None
         if route.prefix_affinity:
             prefix = prefix_key_for(data.get("messages") or data.get("prompt") or data.get("input") or "")
-        exchange = _Exchange()
+        exchange = Exchange()
         status = 500
         exits = AsyncExitStack()
         try:
@@ -430,9 +300,7 @@ class Gateway:
                 return
             if stream:
                 exchange.tap = UsageTap(strip)
-            status = await self._unless_gone(
-                receive, self._forward(send, model, path, body, prefix, exchange)
-            )
+            status = await unless_gone(receive, self._forward(send, model, path, body, prefix, exchange))
         except ClientGone:
             status = 499
         finally:
@@ -441,77 +309,10 @@ class Gateway:
             if held is not None:
                 used = exchange.usage_total
                 await self.windows.settle(held, held_reserved(held) if used is None else used)
-            self._account(key, model, model, status, started, exchange)
-
-    def _account(
-        self,
-        key: ApiKey,
-        model: str,
-        deployment: str | None,
-        status: int,
-        started: float,
-        ex: _Exchange | None,
-    ) -> None:
-        usage = self.usage
-        if usage is not None:  # one dict update; written to the store by the flusher
-            usage.add(
-                time.time(), key.id, model, ex.prompt if ex else 0, ex.completion if ex else 0,
-                status >= 400 or (ex is not None and ex.broken),
-            )  # fmt: skip
-        metrics = self.metrics
-        if metrics is None:
-            return
-        seconds = time.monotonic() - started
-        if deployment is not None:
-            metrics.gateway_answer(deployment, status, seconds)
-            waiting = self.admission.depth(deployment).waiting
-            if self._queue_depth.get(deployment) != waiting:  # a gauge: set only when it moved
-                self._queue_depth[deployment] = waiting
-                metrics.set_queue_depth(deployment, waiting)
-        metrics.gateway_key_request(
-            key.name, model, seconds, ex.prompt if ex else 0, ex.completion if ex else 0
-        )
-        if ex is not None and ex.first_at is not None and ex.endpoint is not None and deployment is not None:
-            tap = ex.tap
-            itl = None
-            if tap is not None and tap.events > 2 and ex.last_at > ex.first_at:
-                itl = (ex.last_at - ex.first_at) / (tap.events - 2)  # minus [DONE] and the first
-            route = self.table.routes.get(deployment)
-            engine = route.engines.get(ex.endpoint.replica, "") if route is not None else ""
-            metrics.gateway_stream(deployment, ex.endpoint.replica, engine, ex.first_at - ex.sent_at, itl)
-
-    async def _unless_gone(self, receive: Receive, work: Awaitable[int]) -> int:
-        """Await ``work``; if the client disconnects first, cancel it (and with it the upstream)."""
-        task = asyncio.current_task()
-        if task is None:
-            raise InternalError("the gateway runs requests in tasks")
-        watch = asyncio.ensure_future(receive())  # after the body, receive() waits for a disconnect
-        finished = False
-
-        def gone(done: asyncio.Future[Message]) -> None:
-            if (
-                not finished
-                and not done.cancelled()
-                and done.exception() is None
-                and done.result().get("type") == "http.disconnect"
-            ):
-                task.cancel()
-
-        watch.add_done_callback(gone)
-        try:
-            return await work
-        except asyncio.CancelledError:
-            if watch.done() and not finished:
-                task.uncancel()
-                raise ClientGone() from None
-            raise
-        finally:
-            finished = True
-            if not watch.done():
-                watch.cancel()
+            self.accounting.account(key, model, model, status, started, exchange)
 
     async def _forward(
-        self, send: Send, model: str, path: bytes, body: bytes, prefix: str | None, ex: _Exchange
+        self, send: Send, model: str, path: bytes, body: bytes, prefix: str | None, ex: Exchange
     ) -> int:
         """Send to a replica (once more to another if it fails before any byte reached the client)."""
         http = self.http
@@ -550,9 +351,9 @@ class Gateway:
                     usage = usage_of_body(content)
                     if usage is not None:
                         ex.usage_total, ex.prompt, ex.completion = usage.total, usage.prompt, usage.completion
-                    await send_body(send, response.status, content, _relayed(response))
+                    await answer(send, response.status, content, relayed(response))
                     return response.status
-                await self._relay(send, response, ex, ex.tap)
+                await relay_stream(send, response, ex, ex.tap)
                 return response.status
             finally:
                 self.in_flight[endpoint.replica] -= 1
@@ -566,71 +367,3 @@ class Gateway:
             retry_after=1,
         )
         return 503
-
-    async def _relay(self, send: Send, response: Response, ex: _Exchange, tap: UsageTap) -> None:
-        """Pass the engine's events through as they come; a broken upstream is told, not hidden."""
-        await send({"type": "http.response.start", "status": response.status, "headers": _relayed(response)})
-        try:
-            while True:
-                piece = await response.next_piece()
-                if not piece:
-                    break
-                now = time.monotonic()
-                if ex.first_at is None:
-                    ex.first_at = now
-                ex.last_at = now
-                out = tap.feed(piece)
-                if out:
-                    await send({"type": "http.response.body", "body": out, "more_body": True})
-            await send({"type": "http.response.body", "body": tap.flush(), "more_body": False})
-        except UpstreamError as exc:
-            # Never end a broken stream as if it were complete: the client gets an error event
-            # (OpenAI clients raise on it) and no [DONE].
-            replica = ex.endpoint.replica if ex.endpoint else "?"
-            ex.broken = True
-            log.warning("stream from %s broke off: %s", replica, exc)
-            await send(
-                {"type": "http.response.body", "body": broken_stream_event(replica), "more_body": False}
-            )
-        finally:
-            response.close()
-            if tap.usage is not None:
-                ex.usage_total, ex.prompt, ex.completion = (
-                    tap.usage.total,
-                    tap.usage.prompt,
-                    tap.usage.completion,
-                )
-
-
-def held_reserved(held: Held) -> int:
-    """The tokens a reservation holds (settled as used when the answer had no usage)."""
-    return held.reserved
-
-
-def _relayed(response: Response) -> list[tuple[bytes, bytes]]:
-    return [(n, v) for n, v in response.headers if n.lower() not in HOP_HEADERS]
-
-
-def _header(scope: Scope, wanted: bytes) -> bytes | None:
-    for name, value in scope["headers"]:
-        if name == wanted:
-            return bytes(value)
-    return None
-
-
-async def _read_body(receive: Receive) -> bytes | None:
-    """The request body, or None once it grows past ``BODY_LIMIT``."""
-    message = await receive()
-    body: bytes = message.get("body", b"")
-    if not message.get("more_body", False):
-        return body
-    parts = [body]
-    size = len(body)
-    while message.get("more_body", False):
-        message = await receive()
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > BODY_LIMIT:
-            return None
-        parts.append(chunk)
-    return b"".join(parts)

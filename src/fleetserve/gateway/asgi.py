@@ -13,7 +13,10 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from fleetserve.gateway.app import Gateway, Receive, Scope, Send, send_error
+from fleetserve.gateway.app import Gateway
+from fleetserve.gateway.openai_errors import send_error
+from fleetserve.rawasgi.types import App as App  # re-exported: server/agents/hotpath.py takes it here
+from fleetserve.rawasgi.types import Receive, Scope, Send
 
 PROXIED: dict[str, bytes] = {
     "/v1/chat/completions": b"/v1/chat/completions",
@@ -51,9 +54,7 @@ class OpenAIApi:
             await send_error(send, 404, f"Unknown API route {path}.", "invalid_request_error", "unknown_url")
 
 
-# An ASGI app, and a raw route: the request, and the app (FastAPI's) that answers whatever the
-# route leaves to it.
-App = Callable[[Scope, Receive, Send], Awaitable[None]]
+# A raw route: the request, and the app (FastAPI's) that answers whatever the route leaves to it.
 RawRoute = Callable[[Scope, Receive, Send, App], Awaitable[None]]
 
 

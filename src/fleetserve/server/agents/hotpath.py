@@ -47,9 +47,9 @@ from urllib.parse import parse_qsl, urlencode
 from pydantic import ValidationError
 
 from fleetserve.errors import FleetserveError
-from fleetserve.gateway.app import Receive, Scope, Send
 from fleetserve.gateway.asgi import App, RawRoute
 from fleetserve.protocol import AssignmentSet, HeartbeatReply, HeartbeatRequest, StatusReply, StatusReport
+from fleetserve.rawasgi.types import Receive, Scope, Send
 from fleetserve.server.agents.assignwatch import AssignmentWatch
 from fleetserve.server.agents.batching import Gather
 from fleetserve.server.agents.limits import BODY_LIMITS, replay
