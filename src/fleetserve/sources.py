@@ -6,7 +6,7 @@
 - ``hf://ORG/REPO/PATH/IN/REPO[@REVISION]``: a file of a Hugging Face repository;
 - ``hf://ORG/REPO[@REVISION]``: a whole Hugging Face repository (the files an engine needs).
 
-The agent's model cache (``fleetserve.agent.fetch``, ``fleetserve.agent.cache``) reads them, the
+The agent's model cache (``fleetserve.agent.cache``: its ``download`` module) reads them, the
 model facts and the Kubernetes renderer ask the same rule; nothing here opens a file or a socket.
 """
 

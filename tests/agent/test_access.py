@@ -8,11 +8,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cache_support import FileServer, payload, sha256
 
+from agent.cache.cache_support import FileServer, payload, sha256
 from fleetserve.agent.access import SourcePolicy, forbidden_reason
 from fleetserve.agent.cache import ModelCache
-from fleetserve.agent.fetch import fetch
+from fleetserve.agent.cache.transfer import fetch
 from fleetserve.errors import ChecksumMismatch, SourceRefused
 from fleetserve.spec.resources import Model
 

@@ -1,4 +1,4 @@
-"""A real agent serves a model named by hf:// from a Hub on loopback (tests/hub/fake_hub.py): it
+"""A real agent serves a model named by hf:// from a Hub on loopback (tests/agent/cache/fake_hub.py): it
 downloads the GGUF through huggingface_hub's metadata calls, llama-server serves it, and a chat
 completion comes back through the gateway. A gated repository shows on the replica and the node."""
 
@@ -12,8 +12,8 @@ import httpx
 import pytest
 from e2e_support import AgentFactory, ServerFactory, short_deadline_args, wait_for
 
+from agent.cache.fake_hub import FakeHub
 from fleetserve.dev.tinymodel import write_tiny_model
-from hub.fake_hub import FakeHub
 
 NODE = "hub-node"
 

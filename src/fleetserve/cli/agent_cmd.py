@@ -15,12 +15,11 @@ from typing import Any
 import yaml
 
 from fleetserve.agent.access import SourcePolicy
-from fleetserve.agent.cache import ModelCache
+from fleetserve.agent.cache import HubAccess, ModelCache
 from fleetserve.agent.client import AgentClient
 from fleetserve.agent.credential import CredentialFile
 from fleetserve.agent.describe import make_describe
 from fleetserve.agent.gpustats import make_reader
-from fleetserve.agent.hub import HubAccess
 from fleetserve.agent.runtime import Agent, AgentSettings
 from fleetserve.agent.supervisor import Supervisor
 from fleetserve.drivers import RuntimeVariant

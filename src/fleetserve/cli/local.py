@@ -123,9 +123,8 @@ def _wait(
 def fetch_model(source: str, data_dir: Path, options: UpOptions, console: Console) -> Model:
     """Fetch a GGUF into the cache the agent will use, with a progress bar; the Model to apply."""
     from fleetserve.agent.access import SourcePolicy
-    from fleetserve.agent.cache import ModelCache
-    from fleetserve.agent.hub import HubAccess
-    from fleetserve.agent.progress import rich_progress
+    from fleetserve.agent.cache import HubAccess, ModelCache
+    from fleetserve.agent.cache.progress import rich_progress
 
     parsed = parse_source(source)
     if isinstance(parsed, LocalSource):

@@ -1,29 +1,23 @@
-"""The node agent's model cache against a real HTTP server on 127.0.0.1 and a Hugging Face mirror on disk."""
+"""The model cache's downloads against a real HTTP server on 127.0.0.1 and a Hugging Face mirror on
+disk: each source, each failure, resuming, free disk, a control plane behind TLS."""
 
 from __future__ import annotations
 
-import io
 import shutil
 import ssl
-import threading
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from cache_support import FileServer, build_hf_mirror, payload, sha256
-from rich.console import Console
+from cache_support import BODY, CONTROL_PATH, DIGEST, EMPTY, FileServer, build_hf_mirror, store_files
 
-from fleetserve.agent.cache import CacheState, ModelCache
-from fleetserve.agent.hub import HubAccess
-from fleetserve.agent.progress import rich_progress
+from fleetserve.agent.cache import CacheState, HubAccess, ModelCache
 from fleetserve.errors import (
     CacheError,
     ChecksumMismatch,
     InsufficientSpace,
-    ModelPinned,
     SourceError,
     TransferInterrupted,
 )
@@ -31,32 +25,7 @@ from fleetserve.sources import parse_source
 from fleetserve.spec.resources import Model
 from fleetserve.tls import ServerTrust, client_verify, ensure_generated
 
-BODY = payload(300_000)
-DIGEST = sha256(BODY)
 TOKEN = "fs_node_credential-123"
-CONTROL_PATH = "/api/v1/agent/models/tiny/file"
-
-
-@pytest.fixture
-def server() -> Iterator[FileServer]:
-    fs = FileServer()
-    fs.files["/models/tiny.gguf"] = BODY
-    fs.files[CONTROL_PATH] = BODY
-    try:
-        yield fs
-    finally:
-        fs.close()
-
-
-def store_files(root: Path) -> dict[str, list[str]]:
-    """What the cache holds on disk, per area (temporary and hidden files included)."""
-    return {
-        area: sorted(str(p.relative_to(root / area)) for p in (root / area).rglob("*") if not p.is_dir())
-        for area in ("blobs", "refs", "models", "partial")
-    }
-
-
-EMPTY: dict[str, list[str]] = {"blobs": [], "refs": [], "models": [], "partial": []}
 
 
 # --- sources --------------------------------------------------------------------------------
@@ -392,41 +361,6 @@ def test_a_crash_mid_download_leaves_only_a_part_that_the_next_start_resumes(
     assert store_files(tmp_path / "cache")["partial"] == []
 
 
-def test_a_part_file_is_never_returned_and_one_without_sidecar_is_discarded_at_start(tmp_path: Path) -> None:
-    partial = tmp_path / "cache" / "partial"
-    partial.mkdir(parents=True)
-    (partial / "tiny.part").write_bytes(BODY)  # complete bytes, but never committed
-    (partial / "other.json").write_text('{"url": "http://127.0.0.1:9/x", "etag": "\\"1\\"", "size": 3}')
-
-    cache = ModelCache(tmp_path / "cache")
-
-    assert cache.get("tiny") is None
-    assert cache.contents() == []
-    assert cache.status() == []
-    assert store_files(tmp_path / "cache") == EMPTY
-
-
-def test_a_crash_between_blob_and_ref_is_swept_at_start(tmp_path: Path) -> None:
-    local = _local(World(tmp_path, None, tmp_path))  # type: ignore[arg-type]
-    cache = ModelCache(tmp_path / "cache")
-    cache.ensure(Model(name="tiny", source=str(local)))
-    root = tmp_path / "cache"
-    (root / "blobs" / "sha256" / ("f" * 64)).write_bytes(b"orphan")
-    (root / "refs" / "broken.json").write_text("{not json")
-    (root / "refs" / ".tiny.json.1234.tmp").write_text("{}")
-    (root / "models" / "tiny" / "tiny.gguf").unlink()
-
-    again = ModelCache(root)
-
-    assert store_files(root) == {
-        "blobs": [f"sha256/{DIGEST}"],
-        "refs": ["tiny.json"],
-        "models": ["tiny/tiny.gguf"],
-        "partial": [],
-    }
-    assert again.get("tiny") is not None
-
-
 # --- disk space -----------------------------------------------------------------------------
 
 
@@ -469,206 +403,7 @@ def test_a_download_that_cannot_fit_is_refused_up_front(
     assert len(server.gets()) == case.requests
 
 
-# --- eviction -------------------------------------------------------------------------------
-
-
-def _models(tmp_path: Path, *names: str, size: int = 50_000) -> dict[str, Model]:
-    out = {}
-    for i, name in enumerate(names):
-        path = tmp_path / "src" / f"{name}.gguf"
-        path.parent.mkdir(exist_ok=True)
-        path.write_bytes(payload(size, seed=i + 1))
-        out[name] = Model(name=name, source=str(path))
-    return out
-
-
-@dataclass(frozen=True)
-class EvictionCase:
-    name: str
-    steps: list[str]  # "ensure X", "get X", "pin X", "unpin X"
-    held: list[str]
-    over_cap: bool = False
-
-
-EVICTIONS = [
-    EvictionCase(
-        "the least recently used model goes first", ["ensure a", "ensure b", "ensure c"], ["b", "c"]
-    ),
-    EvictionCase("a get() counts as a use", ["ensure a", "ensure b", "get a", "ensure c"], ["a", "c"]),
-    EvictionCase(
-        "a pinned model survives though least recently used",
-        ["ensure a", "ensure b", "pin a", "ensure c"],
-        ["a", "c"],
-    ),
-    EvictionCase(
-        "pins counted per replica: one unpin of two keeps it",
-        ["ensure a", "pin a", "pin a", "unpin a", "ensure b", "ensure c"],
-        ["a", "c"],
-    ),
-    EvictionCase(
-        "an unpinned model is evictable again",
-        ["ensure a", "pin a", "ensure b", "unpin a", "ensure c"],
-        ["b", "c"],
-    ),
-    EvictionCase(
-        "when pins keep the cache over its cap it stays over and says so, and the download succeeds",
-        ["ensure a", "ensure b", "pin a", "pin b", "ensure c"],
-        ["a", "b", "c"],
-        over_cap=True,
-    ),
-]
-
-
-@pytest.mark.parametrize("case", EVICTIONS, ids=lambda c: c.name)
-def test_eviction_keeps_the_cache_under_its_cap_by_lru_never_a_pinned_model(
-    case: EvictionCase, tmp_path: Path
-) -> None:
-    models = _models(tmp_path, "a", "b", "c")
-    cache = ModelCache(tmp_path / "cache", max_bytes=120_000)  # two models of 50 kB fit, three do not
-
-    for step in case.steps:
-        verb, name = step.split()
-        if verb == "ensure":
-            cache.ensure(models[name])
-        else:
-            getattr(cache, verb)(name)
-
-    assert [m.name for m in cache.contents()] == case.held
-    assert sorted(store_files(tmp_path / "cache")["blobs"]) == sorted(
-        f"sha256/{m.digest}" for m in cache.contents()
-    )
-    assert (cache.total_bytes() > 120_000) == case.over_cap
-    if case.over_cap:
-        assert cache.over_cap is not None
-        assert "over its cap of" in cache.over_cap
-        assert "pinned by running replicas: a, b" in cache.over_cap
-    else:
-        assert cache.over_cap is None
-
-
-def test_a_blob_shared_by_two_models_counts_once_and_outlives_either(tmp_path: Path) -> None:
-    (model,) = _models(tmp_path, "a").values()
-    twin = Model(name="twin", source=model.source)
-    cache = ModelCache(tmp_path / "cache", max_bytes=60_000)
-
-    cache.ensure(model)
-    cache.ensure(twin)
-
-    assert [m.name for m in cache.contents()] == ["a", "twin"]
-    assert cache.total_bytes() == 50_000
-    assert cache.evict("a") is True
-    twin_path = cache.get("twin")
-    assert twin_path is not None and twin_path.read_bytes() == Path(model.source).read_bytes()
-    assert len(store_files(tmp_path / "cache")["blobs"]) == 1
-    assert cache.evict("twin") is True
-    assert cache.evict("twin") is False
-    assert store_files(tmp_path / "cache") == EMPTY
-
-
-def test_an_explicit_eviction_of_a_pinned_model_needs_force(tmp_path: Path) -> None:
-    (model,) = _models(tmp_path, "a").values()
-    cache = ModelCache(tmp_path / "cache")
-    cache.ensure(model)
-    cache.pin("a")
-
-    with pytest.raises(ModelPinned, match="model 'a' is pinned by 1 running replica"):
-        cache.evict("a")
-    assert cache.contents()[0].pinned is True
-
-    assert cache.evict("a", force=True) is True
-    assert cache.get("a") is None
-
-
-def test_a_redefined_model_is_fetched_again_and_its_old_blob_dropped(tmp_path: Path) -> None:
-    old, new = _models(tmp_path, "old", "new").values()
-    cache = ModelCache(tmp_path / "cache")
-    cache.ensure(Model(name="m", source=old.source))
-
-    cache.ensure(Model(name="m", source=new.source))
-
-    (held,) = cache.contents()
-    assert held.digest == sha256(Path(new.source).read_bytes())
-    assert store_files(tmp_path / "cache")["blobs"] == [f"sha256/{held.digest}"]
-    assert store_files(tmp_path / "cache")["models"] == ["m/new.gguf"]
-
-
-# --- progress and concurrency ---------------------------------------------------------------
-
-
-@dataclass
-class Recorder:
-    calls: list[tuple[str, int, int | None, float, float]] = field(default_factory=list)
-    statuses: list[list[tuple[str, CacheState]]] = field(default_factory=list)
-    cache: ModelCache | None = None
-
-    def __call__(self, model: Model, done: int, total: int | None, rate: float) -> None:
-        self.calls.append((model.name, done, total, rate, time.monotonic()))
-        if self.cache is not None:
-            self.statuses.append([(s.model, s.state) for s in self.cache.status()])
-
-
-def test_progress_is_reported_with_increasing_bytes_at_most_ten_times_a_second(
-    tmp_path: Path, server: FileServer
-) -> None:
-    big = payload(1_000_000, seed=7)
-    server.files["/models/big.gguf"] = big
-    server.delay = 0.008  # 16 KiB every 8 ms: about half a second
-    cache = ModelCache(tmp_path / "cache")
-    record = Recorder(cache=cache)
-
-    started = time.monotonic()
-    cache.ensure(Model(name="big", source=server.url("/models/big.gguf")), on_progress=record)
-    elapsed = time.monotonic() - started
-
-    done = [c[1] for c in record.calls]
-    assert done == sorted(set(done)), "bytes strictly increase"
-    assert done[-1] == len(big)
-    assert {c[2] for c in record.calls} == {len(big)}
-    assert 3 <= len(record.calls) <= elapsed * 10 + 2
-    gaps = [b[4] - a[4] for a, b in zip(record.calls, record.calls[1:-1], strict=False)]
-    assert all(gap >= 0.09 for gap in gaps)
-    assert all(c[3] > 0 for c in record.calls[1:])
-    assert ("big", CacheState.DOWNLOADING) in record.statuses[1]
-    assert [(s.model, s.state) for s in cache.status()] == [("big", CacheState.READY)]
-
-
-def test_two_ensures_of_one_model_share_one_download(tmp_path: Path, server: FileServer) -> None:
-    server.delay = 0.02  # about 0.4 s for the whole body
-    cache = ModelCache(tmp_path / "cache")
-    model = Model(name="tiny", source=server.url("/models/tiny.gguf"), sha256=DIGEST)
-    results: list[Path] = []
-    joiner = Recorder()
-
-    def second_ensure() -> None:
-        results.append(cache.ensure(model, on_progress=joiner))
-
-    second = threading.Thread(target=second_ensure)
-
-    def owner(model: Model, done: int, total: int | None, rate: float) -> None:
-        if not second.is_alive() and not second.ident:
-            second.start()  # while the first download is in flight
-
-    results.append(cache.ensure(model, on_progress=owner))
-    second.join(timeout=20)
-
-    assert len(results) == 2 and results[0] == results[1]
-    assert len(server.gets()) == 1
-    assert joiner.calls[0][1] < len(BODY), (
-        "the second call saw the shared download's progress, not a cache hit"
-    )
-    assert joiner.calls[-1][1] == len(BODY)
-
-
-def test_the_rich_progress_helper_draws_a_bar_per_model(tmp_path: Path, server: FileServer) -> None:
-    out = io.StringIO()
-    cache = ModelCache(tmp_path / "cache")
-
-    with rich_progress(Console(file=out, force_terminal=True, width=120)) as on_progress:
-        cache.ensure(Model(name="tiny", source=server.url("/models/tiny.gguf")), on_progress)
-
-    text = out.getvalue()
-    assert "tiny" in text
-    assert "300.0/300.0 kB" in text
+# --- malformed sources and TLS ---------------------------------------------------------------
 
 
 @pytest.mark.parametrize(

@@ -1,18 +1,17 @@
-"""Byte transfers for the node's model cache, one per kind of source (``fleetserve.sources``):
+"""Byte transfers into a part file, hashed as they pass: a local copy, and a resumable HTTP GET.
 
-- a local path (``/abs/model.gguf``, ``./rel/model.gguf``, ``file:///abs/model.gguf``): copied;
-- an ``http(s)://`` URL: streamed with httpx, resumable;
-- ``fleetserve://NAME``: the control plane's copy, fetched from ``{server}/api/v1/agent/models/NAME/file``
-  with the agent's join token as a Bearer token;
-- ``hf://ORG/REPO/PATH/IN/REPO[@REVISION]`` and ``hf://ORG/REPO[@REVISION]``: downloaded from the Hub
-  over HTTP here, where ``fleetserve.agent.hub`` says the bytes are; or read OFFLINE from a local
-  mirror directory laid out as a hub cache (``models--ORG--REPO/{blobs,snapshots,refs}``).
+- ``copy_file``: a local path (``/abs/model.gguf``, ``file:///…``) or a mirror's file, copied; a copy
+  is not resumable;
+- ``fetch``: an ``http(s)://`` URL streamed with httpx, resumable: the control plane's
+  ``fleetserve://NAME`` (``control_plane_url``) and the Hub's files (where ``hub.locate`` says the
+  bytes are) come through it too.
 
-Every transfer writes to a ``.part`` file and hashes the bytes as they pass; committing the part into
-the store, and checking its digest against the model's, is ``fleetserve.agent.cache``'s job. An HTTP
-part has a JSON sidecar (``<key>.json`` beside ``<key>.part``) recording the URL, the validator
-(ETag or Last-Modified) and the expected size, so the next attempt can ask for the rest with
-``Range`` + ``If-Range``: a 206 resumes, a 200 (no range support, or the file changed) restarts.
+Which source gets which transfer, how often a broken one is retried, and committing the part into
+the store after checking its digest are ``fleetserve.agent.cache.download``'s and
+``fleetserve.agent.cache.modelcache``'s jobs. An HTTP part has a JSON sidecar (``<key>.json``
+beside ``<key>.part``) recording the URL, the validator (ETag or Last-Modified) and the expected
+size, so the next attempt can ask for the rest with ``Range`` + ``If-Range``: a 206 resumes, a 200
+(no range support, or the file changed) restarts.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ import hashlib
 import json
 import os
 import re
-import secrets
 import ssl
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -31,8 +29,8 @@ from typing import Any
 
 import httpx
 
+from fleetserve.agent.cache.layout import atomic_write, discard_partial, sidecar_path
 from fleetserve.errors import SourceError, TransferInterrupted
-from fleetserve.sources import HfSource
 
 # What one read or write moves at most.
 CHUNK = 1 << 20
@@ -69,41 +67,6 @@ class Fetched:
     resumed_from: int = 0
     # The sha256 the server announced for the whole file (``X-Sha256``: the control plane's), if any.
     announced: str | None = None
-
-
-def sidecar_path(part: Path) -> Path:
-    """The JSON sidecar that makes an HTTP part resumable: ``<key>.json`` beside ``<key>.part``."""
-    return part.with_suffix(".json")
-
-
-def discard_partial(part: Path) -> None:
-    """Remove a part file and its sidecar, whichever exist."""
-    for path in (part, sidecar_path(part)):
-        path.unlink(missing_ok=True)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or unlink in ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` atomically: a temporary file beside it, fsync, rename."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
 
 
 # --- local files ----------------------------------------------------------------------------
@@ -151,55 +114,6 @@ def copy_file(
             part.unlink(missing_ok=True)
             raise
     return Fetched(part, digest.hexdigest(), done)
-
-
-# --- Hugging Face mirror --------------------------------------------------------------------
-
-
-def hf_mirror_file(mirror: Path, source: HfSource) -> Path:
-    """The mirror's file for ``source``, resolved offline by ``huggingface_hub`` (never the network)."""
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import HFValidationError
-
-    shown = f"hf://{source.repo_id}/{source.filename}" + (f"@{source.revision}" if source.revision else "")
-    if not mirror.is_dir():
-        raise SourceError(f"{shown}: the Hugging Face mirror directory {mirror} does not exist")
-    try:
-        found = hf_hub_download(
-            source.repo_id,
-            source.filename,
-            revision=source.revision,
-            cache_dir=mirror,
-            local_files_only=True,
-        )
-    except (OSError, ValueError, HFValidationError) as exc:
-        raise SourceError(
-            f"{shown}: not found in the Hugging Face mirror {mirror} (offline: nothing is downloaded; "
-            f"expected {mirror}/models--{source.repo_id.replace('/', '--')}/snapshots/<commit>/"
-            f"{source.filename} with refs/{source.revision or 'main'} naming the commit): {exc}"
-        ) from exc
-    return Path(found)
-
-
-def hf_mirror_repo(mirror: Path, repo_id: str, revision: str | None, allow: tuple[str, ...]) -> Path:
-    """The mirror's snapshot directory of a whole repository (the ``allow`` files), offline."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError
-
-    shown = f"hf://{repo_id}" + (f"@{revision}" if revision else "")
-    if not mirror.is_dir():
-        raise SourceError(f"{shown}: the Hugging Face mirror directory {mirror} does not exist")
-    try:
-        found = snapshot_download(
-            repo_id, revision=revision, cache_dir=mirror, local_files_only=True, allow_patterns=list(allow)
-        )
-    except (OSError, ValueError, HFValidationError) as exc:
-        raise SourceError(
-            f"{shown}: not found in the Hugging Face mirror {mirror} (offline: nothing is downloaded; "
-            f"expected {mirror}/models--{repo_id.replace('/', '--')}/snapshots/<commit>/ with "
-            f"refs/{revision or 'main'} naming the commit): {exc}"
-        ) from exc
-    return Path(found)
 
 
 # --- HTTP -----------------------------------------------------------------------------------

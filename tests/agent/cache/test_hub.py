@@ -10,10 +10,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fake_hub import FakeHub, git_blob_id, sha256
 
 from fleetserve.agent.access import SourcePolicy
-from fleetserve.agent.cache import ModelCache
-from fleetserve.agent.hub import HubAccess
+from fleetserve.agent.cache import HubAccess, ModelCache
 from fleetserve.agent.runtime import check_model_path
 from fleetserve.drivers import Driver, RuntimeVariant
 from fleetserve.engines.launch import LaunchContext
@@ -27,7 +27,6 @@ from fleetserve.errors import (
     TransferInterrupted,
 )
 from fleetserve.spec.resources import Model, ModelFormat, Profile, Replica, Shard
-from hub.fake_hub import FakeHub, git_blob_id, sha256
 
 GGUF = os.urandom(300_000)
 TOKEN = "hf_loopback_secret"

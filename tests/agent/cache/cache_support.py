@@ -1,4 +1,5 @@
-"""Helpers for the model cache's tests: a real HTTP file server and a Hugging Face mirror on disk."""
+"""Helpers for the model cache's tests: a real HTTP file server, a Hugging Face mirror on disk, the
+cache's files as a listing, and a progress recorder."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from email.utils import formatdate
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+
+from fleetserve.agent.cache import CacheState, ModelCache
+from fleetserve.spec.resources import Model
 
 
 def sha256(data: bytes) -> str:
@@ -214,3 +218,34 @@ def build_hf_mirror(
         link.symlink_to(os.path.relpath(blob, link.parent))
     (repo / "refs" / branch).write_text(commit)
     return commit
+
+
+# The file the test server serves at /models/tiny.gguf and at the control plane's path.
+BODY = payload(300_000)
+DIGEST = sha256(BODY)
+CONTROL_PATH = "/api/v1/agent/models/tiny/file"
+
+
+def store_files(root: Path) -> dict[str, list[str]]:
+    """What the cache holds on disk, per area (temporary and hidden files included)."""
+    return {
+        area: sorted(str(p.relative_to(root / area)) for p in (root / area).rglob("*") if not p.is_dir())
+        for area in ("blobs", "refs", "models", "partial")
+    }
+
+
+EMPTY: dict[str, list[str]] = {"blobs": [], "refs": [], "models": [], "partial": []}
+
+
+@dataclass
+class Recorder:
+    """A progress callback that records every call (and, given the cache, its status at that time)."""
+
+    calls: list[tuple[str, int, int | None, float, float]] = field(default_factory=list)
+    statuses: list[list[tuple[str, CacheState]]] = field(default_factory=list)
+    cache: ModelCache | None = None
+
+    def __call__(self, model: Model, done: int, total: int | None, rate: float) -> None:
+        self.calls.append((model.name, done, total, rate, time.monotonic()))
+        if self.cache is not None:
+            self.statuses.append([(s.model, s.state) for s in self.cache.status()])

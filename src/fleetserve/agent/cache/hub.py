@@ -7,7 +7,7 @@ later request names that commit, never the branch: a revision is pinned to the c
 resolved once. ``locate`` asks ``get_hf_file_metadata`` (``HEAD /ORG/REPO/resolve/COMMIT/FILE``,
 following redirects only on the Hub) where the bytes are (the Hub, or a CDN it redirects to) and
 which headers to send there (the token never leaves the Hub). The bytes themselves are moved by
-``fleetserve.agent.fetch``: resumable across attempts and restarts, hashed as they pass.
+``fleetserve.agent.cache.transfer``: resumable across attempts and restarts, hashed as they pass.
 
 The endpoint is ``HF_ENDPOINT`` (or the public Hub), the token ``HF_TOKEN`` or the agent's
 ``--hf-token-file``: never a command-line argument. Gated, private, missing repositories, revisions
