@@ -29,7 +29,7 @@ Classes without a module are defined here.
     ├── TinyModelUnavailable     (fleetserve.dev.tinyhf) the safetensors test model's writer lacks
     │                            its packages (the vllm-cpu extra names them)
     ├── ExpositionError          (fleetserve.metrics.promtext) a body is not valid Prometheus text
-    ├── ScrapeError              (fleetserve.metrics.scraper) one fetch of one metrics target failed
+    ├── ScrapeError              (fleetserve.metrics.fetch) one fetch of one metrics target failed
     │   ├── ScrapeTimeout        no complete answer within the timeout
     │   ├── BadStatus            an answer with a status other than 200
     │   ├── BodyTooLarge         a body over the size limit
