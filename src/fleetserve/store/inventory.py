@@ -32,8 +32,8 @@ from fleetserve.modelfacts import ModelFacts
 from fleetserve.placement.state import WorkingState
 from fleetserve.routing import new_engine_key
 from fleetserve.snapshot import ClusterSnapshot, replica_ordinal
+from fleetserve.spec.nodeparts import Cordon
 from fleetserve.spec.resources import (
-    Cordon,
     DeviceClass,
     Fabric,
     Node,
