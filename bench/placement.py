@@ -47,17 +47,13 @@ from fleetserve.placement.demand import Demand, demand_for
 from fleetserve.placement.placer import Placement, Placer, SearchKind, Unplaced
 from fleetserve.placement.state import WorkingState
 from fleetserve.snapshot import ClusterSnapshot
+from fleetserve.spec.nodeparts import Cordon, CpuCapacity, Device, DeviceHealth, Hca
 from fleetserve.spec.resources import (
-    Cordon,
-    CpuCapacity,
     CpuRequest,
     Deployment,
-    Device,
     DeviceClass,
-    DeviceHealth,
     Fabric,
     FabricType,
-    Hca,
     Node,
     NodeState,
     Profile,

@@ -62,7 +62,9 @@ from dataclasses import dataclass
 
 import psutil  # type: ignore[import-untyped]
 
-from fleetserve.metrics.scraper import HttpxFetcher, Scraper, Target
+from fleetserve.metrics.httpxfetch import HttpxFetcher
+from fleetserve.metrics.scraper import Scraper
+from fleetserve.metrics.targets import Target
 
 KEEPALIVE_MAX = 100
 """Requests llama-server (cpp-httplib) answers on one connection before closing it."""

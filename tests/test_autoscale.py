@@ -21,7 +21,8 @@ from fleetserve.autoscale import (
     load_of,
     render_decision,
 )
-from fleetserve.spec.resources import AutoscalePolicy, Deployment, ReplicaRange
+from fleetserve.spec.policies import AutoscalePolicy, ReplicaRange
+from fleetserve.spec.resources import Deployment
 
 NAME = "chat"
 R1_10 = ReplicaRange(min=1, max=10)

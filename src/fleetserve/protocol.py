@@ -19,7 +19,9 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field
 
 from fleetserve.drivers import Driver, RuntimeVariant
-from fleetserve.spec.resources import NAME_PATTERN, Device, Hca, Model, Node, Profile, Replica, ReplicaState
+from fleetserve.spec.base import NAME_PATTERN
+from fleetserve.spec.nodeparts import Device, Hca
+from fleetserve.spec.resources import Model, Node, Profile, Replica, ReplicaState
 
 # Free text from an agent may hold newlines (stderr), never NUL.
 TEXT_PATTERN = r"^[^\x00]*$"

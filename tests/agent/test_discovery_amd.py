@@ -15,7 +15,8 @@ from fleetserve.agent.discovery.amd_smi import load_amdsmi
 from fleetserve.drivers import Driver
 from fleetserve.inventory.hardware import Discovery, HostFacts
 from fleetserve.inventory.matching import FabricMap, to_node
-from fleetserve.spec.resources import DeviceClass, DeviceHealth
+from fleetserve.spec.nodeparts import DeviceHealth
+from fleetserve.spec.resources import DeviceClass
 
 SYSFS = Path(__file__).parent.parent / "fixtures/discovery/sysfs"
 MI325X = SYSFS / "linux_amd_8_mi325x_256gx8"

@@ -10,7 +10,7 @@ import pytest
 from fleetserve.agent.discovery.infiniband import InfinibandDiscoverer
 from fleetserve.inventory.hardware import Discovery, HcaFacts, HostFacts
 from fleetserve.inventory.matching import FabricMap, UnmatchedReason, to_node
-from fleetserve.spec.resources import Hca
+from fleetserve.spec.nodeparts import Hca
 
 TREE = Path(__file__).parent.parent / "fixtures/discovery/sysfs/linux_infiniband_3_mlx5"
 HOST = HostFacts(

@@ -8,7 +8,8 @@ import pytest
 
 from fleetserve.agent.inventory_file import apply_inventory, merge_inventory_file, parse_inventory
 from fleetserve.errors import ConfigError
-from fleetserve.spec.resources import CpuCapacity, DeviceHealth, Hca, Node
+from fleetserve.spec.nodeparts import CpuCapacity, DeviceHealth, Hca
+from fleetserve.spec.resources import Node
 
 DISCOVERED = Node.model_validate(
     {

@@ -16,7 +16,8 @@ from fleetserve.agent.discovery.nvml_replay import NvmlReplay
 from fleetserve.drivers import Driver
 from fleetserve.inventory.hardware import Discovery, HostFacts
 from fleetserve.inventory.matching import FabricMap, to_node
-from fleetserve.spec.resources import DeviceClass, DeviceHealth
+from fleetserve.spec.nodeparts import DeviceHealth
+from fleetserve.spec.resources import DeviceClass
 
 HGX = Path(__file__).parent.parent / "fixtures/discovery/nvml/linux_nvidia_8_h100_80gx8.json"
 # Recorded by us on a lent H200 machine while llama-server held the GPU (fixtures README).

@@ -27,7 +27,8 @@ from fleetserve.metrics.exposition import FleetMetrics
 from fleetserve.reconcile.health import HeartbeatPolicy
 from fleetserve.server.reconciler.loop import LEASE
 from fleetserve.server.reconciler.process import ReconcilerConfig, ReconcilerProcess
-from fleetserve.spec.resources import DeviceClass, ReplicaRange
+from fleetserve.spec.policies import ReplicaRange
+from fleetserve.spec.resources import DeviceClass
 from fleetserve.store import SqlStore
 
 POLICY = HeartbeatPolicy(not_ready_after=timedelta(seconds=40), lost_after=timedelta(seconds=300))

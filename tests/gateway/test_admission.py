@@ -25,7 +25,7 @@ from fleetserve.gateway.admission import (
     remaining,
     retry_after,
 )
-from fleetserve.spec.resources import AdmissionPolicy as SpecAdmissionPolicy
+from fleetserve.spec.policies import AdmissionPolicy as SpecAdmissionPolicy
 
 # ---- pure decisions -----------------------------------------------------------------------------
 

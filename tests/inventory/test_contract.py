@@ -14,7 +14,8 @@ from fleetserve.errors import AllocationConflict, ConfigError, UnknownNode, Unkn
 from fleetserve.inventory.base import Inventory
 from fleetserve.inventory.memory import InMemoryInventory
 from fleetserve.modelfacts import ModelFacts
-from fleetserve.spec.resources import Cordon, DeviceClass, Fabric, Node, NodeState, Replica
+from fleetserve.spec.nodeparts import Cordon
+from fleetserve.spec.resources import DeviceClass, Fabric, Node, NodeState, Replica
 
 GPU = DeviceClass(name="gpu-a", driver="gpu.nvidia.com", memory="80Gi")
 IB = Fabric(name="ib-0")

@@ -29,7 +29,8 @@ from fleetserve.inventory.matching import (
     normalize_subnet_prefix,
     to_node,
 )
-from fleetserve.spec.resources import CpuCapacity, DeviceClass, DeviceHealth
+from fleetserve.spec.nodeparts import CpuCapacity, DeviceHealth
+from fleetserve.spec.resources import DeviceClass
 
 HOST = HostFacts(
     "n1", physical_cores=32, logical_cpus=64, numa_nodes=2, memory_total=256 * 2**30, memory_available=1

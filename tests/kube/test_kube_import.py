@@ -31,7 +31,8 @@ from fleetserve.kube.importer import (
     read_cluster_inventory,
 )
 from fleetserve.spec.loader import load_files, load_text
-from fleetserve.spec.resources import DeviceClass, DeviceMatch, Hca, Node, NodeState
+from fleetserve.spec.nodeparts import Hca
+from fleetserve.spec.resources import DeviceClass, DeviceMatch, Node, NodeState
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "kube"

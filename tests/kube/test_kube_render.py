@@ -15,8 +15,8 @@ from fleetserve.drivers import DRIVERS, Driver, pool_label, pool_taint
 from fleetserve.errors import ConfigError
 from fleetserve.kube.cluster import render_cluster
 from fleetserve.kube.objects import object_name, running_replicas
+from fleetserve.spec.cluster import Cluster, DeviceApi
 from fleetserve.spec.loader import Documents, load_files, load_text
-from fleetserve.spec.resources import Cluster, DeviceApi
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"

@@ -10,8 +10,8 @@ from typing import Any
 from fleetserve.drivers import DRIVERS, Driver, pool_taint
 from fleetserve.kube.cluster import render_cluster
 from fleetserve.kube.stack import COMPONENTS, components_recorded, compose, drivers_of_component
+from fleetserve.spec.cluster import Cluster
 from fleetserve.spec.loader import Documents, load_files
-from fleetserve.spec.resources import Cluster
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 AMD_COMPONENTS = {"amd-gpu-operator", "amd-device-metrics-exporter"}

@@ -17,22 +17,10 @@ from dataclasses import dataclass, field, replace
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from fleetserve.metrics.scraper import (
-    BadStatus,
-    BodyTooLarge,
-    FetchFailed,
-    HttpFetcher,
-    HttpxFetcher,
-    Scraper,
-    ScraperCollector,
-    ScrapeTimeout,
-    Target,
-    _TargetState,
-    next_tick,
-    route,
-    staleness,
-    view,
-)
+from fleetserve.metrics.fetch import BadStatus, BodyTooLarge, FetchFailed, HttpFetcher, ScrapeTimeout, route
+from fleetserve.metrics.httpxfetch import HttpxFetcher
+from fleetserve.metrics.scraper import Scraper, ScraperCollector
+from fleetserve.metrics.targets import Target, TargetState, next_tick, staleness, view
 
 # ---- a real, minimal HTTP server ------------------------------------------------------------
 
@@ -234,7 +222,7 @@ def test_next_tick_is_the_first_tick_after_now_skipping_missed_ones(now: float, 
 def test_a_body_is_stale_once_older_than_stale_after(
     fetched_at: float | None, now: float, age: float | None, stale: bool
 ) -> None:
-    state = _TargetState(Target("a", "http://x/metrics"), added_at=50.0, attempted=True)
+    state = TargetState(Target("a", "http://x/metrics"), added_at=50.0, attempted=True)
     state.fetched_at = fetched_at
     state.body = None if fetched_at is None else b"x 1\n"
     scrape = view(state, now, stale_after=3.0)
@@ -243,7 +231,7 @@ def test_a_body_is_stale_once_older_than_stale_after(
 
 
 def test_a_target_never_attempted_has_no_view_and_is_stale_since_it_was_added() -> None:
-    state = _TargetState(Target("a", "http://x/metrics"), added_at=50.0)
+    state = TargetState(Target("a", "http://x/metrics"), added_at=50.0)
     assert view(state, 60.0, 3.0) is None
     assert staleness(state, 60.0) == pytest.approx(10.0)
 

@@ -42,22 +42,18 @@ from fleetserve.placement.placer import (
 )
 from fleetserve.placement.report import ProfileReport, Reason, render_report
 from fleetserve.snapshot import ClusterSnapshot
+from fleetserve.spec.nodeparts import Cordon, CpuCapacity, Device, DeviceHealth, Hca
+from fleetserve.spec.policies import ReplicaRange
 from fleetserve.spec.resources import (
-    Cordon,
-    CpuCapacity,
     CpuRequest,
     Deployment,
-    Device,
     DeviceClass,
-    DeviceHealth,
     Fabric,
     FabricType,
-    Hca,
     Node,
     NodeState,
     Profile,
     Replica,
-    ReplicaRange,
     ReplicaState,
     Shard,
 )

@@ -27,16 +27,8 @@ from fleetserve.modelfacts import ModelFacts
 from fleetserve.reconcile.core import Planner, ReconcilePlan, reconcile
 from fleetserve.reconcile.lifecycle import FailureHistory
 from fleetserve.snapshot import ClusterSnapshot, ReplicaFacts
-from fleetserve.spec.resources import (
-    Cordon,
-    Deployment,
-    DeviceClass,
-    DeviceHealth,
-    Node,
-    NodeState,
-    Replica,
-    ReplicaState,
-)
+from fleetserve.spec.nodeparts import Cordon, DeviceHealth
+from fleetserve.spec.resources import Deployment, DeviceClass, Node, NodeState, Replica, ReplicaState
 
 GiB = 1 << 30
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)

@@ -14,7 +14,7 @@ from fleetserve.errors import AllocationConflict
 from fleetserve.protocol import ReplicaStatus
 from fleetserve.spec.resources import DeviceClass, Replica, ReplicaState, Shard
 from fleetserve.store import SqlStore
-from fleetserve.store import inventory as sql_inventory
+from fleetserve.store import allocation as sql_allocation
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 H100 = DeviceClass.model_validate({"name": "h100", "driver": "gpu.nvidia.com", "memory": "80GiB"})
@@ -69,7 +69,7 @@ def test_a_batch_takes_each_replica_against_what_the_ones_before_it_took(fleet: 
 def test_batches_smaller_than_the_plan_give_the_outcomes_one_by_one_would(
     fleet: SqlStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(sql_inventory, "ALLOCATE_BATCH", 2)
+    monkeypatch.setattr(sql_allocation, "ALLOCATE_BATCH", 2)
     batch = [gpu_replica(f"chat-{i}", f"g{1 + i % 2}", i // 2 % 2) for i in range(6)]
 
     outcomes = fleet.allocate_all(batch)

@@ -26,8 +26,10 @@ from pydantic import Field
 from pydantic import ValidationError as PydanticValidationError
 
 from fleetserve.errors import ConfigError, Problem
+from fleetserve.spec.base import MAX_CORES, Bytes, Name, Spec
 from fleetserve.spec.loader import problems_from_pydantic
-from fleetserve.spec.resources import MAX_CORES, Bytes, Device, Hca, Name, Node, Spec
+from fleetserve.spec.nodeparts import Device, Hca
+from fleetserve.spec.resources import Node
 
 
 class CpuOverlay(Spec):

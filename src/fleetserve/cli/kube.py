@@ -16,8 +16,8 @@ from fleetserve.errors import ConfigError, FleetserveError, Problem
 from fleetserve.kube.cluster import ClusterRender, pick_cluster, render_cluster
 from fleetserve.kube.objects import dump_yaml, load_yaml_objects, plain
 from fleetserve.kube.stack import COMPONENTS, StackPlan, components_recorded, compose, stack_configmap
+from fleetserve.spec.cluster import Cluster, DeviceApi
 from fleetserve.spec.loader import Documents, load_files
-from fleetserve.spec.resources import Cluster, DeviceApi
 
 kube = typer.Typer(
     help=(

@@ -70,7 +70,7 @@ class NoReplica(GatewayRejection):
 
 
 class QueuePolicy(Protocol):
-    """Anything with the queue bounds, such as ``fleetserve.spec.resources.AdmissionPolicy``."""
+    """Anything with the queue bounds, such as ``fleetserve.spec.policies.AdmissionPolicy``."""
 
     @property
     def max_waiting(self) -> int: ...

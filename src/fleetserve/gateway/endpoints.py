@@ -29,7 +29,8 @@ from fleetserve.errors import FleetserveError
 from fleetserve.gateway.picker import Endpoint
 from fleetserve.httpclient import ConnectFailed
 from fleetserve.routing import ROUTE_REFRESH_SECONDS, routable
-from fleetserve.spec.resources import AdmissionPolicy, Deployment
+from fleetserve.spec.policies import AdmissionPolicy
+from fleetserve.spec.resources import Deployment
 from fleetserve.store.protocols import RouteSource
 
 log = logging.getLogger("fleetserve.gateway")

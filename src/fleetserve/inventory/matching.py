@@ -33,17 +33,10 @@ from pydantic import ValidationError as PydanticValidationError
 from fleetserve.drivers import DRIVERS, Driver, parse_driver
 from fleetserve.errors import ConfigError, Problem
 from fleetserve.inventory.hardware import Discovery, GpuFacts, HcaFacts
+from fleetserve.spec.base import Name
 from fleetserve.spec.loader import problems_from_pydantic
-from fleetserve.spec.resources import (
-    CpuCapacity,
-    Device,
-    DeviceClass,
-    DeviceHealth,
-    DeviceMatch,
-    Hca,
-    Name,
-    Node,
-)
+from fleetserve.spec.nodeparts import CpuCapacity, Device, DeviceHealth, Hca
+from fleetserve.spec.resources import DeviceClass, DeviceMatch, Node
 
 _ECC_MAX = 2**31 - 1  # DeviceHealth stores the count in a 32-bit column
 _HEX16 = re.compile(r"^(0x)?[0-9a-fA-F]{1,4}$")

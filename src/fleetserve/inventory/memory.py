@@ -12,7 +12,8 @@ from fleetserve.inventory.base import Registration, allocate_each
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.placement.state import WorkingState
 from fleetserve.snapshot import ClusterSnapshot, replica_ordinal
-from fleetserve.spec.resources import Cordon, DeviceClass, Fabric, Node, NodeState, Replica
+from fleetserve.spec.nodeparts import Cordon
+from fleetserve.spec.resources import DeviceClass, Fabric, Node, NodeState, Replica
 
 
 class InMemoryInventory:

@@ -39,8 +39,9 @@ from fleetserve.kube.stack import (
     stack_configmap_name,
 )
 from fleetserve.placement.placer import DeploymentDecision, SearchKind, plan
+from fleetserve.spec.cluster import Cluster
 from fleetserve.spec.loader import Documents
-from fleetserve.spec.resources import Cluster, Deployment, DeviceClass, Node, Replica
+from fleetserve.spec.resources import Deployment, DeviceClass, Node, Replica
 from fleetserve.validation import resolve_profile
 
 

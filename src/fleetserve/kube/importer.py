@@ -40,15 +40,8 @@ from fleetserve.inventory.matching import Unmatched, match_gpu
 from fleetserve.kube.apply import REQUEST_TIMEOUT, KubeError, describe_api_error
 from fleetserve.kube.objects import plain
 from fleetserve.kube.render import FABRIC_LABEL_PREFIX
-from fleetserve.spec.resources import (
-    Cordon,
-    CpuCapacity,
-    Device,
-    DeviceClass,
-    Hca,
-    Node,
-    NodeState,
-)
+from fleetserve.spec.nodeparts import Cordon, CpuCapacity, Device, Hca
+from fleetserve.spec.resources import DeviceClass, Node, NodeState
 
 # Label prefixes Kubernetes and its add-ons set on every node; they say nothing an operator chose.
 NOISY_LABEL_PREFIXES = ("kubernetes.io/", "k8s.io/", "node.kubernetes.io/", "feature.node.kubernetes.io/")

@@ -13,7 +13,8 @@ from fleetserve.engines.registry import ENGINES, formats_text, weights_for
 from fleetserve.engines.spec import EngineKind
 from fleetserve.errors import ConfigError, InternalError, Problem, SourceError
 from fleetserve.sources import HfRepo, HttpSource, parse_hf_repo, parse_source
-from fleetserve.spec.resources import Cluster, Model
+from fleetserve.spec.cluster import Cluster
+from fleetserve.spec.resources import Model
 
 MODEL_MOUNT = "/models"
 

@@ -40,15 +40,8 @@ from fleetserve.kube.objects import (
     plain,
 )
 from fleetserve.kube.pods import MODEL_MOUNT, cache_env, image_for, model_args, served_weights
-from fleetserve.spec.resources import (
-    Cluster,
-    DeviceApi,
-    DeviceClass,
-    Model,
-    Profile,
-    Replica,
-    StorageMode,
-)
+from fleetserve.spec.cluster import Cluster, DeviceApi, StorageMode
+from fleetserve.spec.resources import DeviceClass, Model, Profile, Replica
 from fleetserve.validation import ResolvedProfile, resolve_profile
 
 CLAIM_NAME = "devices"

@@ -22,7 +22,8 @@ from fleetserve.conditions import Condition, ConditionReason, ConditionType
 from fleetserve.drivers import DRIVERS, Driver, host_driver, parse_driver, stack_for
 from fleetserve.errors import ConfigError, InternalError, Problem
 from fleetserve.kube.objects import CLUSTER_LABEL, MANAGED_BY_KEY, MANAGER
-from fleetserve.spec.resources import Cluster, DeviceClass
+from fleetserve.spec.cluster import Cluster
+from fleetserve.spec.resources import DeviceClass
 
 # The built-in class name a Cluster lists for its CPU pool (no DeviceClass document needed).
 CPU_CLASS = "cpu"

@@ -10,5 +10,14 @@ The pure mapping layer:
 - ``gpu``: one ``SOURCES`` row per GPU metrics source (DCGM exporter, AMD device-metrics-exporter,
   the agent's NVML and sysfs reads) and ``normalize_gpu``/``from_nvml``/``from_amd_sysfs``.
 
-Scraping (I/O) and fleetserve's own exposition live in their own modules beside these.
+Scraping (the I/O), beside these:
+
+- ``targets``: a scrape ``Target``, the ``Scrape`` a reader sees, and the pure freshness rules
+  (``view``, ``staleness``, ``next_tick``);
+- ``fetch``: the ``Fetcher`` seam, the ``ScrapeError`` hierarchy, and the default ``HttpFetcher``
+  (lean HTTP/1.1 over ``fleetserve.httpclient``); ``httpxfetch``: one on httpx, for comparison;
+- ``scraper``: the ``Scraper`` (every target once per interval, the last raw body kept) and its
+  self-metrics (``ScraperCollector``).
+
+fleetserve's own ``/metrics`` is ``exposition``.
 """

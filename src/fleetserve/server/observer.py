@@ -20,7 +20,8 @@ from fleetserve.errors import FleetserveError
 from fleetserve.metrics.engine import EngineLabels, effective_mapping, normalize
 from fleetserve.metrics.exposition import ENGINE_METRICS, GPU_METRICS, FleetMetrics, SeriesValue
 from fleetserve.metrics.promtext import ExpositionError
-from fleetserve.metrics.scraper import Scraper, Target
+from fleetserve.metrics.scraper import Scraper
+from fleetserve.metrics.targets import Target
 from fleetserve.routing import routable
 from fleetserve.store.protocols import AgentReports
 

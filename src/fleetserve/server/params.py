@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import Path, Query
 
-from fleetserve.spec.resources import NAME_PATTERN
+from fleetserve.spec.base import NAME_PATTERN
 
 # Printable text only: no NUL or other control characters a database column would refuse.
 TEXT_PATTERN = r"^[^\x00-\x1f\x7f]*$"

@@ -17,7 +17,8 @@ from pydantic import BaseModel
 from pydantic import ValidationError as PydanticValidationError
 
 from fleetserve.errors import ConfigError, Problem
-from fleetserve.spec.resources import Cluster, Deployment, DeviceClass, Fabric, Model, Node, Replica
+from fleetserve.spec.cluster import Cluster
+from fleetserve.spec.resources import Deployment, DeviceClass, Fabric, Model, Node, Replica
 
 KINDS: Mapping[str, type[BaseModel]] = {
     "DeviceClass": DeviceClass,

@@ -1,8 +1,10 @@
 """Resource documents: device classes, fabrics, nodes, models, deployments and replicas.
 
 Every document is immutable once parsed. Field names are camelCase in YAML and JSON
-(``devicesPerNode``) and snake_case in Python. Cross-document rules (a profile's class exists,
-its runtime matches the class's driver) live in ``fleetserve.validation``.
+(``devicesPerNode``) and snake_case in Python (``spec.base``). A node's parts live in
+``spec.nodeparts``, a deployment's policies in ``spec.policies``, the Kubernetes ``Cluster`` in
+``spec.cluster``. Cross-document rules (a profile's class exists, its runtime matches the
+class's driver) live in ``fleetserve.validation``.
 """
 
 from __future__ import annotations
@@ -13,82 +15,22 @@ import re
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    field_validator,
-    model_validator,
-)
-from pydantic.alias_generators import to_camel
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from fleetserve.drivers import RuntimeVariant
 from fleetserve.engines.spec import EngineKind
-from fleetserve.units import parse_bytes
+from fleetserve.spec.base import MAX_BYTES, MAX_CORES, MAX_REPLICAS, Bytes, Name, Spec
+from fleetserve.spec.nodeparts import Cordon, CpuCapacity, Device, DeviceGroup, Hca
+from fleetserve.spec.policies import (
+    AdmissionPolicy,
+    AutoscalePolicy,
+    ReplicaRange,
+    RolloutPolicy,
+    RoutingPolicy,
+)
 
-# A name as a pattern for API parameters and bodies (their lengths are bounded apart).
-NAME_PATTERN = r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?$"
-_NAME = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?$")
-
-
-def _check_name(value: str) -> str:
-    if not _NAME.match(value):
-        raise ValueError(
-            f"{value!r} is not a valid name: use 1-63 lower-case letters, digits, '-' or '.', "
-            "starting and ending with a letter or digit"
-        )
-    return value
-
-
-Name = Annotated[str, BeforeValidator(lambda v: _check_name(v) if isinstance(v, str) else v)]
-# Bounds keep every number storable (a signed 64-bit column) and catch typos early.
-MAX_BYTES = 2**62
-MAX_CORES = 1 << 20
-MAX_REPLICAS = 10_000
 # How long a stopping replica waits for its in-flight requests unless its deployment says otherwise.
 DEFAULT_DRAIN_SECONDS = 30.0
-Bytes = Annotated[int, BeforeValidator(parse_bytes), Field(ge=0, le=MAX_BYTES)]
-
-
-def _nul_path(value: Any, path: str = "") -> str | None:
-    """The path of the first string holding a NUL character: no database column can store one."""
-    if isinstance(value, str):
-        return path if "\x00" in value else None
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if isinstance(key, str) and "\x00" in key:
-                return f"{path}.{key!r}".lstrip(".")
-            found = _nul_path(item, f"{path}.{key}".lstrip("."))
-            if found is not None:
-                return found
-    if isinstance(value, list | tuple):
-        for i, item in enumerate(value):
-            found = _nul_path(item, f"{path}[{i}]")
-            if found is not None:
-                return found
-    return None
-
-
-class Spec(BaseModel):
-    """Base of every document part: frozen, camelCase aliases, unknown fields refused."""
-
-    model_config = ConfigDict(
-        frozen=True,
-        extra="forbid",
-        alias_generator=to_camel,
-        populate_by_name=True,
-        use_enum_values=False,
-    )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_nul(cls, data: Any) -> Any:
-        where = _nul_path(data)
-        if where is not None:
-            raise ValueError(f"text must not contain NUL characters (at {where or 'the value'})")
-        return data
 
 
 # --- hardware -------------------------------------------------------------------------------
@@ -130,61 +72,12 @@ class Fabric(Spec):
     type: FabricType = FabricType.INFINIBAND
 
 
-class DeviceHealth(Spec):
-    """What makes a device not free: uncorrected ECC errors, or processes fleetserve did not start."""
-
-    ecc_uncorrected: int = Field(default=0, ge=0, le=2**31 - 1)
-    foreign_processes: tuple[int, ...] = ()
-
-    @property
-    def healthy(self) -> bool:
-        return self.ecc_uncorrected == 0 and not self.foreign_processes
-
-
-class Device(Spec):
-    """One GPU on a node."""
-
-    index: int = Field(ge=0, le=4095)
-    uuid: str = ""
-    device_class: str = Field(alias="class")
-    health: DeviceHealth = DeviceHealth()
-
-
-class DeviceGroup(Spec):
-    """Shorthand for ``count`` identical healthy devices, numbered after those listed before."""
-
-    device_class: str = Field(alias="class")
-    count: int = Field(ge=1, le=1024)
-
-
-class Hca(Spec):
-    """A host channel adapter attaching the node to one fabric."""
-
-    name: str
-    fabric: Name
-
-
-class CpuCapacity(Spec):
-    """The node's CPU cores and host memory that replicas may claim."""
-
-    cores: int = Field(ge=1, le=MAX_CORES)
-    memory: Bytes
-    numa_nodes: int = Field(default=1, ge=1, le=1024)
-
-
 class NodeState(StrEnum):
     """Whether the node's agent is heard from."""
 
     READY = "Ready"
     NOT_READY = "NotReady"
     LOST = "Lost"
-
-
-class Cordon(Spec):
-    """An operator's mark that no new replica may land on the node, with the reason."""
-
-    reason: str = Field(min_length=1)
-    by: str = "operator"
 
 
 class Node(Spec):
@@ -244,49 +137,6 @@ class Node(Spec):
                 raise ValueError("nvlinkDomains must not overlap: a device sits in one NVLink domain")
             seen |= set(domain)
         return self
-
-
-# --- Kubernetes clusters ------------------------------------------------------------------
-
-
-class DeviceApi(StrEnum):
-    """How a Kubernetes workload claims its devices."""
-
-    DRA = "dra"  # a ResourceClaimTemplate per replica (resource.k8s.io/v1)
-    PLUGIN = "plugin"  # device-plugin extended resources (nvidia.com/gpu, amd.com/gpu, ...)
-
-
-class StorageMode(StrEnum):
-    """Where a Kubernetes replica keeps its model files."""
-
-    NODE = "node"  # one cache directory per node (hostPath), shared by the replicas on it
-    REPLICA = "replica"  # a volume of its own per replica (a generic ephemeral volume)
-
-
-class ModelStorage(Spec):
-    """Model storage of a cluster's replicas: per node or per replica, never one shared volume."""
-
-    mode: StorageMode = StorageMode.NODE
-    host_path: str = Field(default="/var/lib/fleetserve/models", pattern=r"^/[^\x00]*$")
-    # Only for mode: replica; omitted means the cluster's default StorageClass.
-    storage_class: Name | None = None
-
-
-class Cluster(Spec):
-    """A Kubernetes cluster: the device classes its pools serve and how replicas are rendered."""
-
-    kind: Literal["Cluster"] = "Cluster"
-    name: Name
-    # The device classes whose pools the cluster has; the built-in ``cpu`` names the CPU pool.
-    # Their drivers select the serving stack. Omitted means none, never "every driver".
-    classes: tuple[str, ...] = ()
-    namespace: Name = "fleetserve"
-    device_api: DeviceApi = DeviceApi.DRA
-    storage: ModelStorage = ModelStorage()
-    # Engine images by "ENGINE/VARIANT" (e.g. "llama.cpp/vulkan"), over the built-in defaults.
-    images: dict[str, str] = Field(default_factory=dict)
-    # The image of the model-fetching init container (fleetserve itself).
-    fetcher_image: str | None = None
 
 
 # --- workloads ------------------------------------------------------------------------------
@@ -419,69 +269,6 @@ class Profile(Spec):
     engine_args: tuple[str, ...] = ()
     cpu: CpuRequest | None = None
     context: int | None = Field(default=None, ge=1, le=100_000_000)
-
-
-class ReplicaRange(Spec):
-    """Autoscaled replica bounds."""
-
-    min: int = Field(ge=0, le=MAX_REPLICAS)
-    max: int = Field(ge=1, le=MAX_REPLICAS)
-
-    @model_validator(mode="after")
-    def _ordered(self) -> ReplicaRange:
-        if self.min > self.max:
-            raise ValueError(f"replicas.min ({self.min}) must not exceed replicas.max ({self.max})")
-        return self
-
-
-class RoutingPolicy(Spec):
-    """How the gateway picks a replica for a request."""
-
-    prefix_affinity: bool = False
-
-
-class AdmissionPolicy(Spec):
-    """The bounded queue in front of a deployment."""
-
-    max_waiting: int = Field(default=64, ge=0, le=1_000_000)
-    max_wait_seconds: float = Field(default=30.0, gt=0)
-
-
-class RolloutPolicy(Spec):
-    """How a changed deployment replaces its replicas: new ones Ready before old ones drain."""
-
-    # Replicas beyond the desired count while a rollout or a failure replacement runs.
-    max_surge: int = Field(default=1, ge=0, le=MAX_REPLICAS)
-    # Desired replicas that may be not Ready while old ones drain.
-    max_unavailable: int = Field(default=0, ge=0, le=MAX_REPLICAS)
-
-    @model_validator(mode="after")
-    def _can_progress(self) -> RolloutPolicy:
-        if self.max_surge == 0 and self.max_unavailable == 0:
-            raise ValueError(
-                "rollout.maxSurge and rollout.maxUnavailable cannot both be 0: nothing could move"
-            )
-        return self
-
-
-LoadMetric = Literal["in_flight", "waiting", "outstanding"]
-"""Which per-replica number the autoscaler compares with its target: running, waiting, or both."""
-
-_MAX_SECONDS = 7 * 24 * 3600.0  # a week: longer waits are typos, and the bound keeps values finite
-
-
-class AutoscalePolicy(Spec):
-    """How an autoscaled deployment follows its load between ``replicas.min`` and ``replicas.max``."""
-
-    # Requests per replica the deployment aims for, counted by ``metric``.
-    target: float = Field(default=4.0, gt=0, le=1_000_000)
-    metric: LoadMetric = "outstanding"
-    # Load must stay above target this long before scaling up (0: at once).
-    scale_up_stabilization_seconds: float = Field(default=0.0, ge=0, le=_MAX_SECONDS)
-    # Load must stay below what fewer replicas serve this long before scaling down.
-    scale_down_cooldown_seconds: float = Field(default=120.0, ge=0, le=_MAX_SECONDS)
-    # With ``replicas.min == 0``: no request for this long scales the deployment to zero.
-    scale_to_zero_after_seconds: float = Field(default=300.0, ge=0, le=_MAX_SECONDS)
 
 
 class Deployment(Spec):

