@@ -4,6 +4,10 @@
 ``hf://ORG/REPO/FILE.gguf``. A model that is not tiny is fetched first, with a progress bar, into
 the model cache the agent then uses (one copy, verified, resumable after Ctrl-C). Ctrl-C and SIGTERM
 both stop the agent (and its engines) and the server gracefully, and print no error.
+
+A data directory is one control plane whatever port serves it: a later ``up`` on another port
+rebinds the node's credential to its URL, and its agent registers with it. An agent whose
+enrolment waits for an operator's approval is said so, with the command that approves it.
 """
 
 from __future__ import annotations
