@@ -18,7 +18,7 @@ from sqlalchemy import Engine, text
 
 from fleetserve.spec.resources import Fabric
 from fleetserve.store import SqlStore, make_engine, migrate
-from fleetserve.store.schema import MIGRATIONS
+from fleetserve.store.schema import MIGRATIONS, RENUMBERED
 from fleetserve.store.tables import Base
 
 # The same migrations in chain order: under the old ids, and under the ids they have now.
@@ -91,3 +91,11 @@ def test_a_database_at_any_step_under_either_numbering_is_migrated_to_the_head(
     before = store.fleet_changes()
     store.put_fabric(Fabric(name="ib0"))
     assert store.fleet_changes() > before
+
+
+def test_an_old_id_taken_for_granted_as_old_is_no_migration_of_today() -> None:
+    """An old id mapped without a probe is read as old wherever it is stamped: a new migration of
+    that id must bring its probe (or the mapping go), else its databases would be migrated back."""
+    revisions = {s.revision for s in ScriptDirectory(str(MIGRATIONS)).walk_revisions()}
+    assert {old for old, entry in RENUMBERED.items() if entry.is_new is None} & revisions == set()
+    assert {old for old, entry in RENUMBERED.items() if entry.is_new is not None} <= revisions

@@ -63,7 +63,8 @@ class Renumbered:
 
 
 # Old id → its migration's new id; the probe looks for what the NEW migration of that id adds
-# (or, for 0002, what only the old one's chain holds).
+# (or, for 0002, what only the old one's chain holds). A new migration 0008 must give 0008 a probe
+# (tests/store/test_schema.py says so), or this table go once no database of the old ids is left.
 RENUMBERED: dict[str, Renumbered] = {
     # old node identity; new replica engine key, which comes before node identity
     "0002": Renumbered("0004", _lacks_table("node_credentials")),
