@@ -11,7 +11,8 @@ from typing import Any
 import pynvml  # type: ignore[import-untyped]
 import pytest
 
-from fleetserve.agent.discovery.nvidia import NvidiaDiscoverer
+from fleetserve.agent.discovery.base import Findings, combine
+from fleetserve.agent.discovery.nvidia import NvidiaDiscoverer, nvidia_gpu_on_pci_bus
 from fleetserve.agent.discovery.nvml_replay import NvmlReplay
 from fleetserve.drivers import Driver
 from fleetserve.inventory.hardware import Discovery, HostFacts
@@ -122,21 +123,84 @@ def test_gpu_health_comes_from_ecc_counts_and_processes_not_in_own_pids(
     assert device.health.healthy is (health == DeviceHealth())
 
 
-def test_without_an_nvidia_driver_nvml_reports_one_problem_and_no_gpu_on_this_machine() -> None:
-    found = NvidiaDiscoverer().discover()  # the real pynvml
-    if found.gpus:
+# PCI (vendor, class) of the devices tests put on a machine's bus.
+NVIDIA_3D = ("0x10de", "0x030200")  # an H100: a 3D controller
+NVIDIA_VGA = ("0x10de", "0x030000")  # a GeForce: a VGA controller
+NVSWITCH = ("0x10de", "0x068000")  # a bridge, not a GPU
+AMD_GPU = ("0x1002", "0x038000")
+VIRTIO_NET = ("0x1af4", "0x020000")
+
+
+def pci_bus(root: Path, *devices: tuple[str, str]) -> Path:
+    """A machine under ``root`` whose PCI bus holds ``devices`` (sysfs ``vendor`` and ``class``)."""
+    bus = root / "sys/bus/pci/devices"
+    bus.mkdir(parents=True)
+    for i, (vendor, pci_class) in enumerate(devices):
+        device = bus / f"0000:{i + 0x18:02x}:00.0"
+        device.mkdir()
+        (device / "vendor").write_text(vendor + "\n")
+        (device / "class").write_text(pci_class + "\n")
+    return root
+
+
+def test_without_an_nvidia_driver_or_gpu_this_machine_has_a_fact_not_a_problem() -> None:
+    if NvidiaDiscoverer().discover().gpus:  # the real pynvml
         pytest.skip("this machine has an NVIDIA driver; the no-driver path cannot be seen here")
-    assert len(found.problems) == 1
-    assert found.problems[0].startswith("nvidia: NVML could not start (")
-    assert "no NVIDIA GPU is reported" in found.problems[0]
+    if nvidia_gpu_on_pci_bus() is not False:
+        pytest.skip("this machine's PCI bus shows an NVIDIA GPU, or cannot be listed")
+    found = NvidiaDiscoverer().discover()
+    assert (found.gpus, found.problems) == ((), ())
+    assert len(found.facts) == 1
+    assert found.facts[0].startswith("nvidia: no NVIDIA GPU on the PCI bus, and no NVIDIA driver (NVML: ")
 
 
 @pytest.mark.parametrize("error", ["LIBRARY_NOT_FOUND", "DRIVER_NOT_LOADED", "NO_PERMISSION"])
-def test_an_nvml_that_cannot_start_gives_no_gpu_and_one_problem_naming_the_error(error: str) -> None:
-    found = discover({"init_error": error, "devices": recording()["devices"]})
+def test_an_nvml_that_cannot_start_gives_no_gpu_and_one_problem_naming_the_error(
+    error: str, tmp_path: Path
+) -> None:
+    root = pci_bus(tmp_path, VIRTIO_NET, NVIDIA_3D)
+    found = discover({"init_error": error, "devices": recording()["devices"]}, root=root)
     assert found.gpus == ()
     assert len(found.problems) == 1
     assert str(pynvml.NVMLError(getattr(pynvml, f"NVML_ERROR_{error}"))) in found.problems[0]
+
+
+@pytest.mark.parametrize(
+    ("devices", "problem"),
+    [
+        pytest.param((VIRTIO_NET,), False, id="a-cpu-only-machine-has-a-fact"),
+        pytest.param((AMD_GPU, VIRTIO_NET), False, id="an-amd-only-machine-has-a-fact"),
+        pytest.param((NVSWITCH,), False, id="an-nvswitch-is-no-gpu-so-a-fact"),
+        pytest.param((VIRTIO_NET, NVIDIA_3D), True, id="an-nvidia-3d-controller-makes-it-a-problem"),
+        pytest.param((NVIDIA_VGA,), True, id="an-nvidia-vga-controller-makes-it-a-problem"),
+        pytest.param(None, True, id="a-pci-bus-that-cannot-be-listed-leaves-it-a-problem"),
+    ],
+)
+def test_nvml_that_cannot_start_is_a_problem_only_where_an_nvidia_gpu_is_on_the_pci_bus(
+    devices: tuple[tuple[str, str], ...] | None, problem: bool, tmp_path: Path
+) -> None:
+    root = tmp_path if devices is None else pci_bus(tmp_path, *devices)
+    found = discover({"init_error": "LIBRARY_NOT_FOUND", "devices": []}, root=root)
+    assert found.gpus == ()
+    assert (len(found.problems), len(found.facts)) == ((1, 0) if problem else (0, 1))
+    said = (found.problems or found.facts)[0]
+    assert str(pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)) in said
+
+
+def test_a_machine_without_an_nvidia_gpu_reports_no_problem_to_its_node(tmp_path: Path) -> None:
+    """What the node shows (and the dashboard paints red) is the discovery's problems: a CPU-only
+    machine has none from NVIDIA."""
+    root = pci_bus(tmp_path, VIRTIO_NET)
+    found = combine(
+        [
+            Findings(host=HOST),
+            NvidiaDiscoverer(
+                NvmlReplay({"init_error": "DRIVER_NOT_LOADED", "devices": []}), root=root
+            ).discover(),
+        ]
+    )
+    assert found.problems == ()
+    assert [f.partition(":")[0] for f in found.facts] == ["nvidia"]
 
 
 def _edit(change: str) -> dict[str, Any]:

@@ -1,13 +1,17 @@
-"""The node table's models column: cache downloads in progress and failures, from the agent's report."""
+"""The node table's models column: cache downloads in progress and failures, from the agent's report;
+and the enrolments that wait for an operator, below the table."""
 
 from __future__ import annotations
 
+import io
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from rich.console import Console
 
 from fleetserve.agent.runtime import STALL_SECONDS, download_message
-from fleetserve.cli.views import downloads
+from fleetserve.cli.views import downloads, print_waiting_enrolments, waiting_enrolments
 
 
 def node(*items: dict[str, Any]) -> dict[str, Any]:
@@ -81,3 +85,45 @@ def test_a_stored_decision_says_how_many_unplaced_replicas_it_does_not_explain()
         {"deployment": "huge", "generation": 1, "decision": {"unplaced": decision["unplaced"]}}, console
     )
     assert "more unschedulable" not in console.export_text()
+
+
+def enrolment(node: str, approved: bool = False, requested: str | None = None) -> dict[str, Any]:
+    """One row of the admin API's ``/api/v1/enrolments``."""
+    return {
+        "node": node,
+        "enrolled": True,
+        "issuedAt": "2026-12-06T04:00:00+00:00",
+        "approved": approved,
+        "requestedAt": requested,
+        "requestedFrom": "10.0.0.7" if requested else None,
+    }
+
+
+@pytest.mark.parametrize(
+    ("since", "waiting"),
+    [
+        (None, ["b"]),
+        (datetime(2026, 12, 6, 4, 30, tzinfo=UTC), ["b"]),
+        (datetime(2026, 12, 6, 5, 0, tzinfo=UTC), []),
+    ],
+    ids=["any time", "a request since then waits", "a request before then is not this run's"],
+)
+def test_an_enrolment_waits_while_it_was_requested_and_not_approved(
+    since: datetime | None, waiting: list[str]
+) -> None:
+    enrolments = [
+        enrolment("a"),  # enrolled, nothing asked since
+        enrolment("b", requested="2026-12-06T04:45:00+00:00"),
+        enrolment("c", approved=True, requested="2026-12-06T04:45:00+00:00"),  # approved: the next goes
+    ]
+    assert waiting_enrolments(enrolments, since) == waiting
+
+
+def test_get_nodes_names_a_waiting_enrolment_and_the_command_that_approves_it() -> None:
+    console = Console(file=io.StringIO(), width=250)
+    print_waiting_enrolments([enrolment("a"), enrolment("b", requested="2026-12-06T04:45:00+00:00")], console)
+    shown = console.file.getvalue()  # type: ignore[attr-defined]
+    assert shown == (
+        "node b: an enrolment from 10.0.0.7 at 2026-12-06T04:45:00+00:00 waits for approval: "
+        "fleetserve nodes approve b\n"
+    )

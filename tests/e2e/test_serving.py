@@ -473,6 +473,78 @@ def assert_stopped_without_error(text: str, data_dir: Path) -> None:
     assert "Traceback" not in agent_log, agent_log
 
 
+def await_line(proc: subprocess.Popen[str], out: _Lines, needle: str, what: str) -> str:
+    """The first line of ``up``'s output that holds ``needle``; the test fails if ``up`` exits first."""
+    line: str = wait_for(
+        lambda: (
+            next((line for line in out.lines if needle in line), None)
+            or (proc.poll() is not None and pytest.fail(f"up exited {proc.returncode}:\n{out.text()}"))
+        ),
+        timeout=120,
+        what=what,
+        interval=0.1,
+    )
+    return line
+
+
+def up_once(data_dir: Path, port: int) -> str:
+    """``up`` on ``port`` until it printed its answer, stopped with Ctrl-C: what it printed."""
+    with running_up(data_dir, port) as (proc, out):
+        await_line(proc, out, "answer  ", f"`fleetserve up --port {port}` to print an answer")
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) in (0, 130), out.text()
+        out.join()
+        return out.text()
+
+
+@pytest.mark.slow
+def test_up_comes_up_again_in_the_same_directory_on_another_port(tmp_path: Path) -> None:
+    """The node's credential was issued by the state store in the data directory, whatever port
+    served it: the second `up` registers with it, and nothing waits for an operator."""
+    data_dir = tmp_path / "up"
+    first, second = free_port(), free_port()
+    up_once(data_dir, first)
+    text = up_once(data_dir, second)
+    assert f"server  http://127.0.0.1:{second}" in text
+    assert "ready   replica tiny-0" in text and "waits for an operator" not in text, text
+    kept = yaml.safe_load((data_dir / "node-credential").read_text(encoding="utf-8"))
+    assert kept["server"] == f"http://127.0.0.1:{second}"
+    agent_log = (data_dir / "agent.log").read_text(errors="replace")
+    assert "enrolment refused" not in agent_log and "enrolling again" not in agent_log, agent_log
+    assert_stopped_without_error(text, data_dir)
+
+
+@pytest.mark.slow
+def test_an_up_whose_agent_waits_for_approval_says_so_and_get_nodes_shows_it(tmp_path: Path) -> None:
+    """The agent lost its credential, and the name is enrolled already: `up` and `get nodes` say
+    that its enrolment waits for an operator, with the command; once approved, `up` goes on."""
+    data_dir = tmp_path / "up"
+    up_once(data_dir, free_port())
+    (data_dir / "node-credential").unlink()
+    port = free_port()
+    with running_up(data_dir, port) as (proc, out):
+        line = await_line(proc, out, "waits for an operator's approval", "`up` to say the enrolment waits")
+        name = line.split()[2].rstrip(":")
+        assert f"fleetserve nodes approve {name} --server http://127.0.0.1:{port}" in line
+        assert f"FLEETSERVE_TOKEN_FILE={data_dir.absolute() / 'tokens.yaml'} " in line
+        tokens = yaml.safe_load((data_dir / "tokens.yaml").read_text(encoding="utf-8"))
+        env = clean_env(
+            HOME=str(tmp_path / "cli-home"),
+            XDG_CONFIG_HOME=str(tmp_path / "cli-xdg"),
+            FLEETSERVE_SERVER=f"http://127.0.0.1:{port}",
+            FLEETSERVE_TOKEN=tokens["admin"],
+            COLUMNS="250",
+        )
+        nodes = run_cli("get", "nodes", env=env)
+        assert nodes.returncode == 0, nodes.stderr
+        assert f"node {name}: an enrolment from 127.0.0.1 at " in nodes.stdout, nodes.stdout
+        assert f"waits for approval: fleetserve nodes approve {name}" in nodes.stdout
+        approved = run_cli("nodes", "approve", name, env=env)
+        assert approved.returncode == 0, approved.stderr
+        await_line(proc, out, "answer  ", "`up` to go on once the enrolment was approved")
+        assert "fleetserve nodes approve" not in run_cli("get", "nodes", env=env).stdout
+
+
 def test_up_serves_a_gguf_file_with_a_progress_bar_and_sigterm_stops_everything(tmp_path: Path) -> None:
     source = write_tiny_model(tmp_path / "models" / "my-model.gguf")
     data_dir = tmp_path / "up"

@@ -385,6 +385,15 @@ def test_a_model_on_this_machine_is_refused_naming_its_source() -> None:
     assert all(p.field == "source" and "publish the model" in p.message for p in err.value.problems)
 
 
+def test_a_gguf_at_a_hub_revision_is_refused_for_llama_cpp_naming_the_revision() -> None:
+    text = ONE_OF_EACH.replace("source: hf://org/repo/m.gguf", "source: hf://org/repo/m.gguf@v1.2")
+    with pytest.raises(ConfigError) as err:
+        render(load_text(text))
+    problems = err.value.problems
+    assert problems and {(p.location, p.field) for p in problems} == {("Model m", "source")}
+    assert all("drop @v1.2 " in p.message and "{" not in p.message for p in problems)
+
+
 def test_an_unknown_class_in_a_cluster_is_refused() -> None:
     with pytest.raises(ConfigError) as err:
         render(load_text(ONE_OF_EACH.replace("classes: [h100, mi300x, cpu]", "classes: [h100, mi3000x]")))

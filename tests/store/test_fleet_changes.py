@@ -1,4 +1,4 @@
-"""The change counter whole-fleet readers compare before reading (``changegate``, migration 0007),
+"""The change counter whole-fleet readers compare before reading (``changegate``, migration 0006),
 on SQLite and PostgreSQL: every kind of write they depend on moves it, in the writer's own
 transaction, and makes each reader (the observer's targets, the gateway's routes, the assignment
 watch) read again; heartbeats and what agents report beside ports and restarts move nothing, and
@@ -134,7 +134,7 @@ def test_heartbeats_move_nothing_and_every_change_makes_every_reader_read_again(
 
 
 def test_a_fabric_stored_changed_or_deleted_moves_the_counter(fleet: SqlStore) -> None:
-    """Placement reads fabrics (migration 0008): the reconciler's quiet cycles must see them."""
+    """Placement reads fabrics (migration 0007): the reconciler's quiet cycles must see them."""
     for change in (
         lambda: fleet.put_fabric(Fabric(name="ib0")),
         lambda: fleet.put_fabric(Fabric(name="ib0", type=FabricType.ROCE)),

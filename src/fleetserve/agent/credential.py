@@ -1,6 +1,12 @@
 """The node's credential on disk: issued by the control plane at enrolment, bound to the node's
 name, kept in one 0600 file (written atomically) with the server and name it is for, so a
-restarted agent registers with it instead of enrolling again."""
+restarted agent registers with it instead of enrolling again.
+
+The server's URL is how the agent tells one control plane from another: it sends the credential
+only to the URL it enrolled with. When the same control plane answers at another URL, whoever
+knows so says it with ``rebind`` (``fleetserve up`` does, for the state store in its data
+directory started on another port); otherwise the agent enrols again there, and a name enrolled
+already waits for an operator's approval."""
 
 from __future__ import annotations
 
@@ -34,6 +40,19 @@ class CredentialFile:
     def save(self, server: str, node: str, credential: str) -> None:
         """Keep ``credential`` (0600, atomically)."""
         write_secret(self.path, yaml.safe_dump({"server": server, "node": node, "credential": credential}))
+
+    def rebind(self, server: str) -> None:
+        """The control plane that issued the stored credential now answers at ``server``: keep the
+        credential for that URL (nothing stored, or unreadable: nothing to do)."""
+        try:
+            data: Any = yaml.safe_load(self.path.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError):
+            return
+        if not isinstance(data, dict) or data.get("server") == server:
+            return
+        node, credential = data.get("node"), data.get("credential")
+        if isinstance(node, str) and node and isinstance(credential, str) and credential:
+            self.save(server, node, credential)
 
     def forget(self) -> None:
         """Drop a credential the server no longer accepts."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import socket
 from collections.abc import Mapping
@@ -12,6 +13,8 @@ from fleetserve.agent.inventory_file import merge_inventory_file
 from fleetserve.agent.runtime import Describe
 from fleetserve.inventory.matching import FabricMap, to_node
 from fleetserve.spec.resources import DeviceClass, Node
+
+log = logging.getLogger("fleetserve.agent")
 
 
 def node_name(hostname: str | None = None) -> str:
@@ -41,6 +44,8 @@ def make_describe(
         if inventory_file is not None:
             node = merge_inventory_file(node, inventory_file)
         node = node.model_copy(update={"address": address})
+        for fact in found.facts:
+            log.info("discovery: %s", fact)
         problems = list(found.problems) + [
             f"{u.subject}: {u.reason.value}{': ' + u.detail if u.detail else ''}" for u in unmatched
         ]

@@ -150,6 +150,8 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter(str(exc), param_hint="KIND") from None
         data = call(server, token, "GET", f"/{k.value}" + (f"/{name}" if name else ""))
         views.emit_kind(k, data, output, console)
+        if k is views.Kind.NODES and name is None and output is Format.TABLE:
+            views.print_waiting_enrolments(call(server, token, "GET", "/enrolments"), console)
 
     @app.command("describe")
     def describe_command(

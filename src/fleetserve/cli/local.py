@@ -4,6 +4,10 @@
 ``hf://ORG/REPO/FILE.gguf``. A model that is not tiny is fetched first, with a progress bar, into
 the model cache the agent then uses (one copy, verified, resumable after Ctrl-C). Ctrl-C and SIGTERM
 both stop the agent (and its engines) and the server gracefully, and print no error.
+
+A data directory is one control plane whatever port serves it: a later ``up`` on another port
+rebinds the node's credential to its URL, and its agent registers with it. An agent whose
+enrolment waits for an operator's approval is said so, with the command that approves it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +28,8 @@ import httpx
 import yaml
 from rich.console import Console
 
+from fleetserve.agent.credential import CredentialFile
+from fleetserve.cli.views import waiting_enrolments
 from fleetserve.dev.tinymodel import write_tiny_model
 from fleetserve.errors import FleetserveError
 from fleetserve.process import die_with_parent
@@ -231,9 +238,15 @@ def _up(
             f"server  {server_url}   (state: {data_dir / 'fleetserve.db'}; tokens: {token_file})",
             markup=False,
         )
+        # The node's credential was issued by the state store in data_dir, whatever port an earlier
+        # `up` served it on: the agent keeps registering with it instead of enrolling again.
+        credential = data_dir / "node-credential"
+        CredentialFile(credential).rebind(server_url)
+        agent_started = datetime.now(UTC)
         procs.append(
             _spawn(
                 [exe, "agent", "--server", server_url, "--address", "127.0.0.1",
+                 "--credential-file", str(credential),
                  "--cache-dir", str(data_dir / "cache"), "--log-dir", str(data_dir / "engine-logs"),
                  "--interval", "1", *_agent_model_dirs(served, data_dir), *options.agent_args()],
                 logs[1],
@@ -244,8 +257,7 @@ def _up(
             base_url=server_url, headers={"Authorization": f"Bearer {tokens['admin']}"}, timeout=30
         )
         with admin:
-            _wait("registering this machine", lambda: admin.get("/api/v1/nodes").json(), 60, procs, logs)
-            node = admin.get("/api/v1/nodes").json()[0]
+            node = _await_agent(admin, token_file, agent_started, console, procs, logs, ready_timeout)
             console.print(
                 f"agent   node {node['name']}: {node['cpu']['cores']} cores registered", markup=False
             )
@@ -271,6 +283,47 @@ def _up(
                 proc.kill()
                 proc.wait()
     console.print("stopped: server and agent (and its engines) exited", markup=False)
+
+
+def _await_agent(
+    admin: httpx.Client,
+    tokens: Path,
+    since: datetime,
+    console: Console,
+    procs: list[subprocess.Popen[bytes]],
+    logs: list[Path],
+    patience: float,
+) -> dict[str, Any]:
+    """The node this run's agent registered and reported (since ``since``): a node the state store
+    kept from an earlier run is not it. While the agent's enrolment waits for an operator's
+    approval, say so once, with the command that approves it, and wait up to ``patience``."""
+    told: set[str] = set()
+    server = str(admin.base_url).rstrip("/")
+
+    def registered() -> dict[str, Any] | None:
+        for node in admin.get("/api/v1/nodes").json():
+            reported = node["status"]["agent"].get("reportedAt")
+            if reported and datetime.fromisoformat(reported) >= since:
+                return dict(node)
+        for name in waiting_enrolments(admin.get("/api/v1/enrolments").json(), since):
+            if name not in told:
+                told.add(name)
+                console.print(
+                    f"agent   node {name}: its enrolment waits for an operator's approval (the name is "
+                    "enrolled in this state store already, and the agent has no credential for it); in "
+                    f"another terminal: FLEETSERVE_TOKEN_FILE={tokens} fleetserve nodes approve {name} "
+                    f"--server {server}",
+                    markup=False,
+                    highlight=False,
+                )
+        return None
+
+    try:
+        return dict(_wait("registering this machine", registered, 60, procs, logs))
+    except UpError:
+        if not told:
+            raise
+    return dict(_wait("an operator's approval of this machine", registered, patience, procs, logs))
 
 
 def _agent_model_dirs(served: Model | None, data_dir: Path) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from datetime import datetime
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -229,6 +230,30 @@ def print_decision(data: dict[str, Any], console: Console) -> None:
     if more > 0:
         shown = len(unplaced_list)
         console.print(f"  [red]… and {more} more unschedulable[/] (the record explains the first {shown})")
+
+
+def waiting_enrolments(enrolments: list[dict[str, Any]], since: datetime | None = None) -> list[str]:
+    """The names whose latest join-token enrolment (at or after ``since``) waits for an operator's
+    approval, from the admin API's ``/api/v1/enrolments``."""
+    return [
+        e["node"]
+        for e in enrolments
+        if e.get("requestedAt")
+        and not e.get("approved")
+        and (since is None or datetime.fromisoformat(e["requestedAt"]) >= since)
+    ]
+
+
+def print_waiting_enrolments(enrolments: list[dict[str, Any]], console: Console) -> None:
+    """Below ``get nodes``: each enrolment that waits for an operator, and the command that approves it."""
+    by_name = {e["node"]: e for e in enrolments}
+    for name in waiting_enrolments(enrolments):
+        e = by_name[name]
+        console.print(
+            f"node {name}: an enrolment from {e.get('requestedFrom') or '?'} at {e['requestedAt']} waits "
+            f"for approval: fleetserve nodes approve {name}",
+            markup=False,
+        )
 
 
 def emit_kind(kind: Kind, data: Any, fmt: Format, console: Console) -> None:

@@ -127,7 +127,7 @@ class LlamaCppAdapter:
         if source.revision:
             raise SourceError(
                 f"{text}: llama-server downloads from a repository's main branch only; "
-                "drop @{revision} or publish the file at an https URL"
+                f"drop @{source.revision} or publish the file at an https URL"
             )
         return ("--hf-repo", source.repo_id, "--hf-file", source.path)
 

@@ -79,9 +79,11 @@ class HcaFacts:
 
 @dataclass(frozen=True)
 class Discovery:
-    """Everything discovery found on one machine, with every problem met on the way."""
+    """Everything discovery found on one machine, with every problem met on the way and the facts
+    of what is not there (no fault: a vendor's library missing where none of its devices is)."""
 
     host: HostFacts
     gpus: tuple[GpuFacts, ...]
     hcas: tuple[HcaFacts, ...]
     problems: tuple[str, ...]
+    facts: tuple[str, ...] = ()

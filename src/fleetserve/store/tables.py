@@ -287,7 +287,7 @@ class LeaderLeaseRow(Base):
 
 class FleetChangeRow(Base):
     """The change counter the whole-fleet readers compare before reading (``store.changes``):
-    bumped by the database's triggers (migrations 0007 and 0008), never written by the application. Its
+    bumped by the database's triggers (migrations 0006 and 0007), never written by the application. Its
     value is the sum of ``n`` over the slots (several on PostgreSQL, so writers do not queue)."""
 
     __tablename__ = "fleet_changes"

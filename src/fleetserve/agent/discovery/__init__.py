@@ -4,7 +4,8 @@
     node, unmatched = to_node(discovery, ...)    # fleetserve.inventory.matching
 
 No source raises for hardware or drivers that are absent; what could not be read is listed in
-``Discovery.problems``.
+``Discovery.problems``, what is simply not there (no NVIDIA driver on a machine without an NVIDIA
+GPU) in ``Discovery.facts``.
 """
 
 from __future__ import annotations
@@ -35,7 +36,12 @@ __all__ = [
 
 def default_discoverers(root: Path | str = "/") -> tuple[Discoverer, ...]:
     """Every source, reading the machine under ``root``: CPU, NVIDIA (NVML), AMD, InfiniBand."""
-    return (CpuDiscoverer(root), NvidiaDiscoverer(), AmdDiscoverer(root), InfinibandDiscoverer(root))
+    return (
+        CpuDiscoverer(root),
+        NvidiaDiscoverer(root=root),
+        AmdDiscoverer(root),
+        InfinibandDiscoverer(root),
+    )
 
 
 def discover(sources: Sequence[Discoverer] | None = None) -> Discovery:

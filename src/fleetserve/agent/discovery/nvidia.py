@@ -9,6 +9,10 @@ GPU. On HGX/DGX boards every link goes to an NVSwitch instead, and NVML reports 
 address (``nvmlDeviceGetNvLinkRemoteDeviceType`` says ``SWITCH``); GPUs that reach the same switch
 over active links are peers. Without the remote-type call (older drivers) a remote address that is
 one of this machine's GPUs counts as a direct peer and anything else is ignored.
+
+NVML that cannot start is a problem only where an NVIDIA GPU is there to find: the PCI bus (sysfs,
+under a configurable root) is asked whether it holds an NVIDIA display controller. Without one, the
+missing driver is a fact of a machine with no NVIDIA GPU (a CPU-only node), not a fault of it.
 """
 
 from __future__ import annotations
@@ -16,12 +20,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Protocol
 
 import pynvml  # type: ignore[import-untyped]
 
 from fleetserve.agent.discovery.base import Findings
-from fleetserve.agent.discovery.sysfs import hex_id, normalize_bus_id
+from fleetserve.agent.discovery.sysfs import hex_id, normalize_bus_id, read_int, subdirs
 from fleetserve.drivers import Driver
 from fleetserve.inventory.hardware import GpuFacts
 
@@ -38,6 +43,23 @@ _NO_FUNCTION = frozenset({pynvml.NVML_ERROR_FUNCTION_NOT_FOUND, pynvml.NVML_ERRO
 _LINK_ACTIVE: int = pynvml.NVML_FEATURE_ENABLED
 _REMOTE_GPU: int = pynvml.NVML_NVLINK_DEVICE_TYPE_GPU
 _REMOTE_SWITCH: int = pynvml.NVML_NVLINK_DEVICE_TYPE_SWITCH
+NVIDIA_VENDOR_ID = 0x10DE
+# PCI base class 0x03, display controller: VGA (0x0300) and 3D (0x0302, every data-centre GPU).
+# An NVSwitch is a bridge (0x0680): a machine with switches and no GPU has no GPU to find.
+_DISPLAY_CLASS = 0x03
+
+
+def nvidia_gpu_on_pci_bus(root: Path | str = "/") -> bool | None:
+    """Whether the PCI bus (``sys/bus/pci/devices`` under ``root``) holds an NVIDIA display
+    controller; None when the bus cannot be listed (then nobody can tell)."""
+    devices = Path(root) / "sys/bus/pci/devices"
+    if not devices.is_dir():
+        return None
+    return any(
+        read_int(device / "vendor", 16) == NVIDIA_VENDOR_ID
+        and (read_int(device / "class", 16) or 0) >> 16 == _DISPLAY_CLASS
+        for device in subdirs(devices)
+    )
 
 
 class MemoryInfo(Protocol):
@@ -83,18 +105,29 @@ class NvmlLibrary(Protocol):
 
 
 class NvidiaDiscoverer:
-    """Finds NVIDIA GPUs through NVML; with no driver it reports one problem and no GPU."""
+    """Finds NVIDIA GPUs through NVML; with no driver it reports no GPU and one problem, or one
+    fact where the PCI bus under ``root`` shows no NVIDIA GPU either."""
 
     source = "nvml"
 
-    def __init__(self, nvml: NvmlLibrary | None = None, max_links: int = NVML_NVLINK_MAX_LINKS) -> None:
+    def __init__(
+        self,
+        nvml: NvmlLibrary | None = None,
+        max_links: int = NVML_NVLINK_MAX_LINKS,
+        root: Path | str = "/",
+    ) -> None:
         self.nvml: NvmlLibrary = pynvml if nvml is None else nvml
         self.max_links = max_links
+        self.root = Path(root)
 
     def discover(self) -> Findings:
         try:
             self.nvml.nvmlInit()
         except _START_ERRORS as exc:
+            if nvidia_gpu_on_pci_bus(self.root) is False:
+                return Findings(
+                    facts=(f"nvidia: no NVIDIA GPU on the PCI bus, and no NVIDIA driver (NVML: {exc})",)
+                )
             return Findings(
                 problems=(
                     f"nvidia: NVML could not start ({exc}): no NVIDIA driver is loaded here, or "

@@ -1,8 +1,8 @@
 """Node identity: per-node credentials (hashed, bound to a name, with pending enrolments and
 operator approvals), and an expiry for tokens.
 
-Revision ID: 0002
-Revises: 0005 (main's head when this branch merged; the coordinator may re-chain)
+Revision ID: 0004
+Revises: 0003
 Create Date: 2026-12-03
 """
 
@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0002"
-down_revision: str | Sequence[str] | None = "0005"
+revision: str = "0004"
+down_revision: str | Sequence[str] | None = "0003"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

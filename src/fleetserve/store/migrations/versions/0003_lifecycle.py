@@ -1,8 +1,8 @@
 """Lifecycle: when a replica started to drain and when its agent last reported it; a deployment's
 previous spec (for ``rollout undo``).
 
-Revision ID: 0005
-Revises: 0003
+Revision ID: 0003
+Revises: 0002
 Create Date: 2026-12-03
 """
 
@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0005"
-down_revision: str | Sequence[str] | None = "0003"
+revision: str = "0003"
+down_revision: str | Sequence[str] | None = "0002"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

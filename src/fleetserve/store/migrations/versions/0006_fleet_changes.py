@@ -10,8 +10,8 @@ On PostgreSQL the counter is split into ``SLOTS`` rows, one picked per connectio
 writers seldom queue on one row; readers add them up. Each transaction bumps it once, at its
 commit. SQLite has one writer at a time: one row.
 
-Revision ID: 0007
-Revises: 0006
+Revision ID: 0006
+Revises: 0005
 Create Date: 2026-12-03
 """
 
@@ -22,8 +22,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0007"
-down_revision: str | Sequence[str] | None = "0006"
+revision: str = "0006"
+down_revision: str | Sequence[str] | None = "0005"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

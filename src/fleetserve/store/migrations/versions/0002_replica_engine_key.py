@@ -2,7 +2,7 @@
 
 The gateway and the observer send it; only the replica's agent is given it.
 
-Revision ID: 0003
+Revision ID: 0002
 Revises: 0001
 Create Date: 2026-12-03
 """
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0003"
+revision: str = "0002"
 down_revision: str | Sequence[str] | None = "0001"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None

@@ -1,7 +1,7 @@
 """Usage per minute, key and model; the audit log of admin actions; dashboard sessions.
 
-Revision ID: 0006
-Revises: 0002
+Revision ID: 0005
+Revises: 0004
 Create Date: 2026-12-03
 """
 
@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0006"
-down_revision: str | Sequence[str] | None = "0002"
+revision: str = "0005"
+down_revision: str | Sequence[str] | None = "0004"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

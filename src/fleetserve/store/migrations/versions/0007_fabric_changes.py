@@ -1,9 +1,9 @@
-"""Fabrics count as a change too (the counter of migration 0007): the reconciler skips reading
+"""Fabrics count as a change too (the counter of migration 0006): the reconciler skips reading
 and planning a fleet whose counter has not moved, and placement reads fabrics (which nodes share
 a fast interconnect for a replica split over several of them).
 
-Revision ID: 0008
-Revises: 0007
+Revision ID: 0007
+Revises: 0006
 Create Date: 2026-12-04
 """
 
@@ -13,13 +13,13 @@ from collections.abc import Sequence
 
 from alembic import op
 
-revision: str = "0008"
-down_revision: str | Sequence[str] | None = "0007"
+revision: str = "0007"
+down_revision: str | Sequence[str] | None = "0006"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 _EVENTS = ("insert", "update", "delete")
-# The same bump as 0007's: on PostgreSQL its function (once per transaction, at the commit).
+# The same bump as 0006's: on PostgreSQL its function (once per transaction, at the commit).
 _PG = (
     "CREATE CONSTRAINT TRIGGER fleet_changed_fabrics AFTER INSERT OR UPDATE OR DELETE ON fabrics"
     " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION fleet_changed()"

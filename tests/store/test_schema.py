@@ -1,0 +1,101 @@
+"""Migrating: the ids follow the chain in order, and a database stamped under the old numbering
+(before the ids were renumbered) is migrated to the head as its own migrations say, on SQLite and
+PostgreSQL."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from alembic import command
+from alembic.autogenerate import compare_metadata
+from alembic.config import Config
+from alembic.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine, text
+
+from fleetserve.spec.resources import Fabric
+from fleetserve.store import SqlStore, make_engine, migrate
+from fleetserve.store.schema import MIGRATIONS, RENUMBERED
+from fleetserve.store.tables import Base
+
+# The same migrations in chain order: under the old ids, and under the ids they have now.
+OLD_IDS = ("0001", "0003", "0005", "0002", "0006", "0007", "0008")
+NEW_IDS = ("0001", "0002", "0003", "0004", "0005", "0006", "0007")
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def bare(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
+    """An empty database (a fresh PostgreSQL schema, dropped after), not migrated."""
+    if request.param == "sqlite":
+        engine = make_engine(tmp_path / "state.db")
+        yield engine
+        engine.dispose()
+        return
+    import psycopg
+    from psycopg import sql
+
+    url: str = request.getfixturevalue("postgres_url")
+    schema = f"fs_test_{secrets.token_hex(6)}"
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+    engine = make_engine(url, connect_args={"options": f"-csearch_path={schema}"})
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(schema)))
+
+
+def upgrade_to(engine: Engine, revision: str) -> None:
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.upgrade(config, revision)
+
+
+def stamped(engine: Engine) -> list[str]:
+    with engine.connect() as conn:
+        return list(conn.execute(text("SELECT version_num FROM alembic_version")).scalars())
+
+
+def test_the_migration_ids_follow_the_chain_in_order() -> None:
+    scripts = ScriptDirectory(str(MIGRATIONS))
+    chain = [s.revision for s in reversed(list(scripts.walk_revisions()))]
+    assert chain == list(NEW_IDS)
+    for script in scripts.walk_revisions():
+        assert Path(script.path).name.startswith(f"{script.revision}_"), script.path
+
+
+@pytest.mark.parametrize("numbering", ["old", "new"])
+@pytest.mark.parametrize("position", range(1, len(NEW_IDS)))
+def test_a_database_at_any_step_under_either_numbering_is_migrated_to_the_head(
+    bare: Engine, numbering: str, position: int
+) -> None:
+    upgrade_to(bare, NEW_IDS[position])
+    if numbering == "old":
+        with bare.begin() as conn:
+            conn.execute(text("UPDATE alembic_version SET version_num = :old"), {"old": OLD_IDS[position]})
+
+    migrate(bare)
+
+    assert stamped(bare) == [NEW_IDS[-1]]
+    with bare.connect() as conn:
+        assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+    # The last migration adds only triggers: fabrics move the change counter.
+    store = SqlStore(bare)
+    before = store.fleet_changes()
+    store.put_fabric(Fabric(name="ib0"))
+    assert store.fleet_changes() > before
+
+
+def test_an_old_id_taken_for_granted_as_old_is_no_migration_of_today() -> None:
+    """An old id mapped without a probe is read as old wherever it is stamped: a new migration of
+    that id must bring its probe (or the mapping go), else its databases would be migrated back."""
+    revisions = {s.revision for s in ScriptDirectory(str(MIGRATIONS)).walk_revisions()}
+    assert {old for old, entry in RENUMBERED.items() if entry.is_new is None} & revisions == set()
+    assert {old for old, entry in RENUMBERED.items() if entry.is_new is not None} <= revisions
