@@ -23,12 +23,14 @@ import httpx
 import yaml
 from rich.console import Console
 
+from fleetserve.adminapi.credentials import CreatedKey
+from fleetserve.adminapi.fleet import NodeView, ReplicaView
 from fleetserve.dev.tinymodel import write_tiny_model
 from fleetserve.errors import FleetserveError
 from fleetserve.process import die_with_parent
 from fleetserve.secretfile import private_dir, write_secret
 from fleetserve.sources import LocalSource, parse_source
-from fleetserve.spec.resources import Model, ModelFormat
+from fleetserve.spec.resources import Model, ModelFormat, Replica, ReplicaState
 
 TINY_DEPLOYMENT = "tiny"
 
@@ -246,10 +248,8 @@ def _up(
         )
         with admin:
             _wait("registering this machine", lambda: admin.get("/api/v1/nodes").json(), 60, procs, logs)
-            node = admin.get("/api/v1/nodes").json()[0]
-            console.print(
-                f"agent   node {node['name']}: {node['cpu']['cores']} cores registered", markup=False
-            )
+            node = NodeView.model_validate(admin.get("/api/v1/nodes").json()[0])
+            console.print(f"agent   node {node.name}: {node.cpu.cores} cores registered", markup=False)
             if model is not None:
                 _serve(admin, data_dir, console, procs, logs, ready_timeout, served)
         console.print("Ctrl-C stops everything.")
@@ -312,24 +312,24 @@ def _serve(
         f"model   {shown} deployed with llama.cpp on the CPU; waiting for the engine…", markup=False
     )
 
-    def running() -> dict[str, Any] | None:
-        for replica in admin.get("/api/v1/replicas", params={"deployment": name}).json():
-            status = admin.get(f"/api/v1/replicas/{replica['name']}").json()
-            if status["state"] == "Running" and status["status"].get("port"):
-                return dict(status)
-            if status["state"] in ("Failed", "CrashLoop"):
-                raise UpError(f"replica {replica['name']} is {status['state']}: {status['status']}")
+    def running() -> ReplicaView | None:
+        for listed in admin.get("/api/v1/replicas", params={"deployment": name}).json():
+            replica = Replica.model_validate(listed)
+            status = ReplicaView.model_validate(admin.get(f"/api/v1/replicas/{replica.name}").json())
+            if status.state is ReplicaState.RUNNING and status.status.port:
+                return status
+            if status.state in (ReplicaState.FAILED, ReplicaState.CRASH_LOOP):
+                raise UpError(f"replica {replica.name} is {status.state}: {status.status.stored()}")
         return None
 
-    replica = _wait("starting llama-server", running, ready_timeout, procs, logs)
+    replica: ReplicaView = _wait("starting llama-server", running, ready_timeout, procs, logs)
     console.print(
-        f"ready   replica {replica['name']} (llama-server on 127.0.0.1:{replica['status']['port']})",
-        markup=False,
+        f"ready   replica {replica.name} (llama-server on 127.0.0.1:{replica.status.port})", markup=False
     )
     created = admin.post("/api/v1/keys", json={"name": "quickstart", "models": ["*"]})
     if created.status_code != 200:
         raise UpError(f"creating an API key failed: {created.text}")
-    key = created.json()["key"]
+    key = CreatedKey.model_validate(created.json()).key
     key_file = write_secret(data_dir / "api-key", key + "\n")
     gateway = f"{admin.base_url}/v1/chat/completions".replace("//v1", "/v1")
     # One real request through the gateway, so the quickstart ends with an answer, not a promise.
