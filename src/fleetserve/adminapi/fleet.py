@@ -77,13 +77,15 @@ class DeploymentView(Deployment):
     status: DeploymentStatus
 
 
-class DeploymentDetail(DeploymentView):
-    """One deployment in full: with its template revision and its replicas' documents.
+class DeploymentDetail(Deployment):
+    """One deployment in full: its document, generation, template revision, status and replicas.
 
     On the wire ``replicas`` is the replicas themselves, not the document's count (``GET
     /deployments`` has the count)."""
 
+    generation: int
     revision: str
+    status: DeploymentStatus
     replicas: list[Replica]  # type: ignore[assignment]
 
 

@@ -84,7 +84,7 @@ class AutoscalerEntry(StoredJson):
     """One decision of the autoscaler's log (``autoscale.Decision.as_dict``), repeats folded in."""
 
     # The log's names are its own (``last_at``): no camelCase here.
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(alias_generator=None, extra="allow")
     deployment: str = ""
     at: float = 0.0
     previous: int = 0
