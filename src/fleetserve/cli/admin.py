@@ -1,11 +1,10 @@
 """The admin commands, which talk to a running control plane over HTTP and read its answers as
 ``adminapi``'s models: login, apply, get, describe, explain, cordon, uncordon, drain, delete, logs,
-upload, rollout status|undo; keys, tokens and nodes are ``credentials``'."""
+upload; ``rollout`` status|undo and ``credentials`` (keys, tokens, nodes) are registered with them."""
 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -17,11 +16,9 @@ from rich.console import Console
 
 from fleetserve.adminapi.fleet import (
     ApplyResult,
-    DeploymentDetail,
     DrainedNode,
     Explanation,
     ReplicaLogs,
-    UndoneDeployment,
     UploadedFile,
 )
 from fleetserve.cli import views
@@ -338,52 +335,9 @@ def register(app: typer.Typer) -> None:
         data = UploadedFile.model_validate(uploaded)
         console.print(f"model/{model}: {data.size} bytes, sha256 {data.sha256}", markup=False)
 
-    rollout = typer.Typer(
-        help="Rolling updates of a deployment: follow one, or undo the last.", no_args_is_help=True
-    )
-    app.add_typer(rollout, name="rollout")
+    from fleetserve.cli import credentials, rollout  # they read this module's options
 
-    @rollout.command("status")
-    def rollout_status(
-        deployment: Annotated[str, typer.Argument(help="The deployment's name.")],
-        timeout: Annotated[
-            float, typer.Option(help="Give up (exit 1) after this many seconds.", min=0)
-        ] = 600.0,
-        watch: Annotated[bool, typer.Option(help="Wait until the rollout completes.")] = True,
-        server: ServerOpt = None,
-        token: TokenOpt = None,
-    ) -> None:
-        """Print a deployment's rollout progress; wait until every replica runs its current revision."""
-        console = Console(soft_wrap=True)
-        deadline = time.monotonic() + timeout
-        last = ""
-        while True:
-            data = call_as(DeploymentDetail, server, token, "GET", f"/deployments/{deployment}")
-            line, done = views.rollout_line(data)
-            if line != last:
-                console.print(line, markup=False)
-                last = line
-            if done:
-                return
-            if not watch or time.monotonic() >= deadline:
-                raise typer.Exit(1)
-            time.sleep(1.0)
-
-    @rollout.command("undo")
-    def rollout_undo(
-        deployment: Annotated[str, typer.Argument(help="The deployment's name.")],
-        server: ServerOpt = None,
-        token: TokenOpt = None,
-    ) -> None:
-        """Apply the deployment's previous spec again: a rollout back to its previous revision."""
-        data = call_as(UndoneDeployment, server, token, "POST", f"/deployments/{deployment}/undo")
-        Console(soft_wrap=True).print(
-            f"deployment/{deployment} rolled back to revision {data.revision} (generation {data.generation})",
-            markup=False,
-        )
-
-    from fleetserve.cli import credentials  # it reads this module's options
-
+    rollout.register(app)
     credentials.register(app)
 
 
