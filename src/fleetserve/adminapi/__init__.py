@@ -3,7 +3,7 @@
 (``cli/``), as ``protocol.py`` is for the agents' API. The dashboard's scripts read the same names
 (a test holds them to these models).
 
-    values        View (the base: camelCase on the wire), IsoTime, Deleted, Revoked
+    values        View (the base: camelCase on the wire), IsoTime, Deleted, Revoked, extend
     fleet         nodes, device classes, fabrics, models, deployments, replicas, apply
     credentials   gateway API keys, admin and join tokens, node enrolments
     records       usage and the audit log
