@@ -6,32 +6,38 @@ from typing import Any
 
 import pytest
 
+from fleetserve.adminapi.fleet import DeploymentDetail
 from fleetserve.cli.views import rollout_line
 
 
-def view(generation: int = 2, seen: int = 2, revision: str = "b", **progress: Any) -> dict[str, Any]:
+def view(generation: int = 2, seen: int = 2, revision: str = "b", **progress: Any) -> DeploymentDetail:
     rollout = {"revision": "b", "desired": 2, "updated": 2, "ready": 2, "old": 0, "draining": 0}
     rollout.update(progress)
     rollout["complete"] = rollout["old"] == 0 and rollout["updated"] == rollout["ready"] == 2
-    return {
-        "name": "chat",
-        "generation": generation,
-        "revision": revision,
-        "status": {
-            "observedGeneration": seen,
-            "rollout": rollout,
-            "conditions": [
-                {
-                    "type": "ReplicaFailure",
-                    "status": True,
-                    "reason": "ReplicaFailed",
-                    "message": "chat-5 failed: 404",
-                }
-            ]
-            if progress.get("failing")
-            else [],
-        },
-    }
+    return DeploymentDetail.model_validate(
+        {
+            "name": "chat",
+            "model": "m",
+            "profiles": [{"name": "cpu", "engine": "llama.cpp", "cpu": {"cores": 1}}],
+            "replicas": [],
+            "generation": generation,
+            "revision": revision,
+            "status": {
+                "observedGeneration": seen,
+                "rollout": rollout,
+                "conditions": [
+                    {
+                        "type": "ReplicaFailure",
+                        "status": True,
+                        "reason": "ReplicaFailed",
+                        "message": "chat-5 failed: 404",
+                    }
+                ]
+                if progress.get("failing")
+                else [],
+            },
+        }
+    )
 
 
 @pytest.mark.parametrize(
@@ -44,7 +50,7 @@ def view(generation: int = 2, seen: int = 2, revision: str = "b", **progress: An
         ("every replica at the new revision", view(), "rolled out: revision b", True),
     ],
 )
-def test_the_rollout_line_says(case: str, data: dict[str, Any], words: str, done: bool) -> None:
+def test_the_rollout_line_says(case: str, data: DeploymentDetail, words: str, done: bool) -> None:
     line, complete = rollout_line(data)
     assert words in line, (case, line)
     assert complete is done, case

@@ -10,12 +10,29 @@ from typing import Any
 import pytest
 from rich.console import Console
 
+from fleetserve.adminapi.credentials import EnrolmentView
+from fleetserve.adminapi.fleet import Explanation
 from fleetserve.agent.runtime import STALL_SECONDS, download_message
 from fleetserve.cli.views import downloads, print_waiting_enrolments, waiting_enrolments
+from fleetserve.protocol import AgentStatus
 
 
-def node(*items: dict[str, Any]) -> dict[str, Any]:
-    return {"status": {"agent": {"downloads": list(items)}}}
+def explained(deployment: str, generation: int, decision: dict[str, Any]) -> Explanation:
+    """``GET /deployments/NAME/explain`` with this decision and no status."""
+    return Explanation.model_validate(
+        {
+            "deployment": deployment,
+            "generation": generation,
+            "status": {},
+            "decision": decision,
+            "decidedAt": None,
+        }
+    )
+
+
+def node(*items: dict[str, Any]) -> AgentStatus:
+    """What a node's agent reported (``node.status.agent``): these downloads."""
+    return AgentStatus.model_validate({"downloads": list(items)})
 
 
 @pytest.mark.parametrize(
@@ -75,28 +92,28 @@ def test_a_stored_decision_says_how_many_unplaced_replicas_it_does_not_explain()
         "unplacedTotal": 30,
     }
     console = Console(record=True, width=200)
-    print_decision({"deployment": "huge", "generation": 1, "decision": decision}, console)
+    print_decision(explained("huge", 1, decision), console)
     text = console.export_text()
     assert "huge-1 unschedulable" in text
     assert "… and 28 more unschedulable (the record explains the first 2)" in text
     # A record of before the bound, or one under it, says nothing more.
     console = Console(record=True, width=200)
-    print_decision(
-        {"deployment": "huge", "generation": 1, "decision": {"unplaced": decision["unplaced"]}}, console
-    )
+    print_decision(explained("huge", 1, {"unplaced": decision["unplaced"]}), console)
     assert "more unschedulable" not in console.export_text()
 
 
-def enrolment(node: str, approved: bool = False, requested: str | None = None) -> dict[str, Any]:
+def enrolment(node: str, approved: bool = False, requested: str | None = None) -> EnrolmentView:
     """One row of the admin API's ``/api/v1/enrolments``."""
-    return {
-        "node": node,
-        "enrolled": True,
-        "issuedAt": "2026-12-06T04:00:00+00:00",
-        "approved": approved,
-        "requestedAt": requested,
-        "requestedFrom": "10.0.0.7" if requested else None,
-    }
+    return EnrolmentView.model_validate(
+        {
+            "node": node,
+            "enrolled": True,
+            "issuedAt": "2026-12-06T04:00:00+00:00",
+            "approved": approved,
+            "requestedAt": requested,
+            "requestedFrom": "10.0.0.7" if requested else None,
+        }
+    )
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,7 @@ from fleetserve.spec.resources import (
     ReplicaState,
     Shard,
 )
+from fleetserve.spec.status import DecisionRecord, DeploymentStatus
 from fleetserve.store import SqlStore, make_engine
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
@@ -87,8 +88,8 @@ def quiet(store: SqlStore) -> None:
     again = was.model_copy(update={"in_flight": (was.in_flight or 0) + 1})
     store.report("n1", store.epoch("n1"), NOW, {"chat-0": (chat0.state, again)}, agent_status=status)
     store.report("n2", store.epoch("n2"), NOW, {})
-    store.set_deployment_status("chat", {"ready": 1})
-    store.record_decision("chat", {"why": "nothing"}, NOW)
+    store.set_deployment_status("chat", DeploymentStatus.model_validate({"ready": 1}))
+    store.record_decision("chat", DecisionRecord.model_validate({"why": "nothing"}), NOW)
 
 
 def test_heartbeats_move_nothing_and_every_change_makes_every_reader_read_again(fleet: SqlStore) -> None:

@@ -20,6 +20,7 @@ from builders import deployment as build_deployment
 from fleetserve.errors import ConfigError, NotFound, StoreError, UnknownNode, UnknownReplica
 from fleetserve.protocol import ReplicaStatus
 from fleetserve.spec.resources import Deployment, Model, NodeState, Replica, ReplicaState
+from fleetserve.spec.status import DecisionRecord, DeploymentStatus
 from fleetserve.store import SqlStore, TokenKind, make_engine, migrate
 from fleetserve.store.schema import MIGRATIONS
 from fleetserve.store.tables import Base, TokenRow
@@ -76,8 +77,8 @@ def test_deployment_generation_bumps_only_on_a_spec_change(store: SqlStore) -> N
 def test_deployment_status_list_and_delete(store: SqlStore) -> None:
     store.put_deployment(deployment("b"))
     store.put_deployment(deployment("a"))
-    status = {"observedGeneration": 1, "conditions": [{"type": "Accepted", "status": "True"}]}
-    store.set_deployment_status("a", status)
+    status = {"observedGeneration": 1, "conditions": [{"type": "Accepted", "status": True}]}
+    store.set_deployment_status("a", DeploymentStatus.model_validate(status))
     store.put_deployment(deployment("a", replicas=2))  # a spec change keeps the status
 
     assert dict(store.get_deployment("a").status) == status
@@ -87,7 +88,7 @@ def test_deployment_status_list_and_delete(store: SqlStore) -> None:
     assert [d.deployment.name for d in store.list_deployments()] == ["b"]
     for operation in (
         lambda: store.get_deployment("a"),
-        lambda: store.set_deployment_status("a", {}),
+        lambda: store.set_deployment_status("a", DeploymentStatus()),
         lambda: store.delete_deployment("a"),
     ):
         with pytest.raises(NotFound, match="'a'"):
@@ -273,9 +274,8 @@ def test_a_drain_that_fails_changes_nothing(store: SqlStore) -> None:
 
 def test_decisions_newest_first_filtered_limited_and_pruned(store: SqlStore) -> None:
     for minute, name in [(0, "a"), (1, "b"), (2, "a"), (3, "a")]:
-        store.record_decision(
-            name, {"minute": minute, "profiles": [{"fits": False}]}, T0 + timedelta(minutes=minute)
-        )
+        explanation = DecisionRecord.model_validate({"minute": minute, "profiles": [{"fits": False}]})
+        store.record_decision(name, explanation, T0 + timedelta(minutes=minute))
 
     assert [d.explanation["minute"] for d in store.list_decisions()] == [3, 2, 1, 0]
     latest = store.list_decisions("a", limit=2)

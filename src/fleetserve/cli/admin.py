@@ -1,23 +1,32 @@
-"""The admin commands, which talk to a running control plane over HTTP: login, apply, get,
-describe, explain, cordon, uncordon, drain, delete, upload, keys, tokens, nodes, rollout
-status|undo."""
+"""The admin commands, which talk to a running control plane over HTTP and read its answers as
+``adminapi``'s models: login, apply, get, describe, explain, cordon, uncordon, drain, delete, logs,
+upload; ``rollout`` status|undo and ``credentials`` (keys, tokens, nodes) are registered with them."""
 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import typer
+from pydantic import BaseModel
 from rich.console import Console
 
+from fleetserve.adminapi.credentials import EnrolmentView
+from fleetserve.adminapi.fleet import (
+    ApplyResult,
+    DrainedNode,
+    Explanation,
+    ReplicaLogs,
+    UploadedFile,
+)
 from fleetserve.cli import views
 from fleetserve.cli.client import ApiClient, resolve, token_from_file, write_config
-from fleetserve.cli.output import Format, emit, fail
+from fleetserve.cli.output import Format, emit, fail, plain
 from fleetserve.errors import FleetserveError
+from fleetserve.spec.resources import Node
 from fleetserve.tls import ServerTrust
 
 ServerOpt = Annotated[
@@ -38,6 +47,7 @@ TokenOpt = Annotated[
     ),
 ]
 FormatOpt = Annotated[Format, typer.Option("--output", "-o", help="table, json or yaml.")]
+M = TypeVar("M", bound=BaseModel)
 
 
 def client(server: str | None, token: str | None) -> ApiClient:
@@ -52,6 +62,20 @@ def call(server: str | None, token: str | None, method: str, path: str, **kwargs
             return api.request(method, path, **kwargs)
     except FleetserveError as err:
         raise fail(err) from None
+
+
+def call_as(
+    answer: type[M], server: str | None, token: str | None, method: str, path: str, **kwargs: Any
+) -> M:
+    """One admin API request, its answer read as ``answer``; any failure ends the command."""
+    return answer.model_validate(call(server, token, method, path, **kwargs))
+
+
+def call_all(
+    answer: type[M], server: str | None, token: str | None, method: str, path: str, **kwargs: Any
+) -> list[M]:
+    """One admin API request answered by a list, each item read as ``answer``."""
+    return [answer.model_validate(item) for item in call(server, token, method, path, **kwargs)]
 
 
 def login(server: str, token: str, console: Console, trust: ServerTrust | None = None) -> None:
@@ -123,12 +147,12 @@ def register(app: typer.Typer) -> None:
         try:
             docs = views.read_documents(file)
             with client(server, token) as api:
-                result = api.request("POST", "/apply", json={"documents": docs})
+                result = ApplyResult.model_validate(api.request("POST", "/apply", json={"documents": docs}))
         except FleetserveError as err:
             raise fail(err) from None
         if output is Format.TABLE:
-            for row in result["applied"]:
-                console.print(f"{row['kind'].lower()}/{row['name']} {row['result']}", markup=False)
+            for row in result.applied:
+                console.print(f"{row.kind.lower()}/{row.name} {row.result}", markup=False)
         else:
             emit(result, output, console)
 
@@ -148,10 +172,16 @@ def register(app: typer.Typer) -> None:
             k = views.parse_kind(kind)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="KIND") from None
-        data = call(server, token, "GET", f"/{k.value}" + (f"/{name}" if name else ""))
+        data: BaseModel | list[BaseModel]
+        if name:
+            data = call_as(views.DETAILS[k], server, token, "GET", f"/{k.value}/{name}")
+        else:
+            data = call_all(views.VIEWS[k], server, token, "GET", f"/{k.value}")
         views.emit_kind(k, data, output, console)
         if k is views.Kind.NODES and name is None and output is Format.TABLE:
-            views.print_waiting_enrolments(call(server, token, "GET", "/enrolments"), console)
+            views.print_waiting_enrolments(
+                call_all(EnrolmentView, server, token, "GET", "/enrolments"), console
+            )
 
     @app.command("describe")
     def describe_command(
@@ -169,9 +199,10 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter(str(exc), param_hint="KIND") from None
         try:
             with client(server, token) as api:
-                data = api.request("GET", f"/{k.value}/{name}")
+                data = plain(views.DETAILS[k].model_validate(api.request("GET", f"/{k.value}/{name}")))
                 if k is views.Kind.DEPLOYMENTS:
-                    data["explanation"] = api.request("GET", f"/deployments/{name}/explain")["decision"]
+                    explained = Explanation.model_validate(api.request("GET", f"/deployments/{name}/explain"))
+                    data["explanation"] = plain(explained.decision)
         except FleetserveError as err:
             raise fail(err) from None
         emit(data, Format.JSON if output is Format.JSON else Format.YAML, console)
@@ -185,7 +216,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Why a deployment's replicas are where they are, or why they fit nowhere."""
         console = Console(soft_wrap=True)
-        data = call(server, token, "GET", f"/deployments/{deployment}/explain")
+        data = call_as(Explanation, server, token, "GET", f"/deployments/{deployment}/explain")
         if output is Format.TABLE:
             views.print_decision(data, console)
         else:
@@ -195,10 +226,20 @@ def register(app: typer.Typer) -> None:
         action: str, node: str, server: str | None, token: str | None, body: dict[str, str] | None
     ) -> None:
         console = Console(soft_wrap=True)
-        data = call(server, token, "POST", f"/nodes/{node}/{action}", json=body)
-        extra = f"; released {', '.join(data['released'])}" if data.get("released") else ""
-        if data.get("draining"):
-            extra += f"; draining {', '.join(data['draining'])}"
+        # Cordon and uncordon answer the node; drain adds what it released and what drains.
+        data = call_as(
+            DrainedNode if action == "drain" else Node,
+            server,
+            token,
+            "POST",
+            f"/nodes/{node}/{action}",
+            json=body,
+        )
+        extra = ""
+        if isinstance(data, DrainedNode) and data.released:
+            extra = f"; released {', '.join(data.released)}"
+        if isinstance(data, DrainedNode) and data.draining:
+            extra += f"; draining {', '.join(data.draining)}"
         past = {"cordon": "cordoned", "uncordon": "uncordoned", "drain": "drained"}[action]
         console.print(f"node/{node} {past}{extra}", markup=False)
 
@@ -260,12 +301,12 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """The last lines of a replica's engine output, as its agent last reported them."""
         console = Console(soft_wrap=True)
-        data = call(server, token, "GET", f"/replicas/{replica}/logs")
+        data = call_as(ReplicaLogs, server, token, "GET", f"/replicas/{replica}/logs")
         console.print(
-            f"# {data['replica']}: {data['state']} ({data['message']}); restarts {data['restarts']}",
+            f"# {data.replica}: {data.state} ({data.message}); restarts {data.restarts}",
             markup=False,
         )
-        for line in data["lines"]:
+        for line in data.lines:
             console.print(line, markup=False, highlight=False)
 
     @app.command("upload")
@@ -293,206 +334,16 @@ def register(app: typer.Typer) -> None:
         try:
             with client(server, token) as api, Progress(console=console, transient=True) as progress:
                 task = progress.add_task(f"uploading {file.name}", total=size)
-                data = api.request("PUT", f"/models/{model}/file", content=chunks(progress, task))
+                uploaded = api.request("PUT", f"/models/{model}/file", content=chunks(progress, task))
         except FleetserveError as err:
             raise fail(err) from None
-        console.print(f"model/{model}: {data['size']} bytes, sha256 {data['sha256']}", markup=False)
+        data = UploadedFile.model_validate(uploaded)
+        console.print(f"model/{model}: {data.size} bytes, sha256 {data.sha256}", markup=False)
 
-    rollout = typer.Typer(
-        help="Rolling updates of a deployment: follow one, or undo the last.", no_args_is_help=True
-    )
-    app.add_typer(rollout, name="rollout")
+    from fleetserve.cli import credentials, rollout  # they read this module's options
 
-    @rollout.command("status")
-    def rollout_status(
-        deployment: Annotated[str, typer.Argument(help="The deployment's name.")],
-        timeout: Annotated[
-            float, typer.Option(help="Give up (exit 1) after this many seconds.", min=0)
-        ] = 600.0,
-        watch: Annotated[bool, typer.Option(help="Wait until the rollout completes.")] = True,
-        server: ServerOpt = None,
-        token: TokenOpt = None,
-    ) -> None:
-        """Print a deployment's rollout progress; wait until every replica runs its current revision."""
-        console = Console(soft_wrap=True)
-        deadline = time.monotonic() + timeout
-        last = ""
-        while True:
-            data = call(server, token, "GET", f"/deployments/{deployment}")
-            line, done = views.rollout_line(data)
-            if line != last:
-                console.print(line, markup=False)
-                last = line
-            if done:
-                return
-            if not watch or time.monotonic() >= deadline:
-                raise typer.Exit(1)
-            time.sleep(1.0)
-
-    @rollout.command("undo")
-    def rollout_undo(
-        deployment: Annotated[str, typer.Argument(help="The deployment's name.")],
-        server: ServerOpt = None,
-        token: TokenOpt = None,
-    ) -> None:
-        """Apply the deployment's previous spec again: a rollout back to its previous revision."""
-        data = call(server, token, "POST", f"/deployments/{deployment}/undo")
-        Console(soft_wrap=True).print(
-            f"deployment/{deployment} rolled back to revision {data['revision']} "
-            f"(generation {data['generation']})",
-            markup=False,
-        )
-
-    keys = typer.Typer(help="Gateway API keys: create (shown once), list, revoke.", no_args_is_help=True)
-    app.add_typer(keys, name="keys")
-
-    @keys.command("create")
-    def keys_create(
-        name: Annotated[str, typer.Argument(help="A name for the key (who or what uses it).")],
-        models: Annotated[str, typer.Option(help="Comma-separated models it may use; * for all.")] = "*",
-        rpm: Annotated[
-            int | None, typer.Option(help="Requests per minute (default: unlimited).", min=1)
-        ] = None,
-        tpm: Annotated[
-            int | None, typer.Option(help="Tokens per minute (default: unlimited).", min=1)
-        ] = None,
-        server: ServerOpt = None,
-        token: TokenOpt = None,
-        output: FormatOpt = Format.TABLE,
-    ) -> None:
-        """Create an API key for the OpenAI-compatible gateway; the key is shown this once."""
-        console = Console(soft_wrap=True)
-        body = {
-            "name": name,
-            "models": [m.strip() for m in models.split(",") if m.strip()],
-            "rpm": rpm,
-            "tpm": tpm,
-        }
-        data = call(server, token, "POST", "/keys", json=body)
-        if output is Format.TABLE:
-            console.print(f"key {data['id']} ({data['name']}): {data['key']}", markup=False, highlight=False)
-            console.print("shown once; only its hash is stored.", markup=False)
-        else:
-            emit(data, output, console)
-
-    @keys.command("list")
-    def keys_list(server: ServerOpt = None, token: TokenOpt = None, output: FormatOpt = Format.TABLE) -> None:
-        """List API keys (no secrets)."""
-        console = Console(soft_wrap=True)
-        data = call(server, token, "GET", "/keys")
-        columns = (
-            ("id", lambda k: k["id"]), ("name", lambda k: k["name"]), ("models", lambda k: k["models"]),
-            ("rpm", lambda k: k["rpm"]), ("tpm", lambda k: k["tpm"]), ("revoked", lambda k: k["revoked"]),
-        )  # fmt: skip
-        emit(data, output, console, columns)
-
-    @keys.command("revoke")
-    def keys_revoke(
-        key_id: Annotated[int, typer.Argument(help="The key's id (see `fleetserve keys list`).")],
-        server: ServerOpt = None,
-        token: TokenOpt = None,
-    ) -> None:
-        """Revoke an API key: the server's gateway refuses it at once (401), separate gateway
-        processes within 5 seconds (they cache key lookups that long)."""
-        call(server, token, "DELETE", f"/keys/{key_id}")
-        Console().print(f"key {key_id} revoked")
-
-    tokens = typer.Typer(
-        help="Admin and join tokens: create (shown once), list, revoke. Rotate by creating a new "
-        "token, moving its users over, then revoking the old one.",
-        no_args_is_help=True,
-    )
-    app.add_typer(tokens, name="tokens")
-
-    @tokens.command("create")
-    def tokens_create(
-        kind: Annotated[str, typer.Argument(help="admin or join.")],
-        expires: Annotated[
-            str | None,
-            typer.Option(help="Refuse the token after this long, e.g. 30m, 24h, 7d (default: never)."),
-        ] = None,
-        out: Annotated[
-            Path | None,
-            typer.Option("--out", help="Write the token to this file (0600) instead of showing it."),
-        ] = None,
-        server: ServerOpt = None,
-        token: TokenOpt = None,
-        output: FormatOpt = Format.TABLE,
-    ) -> None:
-        """Create an admin or join token; it is shown (or written to --out) this once."""
-        from fleetserve.secretfile import write_secret
-
-        if kind not in ("admin", "join"):
-            raise typer.BadParameter("admin or join", param_hint="KIND")
-        try:
-            seconds = parse_duration(expires) if expires else None
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--expires") from None
-        console = Console(soft_wrap=True)
-        data = call(server, token, "POST", "/tokens", json={"kind": kind, "expiresIn": seconds})
-        until = f", expires {data['expiresAt']}" if data.get("expiresAt") else ""
-        if out is not None:
-            write_secret(out, data["token"] + "\n")
-            console.print(f"{kind} token {data['id']}{until}: written to {out} (0600)", markup=False)
-        elif output is Format.TABLE:
-            console.print(f"{kind} token {data['id']}{until}: {data['token']}", markup=False, highlight=False)
-            console.print("shown once; only its hash is stored.", markup=False)
-        else:
-            emit(data, output, console)
-
-    @tokens.command("list")
-    def tokens_list(
-        server: ServerOpt = None, token: TokenOpt = None, output: FormatOpt = Format.TABLE
-    ) -> None:
-        """List admin and join tokens (no secrets)."""
-        console = Console(soft_wrap=True)
-        data = call(server, token, "GET", "/tokens")
-        columns = (
-            ("id", lambda t: t["id"]), ("kind", lambda t: t["kind"]), ("created", lambda t: t["createdAt"]),
-            ("expires", lambda t: t["expiresAt"] or "never"), ("revoked", lambda t: t["revoked"]),
-            ("valid", lambda t: t["valid"]),
-        )  # fmt: skip
-        emit(data, output, console, columns)
-
-    @tokens.command("revoke")
-    def tokens_revoke(
-        token_id: Annotated[int, typer.Argument(help="The token's id (see `fleetserve tokens list`).")],
-        server: ServerOpt = None,
-        token: TokenOpt = None,
-    ) -> None:
-        """Revoke an admin or join token at once. Nodes enrolled with a revoked join token keep
-        their own credentials; the last valid admin token cannot be revoked."""
-        call(server, token, "DELETE", f"/tokens/{token_id}")
-        Console().print(f"token {token_id} revoked")
-
-    nodes = typer.Typer(help="Node enrolment: approve a name, list what waits.", no_args_is_help=True)
-    app.add_typer(nodes, name="nodes")
-
-    @nodes.command("approve")
-    def nodes_approve(
-        name: Annotated[str, typer.Argument(help="The node's name.")],
-        server: ServerOpt = None,
-        token: TokenOpt = None,
-    ) -> None:
-        """Let the next join-token enrolment under NAME through: a new name, or a name enrolled
-        already (the new enrolment's credential then replaces the old one)."""
-        data = call(server, token, "POST", f"/nodes/{name}/approve")
-        what = "re-enrolment" if data["enrolled"] else "enrolment"
-        Console().print(f"node/{name}: the next {what} is approved", markup=False)
-
-    @nodes.command("enrolments")
-    def nodes_enrolments(
-        server: ServerOpt = None, token: TokenOpt = None, output: FormatOpt = Format.TABLE
-    ) -> None:
-        """Every node name with a credential, an approval, or an enrolment request waiting."""
-        console = Console(soft_wrap=True)
-        data = call(server, token, "GET", "/enrolments")
-        columns = (
-            ("node", lambda e: e["node"]), ("enrolled", lambda e: e["enrolled"]),
-            ("approved", lambda e: e["approved"]), ("requested", lambda e: e["requestedAt"] or ""),
-            ("from", lambda e: e["requestedFrom"] or ""),
-        )  # fmt: skip
-        emit(data, output, console, columns)
+    rollout.register(app)
+    credentials.register(app)
 
 
 def parse_duration(text: str) -> float:

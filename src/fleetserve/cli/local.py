@@ -28,6 +28,8 @@ import httpx
 import yaml
 from rich.console import Console
 
+from fleetserve.adminapi.credentials import CreatedKey, EnrolmentView
+from fleetserve.adminapi.fleet import NodeView, ReplicaView
 from fleetserve.agent.credential import CredentialFile
 from fleetserve.cli.views import waiting_enrolments
 from fleetserve.dev.tinymodel import write_tiny_model
@@ -35,7 +37,7 @@ from fleetserve.errors import FleetserveError
 from fleetserve.process import die_with_parent
 from fleetserve.secretfile import private_dir, write_secret
 from fleetserve.sources import LocalSource, parse_source
-from fleetserve.spec.resources import Model, ModelFormat
+from fleetserve.spec.resources import Model, ModelFormat, Replica, ReplicaState
 
 TINY_DEPLOYMENT = "tiny"
 
@@ -258,9 +260,7 @@ def _up(
         )
         with admin:
             node = _await_agent(admin, token_file, agent_started, console, procs, logs, ready_timeout)
-            console.print(
-                f"agent   node {node['name']}: {node['cpu']['cores']} cores registered", markup=False
-            )
+            console.print(f"agent   node {node.name}: {node.cpu.cores} cores registered", markup=False)
             if model is not None:
                 _serve(admin, data_dir, console, procs, logs, ready_timeout, served)
         console.print("Ctrl-C stops everything.")
@@ -293,19 +293,20 @@ def _await_agent(
     procs: list[subprocess.Popen[bytes]],
     logs: list[Path],
     patience: float,
-) -> dict[str, Any]:
+) -> NodeView:
     """The node this run's agent registered and reported (since ``since``): a node the state store
     kept from an earlier run is not it. While the agent's enrolment waits for an operator's
     approval, say so once, with the command that approves it, and wait up to ``patience``."""
     told: set[str] = set()
     server = str(admin.base_url).rstrip("/")
 
-    def registered() -> dict[str, Any] | None:
-        for node in admin.get("/api/v1/nodes").json():
-            reported = node["status"]["agent"].get("reportedAt")
+    def registered() -> NodeView | None:
+        for node in (NodeView.model_validate(n) for n in admin.get("/api/v1/nodes").json()):
+            reported = node.status.agent.reported_at
             if reported and datetime.fromisoformat(reported) >= since:
-                return dict(node)
-        for name in waiting_enrolments(admin.get("/api/v1/enrolments").json(), since):
+                return node
+        enrolments = [EnrolmentView.model_validate(e) for e in admin.get("/api/v1/enrolments").json()]
+        for name in waiting_enrolments(enrolments, since):
             if name not in told:
                 told.add(name)
                 console.print(
@@ -319,11 +320,13 @@ def _await_agent(
         return None
 
     try:
-        return dict(_wait("registering this machine", registered, 60, procs, logs))
+        node: NodeView = _wait("registering this machine", registered, 60, procs, logs)
+        return node
     except UpError:
         if not told:
             raise
-    return dict(_wait("an operator's approval of this machine", registered, patience, procs, logs))
+    approved: NodeView = _wait("an operator's approval of this machine", registered, patience, procs, logs)
+    return approved
 
 
 def _agent_model_dirs(served: Model | None, data_dir: Path) -> list[str]:
@@ -364,24 +367,24 @@ def _serve(
         f"model   {shown} deployed with llama.cpp on the CPU; waiting for the engine…", markup=False
     )
 
-    def running() -> dict[str, Any] | None:
-        for replica in admin.get("/api/v1/replicas", params={"deployment": name}).json():
-            status = admin.get(f"/api/v1/replicas/{replica['name']}").json()
-            if status["state"] == "Running" and status["status"].get("port"):
-                return dict(status)
-            if status["state"] in ("Failed", "CrashLoop"):
-                raise UpError(f"replica {replica['name']} is {status['state']}: {status['status']}")
+    def running() -> ReplicaView | None:
+        for listed in admin.get("/api/v1/replicas", params={"deployment": name}).json():
+            replica = Replica.model_validate(listed)
+            status = ReplicaView.model_validate(admin.get(f"/api/v1/replicas/{replica.name}").json())
+            if status.state is ReplicaState.RUNNING and status.status.port:
+                return status
+            if status.state in (ReplicaState.FAILED, ReplicaState.CRASH_LOOP):
+                raise UpError(f"replica {replica.name} is {status.state}: {status.status.stored()}")
         return None
 
-    replica = _wait("starting llama-server", running, ready_timeout, procs, logs)
+    replica: ReplicaView = _wait("starting llama-server", running, ready_timeout, procs, logs)
     console.print(
-        f"ready   replica {replica['name']} (llama-server on 127.0.0.1:{replica['status']['port']})",
-        markup=False,
+        f"ready   replica {replica.name} (llama-server on 127.0.0.1:{replica.status.port})", markup=False
     )
     created = admin.post("/api/v1/keys", json={"name": "quickstart", "models": ["*"]})
     if created.status_code != 200:
         raise UpError(f"creating an API key failed: {created.text}")
-    key = created.json()["key"]
+    key = CreatedKey.model_validate(created.json()).key
     key_file = write_secret(data_dir / "api-key", key + "\n")
     gateway = f"{admin.base_url}/v1/chat/completions".replace("//v1", "/v1")
     # One real request through the gateway, so the quickstart ends with an answer, not a promise.

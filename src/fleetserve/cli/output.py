@@ -9,6 +9,7 @@ from typing import Any
 
 import typer
 import yaml
+from pydantic import BaseModel
 from rich.console import Console
 from rich.table import Table
 
@@ -24,7 +25,18 @@ class Format(StrEnum):
     YAML = "yaml"
 
 
-Column = tuple[str, Callable[[dict[str, Any]], Any]]
+# A table column: its header and what a row (an answer's model, or plain data) shows in it.
+Column = tuple[str, Callable[[Any], Any]]
+
+
+def plain(data: Any) -> Any:
+    """``data`` as JSON-ready values: an answer read as a model (``adminapi``) as the JSON it was
+    read from (the fields the server sent), lists item by item, anything else as it is."""
+    if isinstance(data, BaseModel):
+        return data.model_dump(mode="json", by_alias=True, exclude_unset=True)
+    if isinstance(data, list):
+        return [plain(item) for item in data]
+    return data
 
 
 def _cell(value: Any) -> str:
@@ -36,16 +48,13 @@ def _cell(value: Any) -> str:
 
 
 def emit(data: Any, fmt: Format, console: Console, columns: Sequence[Column] = ()) -> None:
-    """Print ``data`` (a dict or a list of dicts) in the chosen format."""
+    """Print ``data`` (a model or a dict, or a list of them) in the chosen format."""
     if fmt is Format.JSON:
-        console.print_json(json.dumps(data))
-        return
-    if fmt is Format.YAML:
-        console.print(yaml.safe_dump(data, sort_keys=False).rstrip(), markup=False, highlight=False)
+        console.print_json(json.dumps(plain(data)))
         return
     rows = data if isinstance(data, list) else [data]
-    if not columns:
-        console.print(yaml.safe_dump(data, sort_keys=False).rstrip(), markup=False, highlight=False)
+    if fmt is Format.YAML or not columns:
+        console.print(yaml.safe_dump(plain(data), sort_keys=False).rstrip(), markup=False, highlight=False)
         return
     if not console.is_terminal:
         # Piped output: one row per line rather than cells wrapped at 80 columns.

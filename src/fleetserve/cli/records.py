@@ -12,7 +12,8 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from fleetserve.cli.admin import FormatOpt, ServerOpt, TokenOpt, call, parse_duration
+from fleetserve.adminapi.records import EventView
+from fleetserve.cli.admin import FormatOpt, ServerOpt, TokenOpt, call, call_all, parse_duration
 from fleetserve.cli.output import Column, Format, emit
 
 
@@ -132,11 +133,11 @@ def register(app: typer.Typer) -> None:
         params: dict[str, Any] = {"since": start, "limit": limit}
         if action is not None:
             params["action"] = action
-        data = call(server, token, "GET", "/events", params=params)
+        data = call_all(EventView, server, token, "GET", "/events", params=params)
         columns: tuple[Column, ...] = (
-            ("at", lambda e: e["at"]), ("actor", lambda e: e["actor"]), ("action", lambda e: e["action"]),
-            ("target", lambda e: e["target"]), ("source", lambda e: e["source"]),
-            ("detail", lambda e: json.dumps(e["detail"], separators=(",", ":")) if e["detail"] else ""),
+            ("at", lambda e: e.at.isoformat()), ("actor", lambda e: e.actor), ("action", lambda e: e.action),
+            ("target", lambda e: e.target), ("source", lambda e: e.source),
+            ("detail", lambda e: json.dumps(e.detail, separators=(",", ":")) if e.detail else ""),
         )  # fmt: skip
         if output is Format.TABLE and not data:
             console.print("no events", markup=False)

@@ -1,4 +1,5 @@
-"""How the admin CLI shows API objects: kinds, table columns, decisions; reading YAML to apply."""
+"""How the admin CLI shows the admin API's answers (``adminapi``'s models): kinds, the model each
+kind is read as, table columns, rollout progress, decisions; reading YAML to apply."""
 
 from __future__ import annotations
 
@@ -10,11 +11,16 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
 from rich.console import Console
 
+from fleetserve.adminapi.credentials import EnrolmentView
+from fleetserve.adminapi.fleet import DeploymentDetail, DeploymentView, Explanation, NodeView, ReplicaView
 from fleetserve.cli.output import Column, Format, emit
 from fleetserve.conditions import ConditionType
 from fleetserve.errors import ConfigError, Problem
+from fleetserve.protocol import AgentStatus
+from fleetserve.spec.resources import DeviceClass, Fabric, Model, Replica, Shard
 from fleetserve.units import format_bytes
 
 
@@ -52,88 +58,106 @@ def parse_kind(text: str) -> Kind:
         raise ValueError(f"unknown kind {text!r}; valid kinds: {valid}") from None
 
 
-def _devices(node: dict[str, Any]) -> str:
+def _devices(node: NodeView) -> str:
     counts: dict[str, int] = {}
-    for device in node.get("devices", []):
-        counts[device["class"]] = counts.get(device["class"], 0) + 1
+    for device in node.devices:
+        counts[device.device_class] = counts.get(device.device_class, 0) + 1
     return ", ".join(f"{n}x {c}" for c, n in counts.items()) or "-"
 
 
-def downloads(node: dict[str, Any]) -> str:
-    """The node's models in its agent's cache: ready ones counted, downloads with their progress,
-    failed ones with the start of their error (``describe node`` shows it whole)."""
-    items = node.get("status", {}).get("agent", {}).get("downloads", [])
-    ready = sum(1 for d in items if d.get("state") == "ready")
+def downloads(agent: AgentStatus) -> str:
+    """A node's models in its agent's cache (``node.status.agent``): ready ones counted, downloads
+    with their progress, failed ones with the start of their error (``describe node`` shows it
+    whole)."""
+    items = agent.downloads
+    ready = sum(1 for d in items if d.state == "ready")
     parts = [f"{ready} ready"] if ready else []
     for item in items:
-        state, done, total = item.get("state"), int(item.get("done", 0)), item.get("total")
-        if state == "downloading":
-            of = f"/{format_bytes(int(total))} {100 * done / total:.0f}%" if total else ""
-            parts.append(
-                f"{item['model']} {format_bytes(done)}{of} at {format_bytes(int(item.get('rate', 0)))}/s"
-            )
-        elif state == "failed":
-            error = (item.get("error") or "").replace("\n", " ")
-            parts.append(f"{item['model']} failed: {error[:80]}{'…' if len(error) > 80 else ''}")
+        if item.state == "downloading":
+            total = item.total
+            of = f"/{format_bytes(total)} {100 * item.done / total:.0f}%" if total else ""
+            parts.append(f"{item.model} {format_bytes(item.done)}{of} at {format_bytes(int(item.rate))}/s")
+        elif item.state == "failed":
+            error = (item.error or "").replace("\n", " ")
+            parts.append(f"{item.model} failed: {error[:80]}{'…' if len(error) > 80 else ''}")
     return "; ".join(parts) or "-"
 
 
-def _accepted(dep: dict[str, Any]) -> str:
-    for cond in dep.get("status", {}).get("conditions", []):
-        if cond["type"] == ConditionType.ACCEPTED:
-            return "True" if cond["status"] else f"False ({cond['reason']})"
-    return "?"
+def _accepted(dep: DeploymentView) -> str:
+    cond = dep.status.condition(ConditionType.ACCEPTED)
+    if cond is None:
+        return "?"
+    return "True" if cond.status else f"False ({cond.reason})"
 
 
-def _shards(replica: dict[str, Any]) -> str:
-    parts = []
-    for shard in replica.get("shards", []):
-        devices = shard.get("devices") or []
-        parts.append(
-            f"{shard['node']}[{','.join(map(str, devices))}]" if devices else f"{shard['node']} (cpu)"
-        )
-    return " + ".join(parts)
+def _shards(shards: Sequence[Shard]) -> str:
+    return " + ".join(
+        f"{shard.node}[{','.join(map(str, shard.devices))}]" if shard.devices else f"{shard.node} (cpu)"
+        for shard in shards
+    )
 
 
 COLUMNS: dict[Kind, Sequence[Column]] = {
     Kind.NODES: (
-        ("name", lambda n: n["name"]),
-        ("state", lambda n: n["state"]),
-        ("cordon", lambda n: (n.get("cordon") or {}).get("reason", "")),
+        ("name", lambda n: n.name),
+        ("state", lambda n: n.state),
+        ("cordon", lambda n: n.cordon.reason if n.cordon else ""),
         ("devices", _devices),
-        ("cpu", lambda n: f"{n['cpu']['cores']}c/{format_bytes(n['cpu']['memory'])}"),
-        ("epoch", lambda n: n["status"]["epoch"]),
-        ("heartbeat", lambda n: n["status"]["lastHeartbeat"] or "no agent"),
-        ("replicas", lambda n: n["status"]["replicas"]),
-        ("models", downloads),
+        ("cpu", lambda n: f"{n.cpu.cores}c/{format_bytes(n.cpu.memory)}"),
+        ("epoch", lambda n: n.status.epoch),
+        (
+            "heartbeat",
+            lambda n: n.status.last_heartbeat.isoformat() if n.status.last_heartbeat else "no agent",
+        ),
+        ("replicas", lambda n: n.status.replicas),
+        ("models", lambda n: downloads(n.status.agent)),
     ),
     Kind.CLASSES: (
-        ("name", lambda c: c["name"]),
-        ("driver", lambda c: c["driver"]),
-        ("memory", lambda c: format_bytes(c["memory"])),
+        ("name", lambda c: c.name),
+        ("driver", lambda c: c.driver),
+        ("memory", lambda c: format_bytes(c.memory)),
     ),
-    Kind.FABRICS: (("name", lambda f: f["name"]), ("type", lambda f: f["type"])),
+    Kind.FABRICS: (("name", lambda f: f.name), ("type", lambda f: f.type)),
     Kind.MODELS: (
-        ("name", lambda m: m["name"]),
-        ("format", lambda m: m["format"]),
-        ("size", lambda m: format_bytes(m["size"]) if m.get("size") else ""),
-        ("source", lambda m: m.get("source", "")),
+        ("name", lambda m: m.name),
+        ("format", lambda m: m.format),
+        ("size", lambda m: format_bytes(m.size) if m.size else ""),
+        ("source", lambda m: m.source),
     ),
     Kind.DEPLOYMENTS: (
-        ("name", lambda d: d["name"]),
-        ("model", lambda d: d["model"]),
-        ("desired", lambda d: d.get("status", {}).get("desiredReplicas", "")),
-        ("replicas", lambda d: len(d.get("status", {}).get("replicas", []))),
+        ("name", lambda d: d.name),
+        ("model", lambda d: d.model),
+        (
+            "desired",
+            lambda d: d.status.desired_replicas if "desired_replicas" in d.status.model_fields_set else "",
+        ),
+        ("replicas", lambda d: len(d.status.replicas)),
         ("accepted", _accepted),
-        ("generation", lambda d: d["generation"]),
+        ("generation", lambda d: d.generation),
     ),
     Kind.REPLICAS: (
-        ("name", lambda r: r["name"]),
-        ("deployment", lambda r: r["deployment"]),
-        ("profile", lambda r: r["profile"]),
-        ("state", lambda r: r["state"]),
-        ("placement", _shards),
+        ("name", lambda r: r.name),
+        ("deployment", lambda r: r.deployment),
+        ("profile", lambda r: r.profile),
+        ("state", lambda r: r.state),
+        ("placement", lambda r: _shards(r.shards)),
     ),
+}
+
+# What ``GET /KIND`` answers, one object of it: as the CLI reads it.
+VIEWS: dict[Kind, type[BaseModel]] = {
+    Kind.NODES: NodeView,
+    Kind.CLASSES: DeviceClass,
+    Kind.FABRICS: Fabric,
+    Kind.MODELS: Model,
+    Kind.DEPLOYMENTS: DeploymentView,
+    Kind.REPLICAS: Replica,
+}
+# ``GET /KIND/NAME`` where it says more than the list does.
+DETAILS: dict[Kind, type[BaseModel]] = {
+    **VIEWS,
+    Kind.DEPLOYMENTS: DeploymentDetail,
+    Kind.REPLICAS: ReplicaView,
 }
 
 
@@ -166,91 +190,81 @@ def read_documents(paths: Sequence[Path]) -> list[dict[str, Any]]:
     return docs
 
 
-def rollout_line(data: dict[str, Any]) -> tuple[str, bool]:
+def rollout_line(data: DeploymentDetail) -> tuple[str, bool]:
     """One line of a deployment's rollout progress (from ``GET /deployments/NAME``), and whether
     the rollout is complete: the reconciler saw this generation and every replica runs its
     current revision."""
-    name, status = data["name"], data.get("status", {})
-    progress = status.get("rollout") or {}
-    seen = status.get("observedGeneration") == data.get("generation")
-    current = progress.get("revision") == data.get("revision")
+    name, status = data.name, data.status
+    progress = status.rollout
+    seen = status.observed_generation == data.generation
+    current = progress.revision == data.revision
     if not (seen and current):
-        return (
-            f"deployment/{name}: waiting for the reconciler to see generation {data.get('generation')}",
-            False,
-        )
+        return (f"deployment/{name}: waiting for the reconciler to see generation {data.generation}", False)
     failure = next(
-        (
-            c
-            for c in status.get("conditions", [])
-            if c["type"] == ConditionType.REPLICA_FAILURE and c["status"]
-        ),
-        None,
+        (c for c in status.conditions if c.type == ConditionType.REPLICA_FAILURE and c.status), None
     )
     counts = (
-        f"{progress['updated']}/{progress['desired']} updated, {progress['ready']} ready, "
-        f"{progress['old']} old, {progress['draining']} draining"
+        f"{progress.updated}/{progress.desired} updated, {progress.ready} ready, "
+        f"{progress.old} old, {progress.draining} draining"
     )
-    if progress.get("complete") and not progress.get("draining"):
-        return f"deployment/{name} rolled out: revision {progress['revision']}, {counts}", True
-    extra = f" ({failure['message']})" if failure else ""
-    return f"deployment/{name}: rolling out revision {progress['revision']}: {counts}{extra}", False
+    if progress.complete and not progress.draining:
+        return f"deployment/{name} rolled out: revision {progress.revision}, {counts}", True
+    extra = f" ({failure.message})" if failure else ""
+    return f"deployment/{name}: rolling out revision {progress.revision}: {counts}{extra}", False
 
 
-def print_decision(data: dict[str, Any], console: Console) -> None:
-    """A stored decision (``DeploymentDecision.to_dict``) as the same lines ``plan`` prints."""
-    decision = data.get("decision")
-    status = data.get("status") or {}
-    console.print(f"[bold]deployment {data['deployment']}[/]  generation {data.get('generation')}")
-    for cond in status.get("conditions", []):
-        console.print(
-            f"  {cond['type']}={cond['status']} {cond['reason']}: {cond.get('message', '')}", markup=False
-        )
+def print_decision(data: Explanation, console: Console) -> None:
+    """A stored decision (``DeploymentDecision.to_record``) as the same lines ``plan`` prints."""
+    decision = data.decision
+    console.print(f"[bold]deployment {data.deployment}[/]  generation {data.generation}")
+    for cond in data.status.conditions:
+        console.print(f"  {cond.type}={cond.status} {cond.reason}: {cond.message}", markup=False)
     if decision is None:
         console.print("  no decision recorded yet: the reconciler has not run for it")
         return
-    console.print(f"  decided at {data.get('decidedAt')}", markup=False)
-    for key, label in (
-        ("kept", "kept"),
-        ("lost", "on lost nodes, replaced"),
-        ("surplus", "surplus, stopped"),
+    decided = data.decided_at.isoformat() if data.decided_at else None
+    console.print(f"  decided at {decided}", markup=False)
+    for names, label in (
+        (decision.kept, "kept"),
+        (decision.lost, "on lost nodes, replaced"),
+        (decision.surplus, "surplus, stopped"),
     ):
-        if decision.get(key):
-            console.print(f"  {label}: {', '.join(decision[key])}", markup=False)
-    for placed in decision.get("placed", []):
-        console.print(f"  {placed['replica']}  profile {placed['profile']}  {_shards(placed)}", markup=False)
-        for report in placed.get("skipped", []):
-            console.print(f"      first tried {report['message']}", markup=False)
-    unplaced_list = decision.get("unplaced", [])
-    for unplaced in unplaced_list:
-        console.print(f"  [red]{unplaced['replica']} unschedulable[/]")
-        for report in unplaced.get("reports", []):
-            console.print(f"      {report['message']}", markup=False)
-    more = decision.get("unplacedTotal", len(unplaced_list)) - len(unplaced_list)
-    if more > 0:
-        shown = len(unplaced_list)
-        console.print(f"  [red]… and {more} more unschedulable[/] (the record explains the first {shown})")
+        if names:
+            console.print(f"  {label}: {', '.join(names)}", markup=False)
+    for placed in decision.placed:
+        console.print(f"  {placed.replica}  profile {placed.profile}  {_shards(placed.shards)}", markup=False)
+        for report in placed.skipped:
+            console.print(f"      first tried {report.message}", markup=False)
+    for unplaced in decision.unplaced:
+        console.print(f"  [red]{unplaced.replica} unschedulable[/]")
+        for report in unplaced.reports:
+            console.print(f"      {report.message}", markup=False)
+    shown = len(decision.unplaced)
+    total = decision.unplaced_total if decision.unplaced_total is not None else shown
+    if total > shown:
+        console.print(
+            f"  [red]… and {total - shown} more unschedulable[/] (the record explains the first {shown})"
+        )
 
 
-def waiting_enrolments(enrolments: list[dict[str, Any]], since: datetime | None = None) -> list[str]:
+def waiting_enrolments(enrolments: list[EnrolmentView], since: datetime | None = None) -> list[str]:
     """The names whose latest join-token enrolment (at or after ``since``) waits for an operator's
     approval, from the admin API's ``/api/v1/enrolments``."""
     return [
-        e["node"]
+        e.node
         for e in enrolments
-        if e.get("requestedAt")
-        and not e.get("approved")
-        and (since is None or datetime.fromisoformat(e["requestedAt"]) >= since)
+        if e.requested_at is not None and not e.approved and (since is None or e.requested_at >= since)
     ]
 
 
-def print_waiting_enrolments(enrolments: list[dict[str, Any]], console: Console) -> None:
+def print_waiting_enrolments(enrolments: list[EnrolmentView], console: Console) -> None:
     """Below ``get nodes``: each enrolment that waits for an operator, and the command that approves it."""
-    by_name = {e["node"]: e for e in enrolments}
+    by_name = {e.node: e for e in enrolments}
     for name in waiting_enrolments(enrolments):
         e = by_name[name]
+        when = e.requested_at.isoformat() if e.requested_at is not None else "?"
         console.print(
-            f"node {name}: an enrolment from {e.get('requestedFrom') or '?'} at {e['requestedAt']} waits "
+            f"node {name}: an enrolment from {e.requested_from or '?'} at {when} waits "
             f"for approval: fleetserve nodes approve {name}",
             markup=False,
         )

@@ -4,11 +4,8 @@ and the placement decisions recorded for them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from types import MappingProxyType
-from typing import Any
 
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
@@ -20,6 +17,7 @@ from fleetserve.spec.resources import (
     Deployment,
     Model,
 )
+from fleetserve.spec.status import DecisionRecord, DeploymentStatus
 from fleetserve.store.base import SqlBase, doc
 from fleetserve.store.tables import (
     DecisionRow,
@@ -35,7 +33,7 @@ class StoredDeployment:
 
     deployment: Deployment
     generation: int
-    status: Mapping[str, Any]
+    status: DeploymentStatus
     # The spec before the last change (what ``rollout undo`` applies again); None before any.
     previous: Deployment | None = None
 
@@ -47,13 +45,16 @@ class Decision:
     id: int
     deployment: str
     created_at: datetime
-    explanation: Mapping[str, Any]
+    explanation: DecisionRecord
 
 
 def _stored_deployment(row: DeploymentRow) -> StoredDeployment:
     previous = Deployment.model_validate(row.previous_spec) if row.previous_spec else None
     return StoredDeployment(
-        Deployment.model_validate(row.spec), row.generation, MappingProxyType(dict(row.status)), previous
+        Deployment.model_validate(row.spec),
+        row.generation,
+        DeploymentStatus.model_validate(row.status or {}),
+        previous,
     )
 
 
@@ -128,11 +129,11 @@ class SqlDeployments(SqlBase):
             out = [_stored_deployment(r) for r in s.scalars(select(DeploymentRow))]
         return sorted(out, key=lambda d: d.deployment.name)
 
-    def set_deployment_status(self, name: str, status: Mapping[str, Any]) -> None:
-        """Replace a deployment's status (JSON-serialisable); raises NotFound."""
+    def set_deployment_status(self, name: str, status: DeploymentStatus) -> None:
+        """Replace a deployment's status (kept as ``status.stored()``); raises NotFound."""
         with self._write(f"setting the status of deployment {name}") as s:
             result = s.connection().execute(
-                update(DeploymentRow).where(DeploymentRow.name == name).values(status=dict(status))
+                update(DeploymentRow).where(DeploymentRow.name == name).values(status=status.stored())
             )
             if result.rowcount == 0:
                 raise NotFound(f"no deployment named {name!r} is stored")
@@ -143,11 +144,11 @@ class SqlDeployments(SqlBase):
         with self._write(f"deleting deployment {name}") as s:
             self._delete(s, DeploymentRow, name, "deployment")
 
-    def record_decision(self, deployment: str, explanation: Mapping[str, Any], now: datetime) -> int:
-        """Keep a placement decision or explanation (JSON-serialisable); its id."""
+    def record_decision(self, deployment: str, explanation: DecisionRecord, now: datetime) -> int:
+        """Keep a placement decision (as ``explanation.stored()``); its id."""
         when = stamp(now)
         with self._write(f"recording a decision for {deployment}") as s:
-            row = DecisionRow(deployment=deployment, created_at=when, explanation=dict(explanation))
+            row = DecisionRow(deployment=deployment, created_at=when, explanation=explanation.stored())
             s.add(row)
             s.flush()
             return row.id
@@ -160,7 +161,10 @@ class SqlDeployments(SqlBase):
         if deployment is not None:
             query = query.where(DecisionRow.deployment == deployment)
         with self._read("listing decisions") as s:
-            return [Decision(r.id, r.deployment, r.created_at, r.explanation) for r in s.scalars(query)]
+            return [
+                Decision(r.id, r.deployment, r.created_at, DecisionRecord.model_validate(r.explanation))
+                for r in s.scalars(query)
+            ]
 
     def prune_decisions(self, before: datetime) -> int:
         """Forget decisions recorded before ``before``; how many."""

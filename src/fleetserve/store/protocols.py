@@ -24,14 +24,15 @@ the observer both read routes); each is small enough to fake in a few lines.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from fleetserve.inventory.base import Inventory
 from fleetserve.protocol import AgentStatus
 from fleetserve.routing import ReplicaEndpoint
 from fleetserve.spec.resources import Model
+from fleetserve.spec.status import DecisionRecord, DeploymentStatus
 from fleetserve.store.audit import AuditEntry
 from fleetserve.store.credentials import ApiKey, IssuedToken, TokenKind, TokenRecord
 from fleetserve.store.deployments import StoredDeployment
@@ -108,9 +109,9 @@ class Deployments(Protocol):
 
     def list_models(self) -> list[Model]: ...
 
-    def set_deployment_status(self, name: str, status: Mapping[str, Any]) -> None: ...
+    def set_deployment_status(self, name: str, status: DeploymentStatus) -> None: ...
 
-    def record_decision(self, deployment: str, explanation: Mapping[str, Any], now: datetime) -> int: ...
+    def record_decision(self, deployment: str, explanation: DecisionRecord, now: datetime) -> int: ...
 
 
 class Heartbeats(Protocol):

@@ -28,6 +28,7 @@ from fleetserve.server.reconciler.loop import LEASE, CyclePhase, CycleResult, Re
 from fleetserve.snapshot import ClusterSnapshot
 from fleetserve.spec.policies import ReplicaRange
 from fleetserve.spec.resources import Deployment, DeviceClass, Fabric, Node, NodeState, Replica, ReplicaState
+from fleetserve.spec.status import DecisionRecord, DeploymentStatus
 from fleetserve.store import SqlStore
 
 T0 = datetime(2025, 6, 1, 12, 0, tzinfo=UTC)
@@ -688,7 +689,7 @@ class CountingStatusStore(SqlStore):
 
     writes = 0
 
-    def set_deployment_status(self, name: str, status: Mapping[str, Any]) -> None:
+    def set_deployment_status(self, name: str, status: DeploymentStatus) -> None:
         self.writes += 1
         super().set_deployment_status(name, status)
 
@@ -780,7 +781,7 @@ def test_a_quiet_fleet_is_not_read_again_until_something_changes(store: SqlStore
     for _ in range(4):  # heartbeats, statuses and decisions move nothing a plan reads
         clock.advance(5)
         counting.heartbeat("gpu-a", clock.now())
-        counting.record_decision("chat", {"why": "a test"}, clock.now())
+        counting.record_decision("chat", DecisionRecord.model_validate({"why": "a test"}), clock.now())
         cycle = loop.run_once()
         assert cycle.quiet and cycle.leader and cycle.phases == {}
     assert counting.snapshots == 1 + full

@@ -6,15 +6,15 @@ that ``Reconciler`` needs nothing but ``ReconcilerStore``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 from builders import deployment, gpu_host_32c_256g, safetensors_8gb
 from fleetserve.inventory.memory import InMemoryInventory
 from fleetserve.reconcile.health import HeartbeatPolicy
 from fleetserve.server.reconciler.loop import Reconciler
 from fleetserve.spec.resources import DeviceClass, Model, NodeState, ReplicaState
+from fleetserve.spec.status import DecisionRecord, DeploymentStatus
 from fleetserve.store.deployments import StoredDeployment
 from fleetserve.store.protocols import ReconcilerStore
 from fleetserve.store.reports import NodeHeartbeat
@@ -31,8 +31,8 @@ class FakeStore(InMemoryInventory):
         super().__init__()
         self.deployments: dict[str, StoredDeployment] = {}
         self.models: list[Model] = []
-        self.statuses: dict[str, Mapping[str, Any]] = {}
-        self.decisions: list[tuple[str, Mapping[str, Any]]] = []
+        self.statuses: dict[str, DeploymentStatus] = {}
+        self.decisions: list[tuple[str, DecisionRecord]] = []
         self.heard: dict[str, datetime] = {}
         self.lease_holder: str | None = None
         self.changes = 0
@@ -43,10 +43,10 @@ class FakeStore(InMemoryInventory):
     def list_models(self) -> list[Model]:
         return list(self.models)
 
-    def set_deployment_status(self, name: str, status: Mapping[str, Any]) -> None:
-        self.statuses[name] = dict(status)
+    def set_deployment_status(self, name: str, status: DeploymentStatus) -> None:
+        self.statuses[name] = status
 
-    def record_decision(self, deployment: str, explanation: Mapping[str, Any], now: datetime) -> int:
+    def record_decision(self, deployment: str, explanation: DecisionRecord, now: datetime) -> int:
         self.decisions.append((deployment, explanation))
         return len(self.decisions)
 
@@ -88,7 +88,7 @@ def fleet() -> FakeStore:
     store.heard["g1"] = T0
     store.models.append(MODEL)
     dep = deployment("chat", 2, {"name": "p", "engine": "vllm", "deviceClass": "h100"}, model="m")
-    store.deployments["chat"] = StoredDeployment(dep, 1, {})
+    store.deployments["chat"] = StoredDeployment(dep, 1, DeploymentStatus())
     return store
 
 

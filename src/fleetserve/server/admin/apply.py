@@ -1,5 +1,5 @@
-"""Applying documents to the control plane: check everything against the stored state first,
-then write all of it in one transaction, so a bad batch changes nothing.
+"""Applying documents to the control plane (``POST /api/v1/apply``): check everything against the
+stored state first, then write all of it in one transaction, so a bad batch changes nothing.
 """
 
 from __future__ import annotations
@@ -8,14 +8,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
+from fleetserve.adminapi.fleet import AppliedDocument, ApplyRequest, ApplyResult
 from fleetserve.errors import ConfigError, Problem
 from fleetserve.fleet import check_documents
 from fleetserve.gguf_facts import model_facts
+from fleetserve.server.admin import audit
 from fleetserve.spec.cluster import Cluster
 from fleetserve.spec.loader import Documents, parse_document
 from fleetserve.spec.resources import Replica
+from fleetserve.store.audit import AuditAction
 from fleetserve.store.sql import SqlStore
 from fleetserve.validation import weights_problems
 
@@ -121,3 +125,24 @@ def apply_batch(raws: Sequence[Any], store: SqlStore) -> list[Applied]:
     docs = parse_batch(raws)
     check_batch(docs, store)
     return [Applied(*row) for row in store.apply_documents(docs)]
+
+
+def build_apply_router(store: SqlStore) -> APIRouter:
+    """``POST /apply``: a batch of documents, all or nothing, each recorded in the audit log."""
+    api = APIRouter()
+
+    @api.post("/apply", tags=["apply"], summary="Apply documents, all or nothing")
+    def apply(body: ApplyRequest, request: Request) -> ApplyResult:
+        applied = apply_batch(body.documents, store)
+        audit.record_all(
+            store,
+            (
+                audit.entry(request, AuditAction.APPLY, f"{a.kind}/{a.name}", {"result": a.result})
+                for a in applied
+            ),
+        )
+        return ApplyResult(
+            applied=[AppliedDocument(kind=a.kind, name=a.name, result=a.result) for a in applied]
+        )
+
+    return api

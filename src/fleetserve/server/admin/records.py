@@ -10,11 +10,20 @@ Times without a zone are taken as UTC.
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Query
 from fastapi.exceptions import RequestValidationError
 
+from fleetserve.adminapi.records import (
+    Counts,
+    EventView,
+    KeyTotal,
+    ModelTotal,
+    UsageReport,
+    UsageRow,
+    UsageTotals,
+)
 from fleetserve.server.auth import admin
 from fleetserve.server.params import NameQuery
 from fleetserve.store.audit import MAX_EVENTS, AuditAction, AuditEvent
@@ -68,18 +77,19 @@ def usage_window(
 
 
 def _counts(c: UsageCounts) -> dict[str, int]:
+    """The counts as ``Counts``' fields, to spread into a row or a total."""
     return {
-        "requests": c.requests, "errors": c.errors, "promptTokens": c.prompt_tokens,
-        "completionTokens": c.completion_tokens, "totalTokens": c.total_tokens,
+        "requests": c.requests, "errors": c.errors, "prompt_tokens": c.prompt_tokens,
+        "completion_tokens": c.completion_tokens, "total_tokens": c.total_tokens,
     }  # fmt: skip
 
 
-def event_view(e: AuditEvent) -> dict[str, Any]:
+def event_view(e: AuditEvent) -> EventView:
     """An audit event as the API shows it."""
-    return {
-        "id": e.id, "at": e.at.isoformat(), "actor": e.actor, "action": e.action, "target": e.target,
-        "detail": dict(e.detail), "source": e.source,
-    }  # fmt: skip
+    return EventView(
+        id=e.id, at=e.at, actor=e.actor, action=e.action, target=e.target, detail=dict(e.detail),
+        source=e.source,
+    )  # fmt: skip
 
 
 def build_records_router(store: SqlStore) -> APIRouter:
@@ -100,40 +110,40 @@ def build_records_router(store: SqlStore) -> APIRouter:
         model: NameQuery = None,
         step: Annotated[Step, Query(description="Sum per minute, hour or day.")] = Step.HOUR,
         limit: Annotated[int, Query(ge=1, le=MAX_USAGE_ROWS, description="At most this many rows.")] = 10_000,
-    ) -> dict[str, Any]:
+    ) -> UsageReport:
         start, end = usage_window(since, until, step, datetime.now(UTC))
         rows = store.usage(start, end, key_id=key, model=model, step=step, limit=limit)
         names = {k.id: k.name for k in store.list_api_keys()}
         per_key = store.usage_totals(start, end, "key", key_id=key, model=model)
         per_model = store.usage_totals(start, end, "model", key_id=key, model=model)
-        return {
-            "since": start.isoformat(),
-            "until": end.isoformat(),
-            "step": step.value,
-            "rows": [
-                {
-                    "start": r.start.isoformat(),
-                    "keyId": r.key_id,
-                    "key": names.get(r.key_id),
-                    "model": r.model,
+        return UsageReport(
+            since=start,
+            until=end,
+            step=step,
+            rows=[
+                UsageRow(
+                    start=r.start,
+                    key_id=r.key_id,
+                    key=names.get(r.key_id),
+                    model=r.model,
                     **_counts(r.counts),
-                }
+                )
                 for r in rows
             ],
-            "truncated": len(rows) == limit,
-            "totals": {
-                "keys": [{"keyId": k, "key": names.get(k), **_counts(c)} for k, c in sorted(per_key.items())],
-                "models": [{"model": m, **_counts(c)} for m, c in sorted(per_model.items())],
-                "all": _counts(sum(per_model.values(), UsageCounts())),
-            },
-        }
+            truncated=len(rows) == limit,
+            totals=UsageTotals(
+                keys=[KeyTotal(key_id=k, key=names.get(k), **_counts(c)) for k, c in sorted(per_key.items())],
+                models=[ModelTotal(model=m, **_counts(c)) for m, c in sorted(per_model.items())],
+                all=Counts(**_counts(sum(per_model.values(), UsageCounts()))),
+            ),
+        )
 
     @api.get("/events", tags=["events"], summary="The audit log of admin actions, newest first")
     def events(
         since: Annotated[datetime | None, Query(description="Only events at or after this time.")] = None,
         limit: Annotated[int, Query(ge=1, le=MAX_EVENTS, description="At most this many events.")] = 100,
         action: Annotated[AuditAction | None, Query(description="Only events of this action.")] = None,
-    ) -> list[dict[str, Any]]:
+    ) -> list[EventView]:
         start = _utc(since, "since") if since is not None else None
         return [event_view(e) for e in store.events(start, limit, action)]
 

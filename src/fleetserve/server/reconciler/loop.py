@@ -45,6 +45,14 @@ from fleetserve.reconcile.lifecycle import FailureHistory
 from fleetserve.server.reconciler.signals import SignalSource
 from fleetserve.snapshot import ClusterSnapshot
 from fleetserve.spec.resources import Deployment, Model, Replica, ReplicaState
+from fleetserve.spec.status import (
+    AutoscalerEntry,
+    DecisionRecord,
+    DeploymentStatus,
+    FailureStatus,
+    RolloutStatus,
+    StatusCondition,
+)
 from fleetserve.store.protocols import ReconcilerStore
 
 log = logging.getLogger("fleetserve.reconciler")
@@ -141,7 +149,7 @@ class _Quiet:
     deployments: tuple[Deployment, ...]
     replicas: tuple[Replica, ...]
     desired: dict[str, int]
-    statuses: dict[str, dict[str, Any]]
+    statuses: dict[str, DeploymentStatus]
 
 
 class Reconciler:
@@ -217,7 +225,7 @@ class Reconciler:
         snapshot = self.store.snapshot(self._model_facts(self.store.list_models()))
         deployments = [self._scale(d.deployment, snapshot.replicas) for d in stored]
         self._scaled.clear()
-        failures = {d.deployment.name: FailureHistory.from_status(d.status.get("failures")) for d in stored}
+        failures = {d.deployment.name: FailureHistory.from_status(d.status.failures.stored()) for d in stored}
         placing = time.perf_counter()
         result.phases[CyclePhase.SNAPSHOT] = placing - started
         plan = self._planner.plan(deployments, snapshot, now, failures)
@@ -237,34 +245,36 @@ class Reconciler:
         allocated = set(result.allocated)
         generations = {d.deployment.name: d.generation for d in stored}
         previous = {d.deployment.name: d.previous for d in stored}
-        stored_status = {d.deployment.name: dict(d.status) for d in stored}
-        statuses: dict[str, dict[str, Any]] = {}
+        stored_status = {d.deployment.name: d.status for d in stored}
+        statuses: dict[str, DeploymentStatus] = {}
         moved = False
         for decision in plan.decisions:
             conditions = decision.conditions_data()
             life = plan.lifecycles.get(decision.deployment)
             before = previous.get(decision.deployment)
-            status = {
-                "failures": life.failures.to_dict() if life is not None else {},
-                "rollout": life.progress.to_dict() if life is not None and life.progress else {},
-                "previousRevision": before.template_revision() if before is not None else None,
-                "autoscaler": list(self.scale_log.entries(decision.deployment)),
-                "observedGeneration": generations.get(decision.deployment),
-                "conditions": conditions,
-                "desiredReplicas": decision.desired,
-                "replicas": sorted(
+            status = DeploymentStatus(
+                failures=FailureStatus.model_validate(life.failures.to_dict() if life is not None else {}),
+                rollout=RolloutStatus.model_validate(
+                    life.progress.to_dict() if life is not None and life.progress else {}
+                ),
+                previous_revision=before.template_revision() if before is not None else None,
+                autoscaler=self._autoscaler_log(decision.deployment),
+                observed_generation=generations.get(decision.deployment),
+                conditions=[StatusCondition.model_validate(c) for c in conditions],
+                desired_replicas=decision.desired,
+                replicas=sorted(
                     [
                         *decision.kept,
                         *(p.replica.name for p in decision.placed if p.replica.name in allocated),
                     ]
                 ),
-                "unschedulable": len(decision.unplaced),
-            }
+                unschedulable=len(decision.unplaced),
+            )
             statuses[decision.deployment] = status
             # A steady cycle computes the status it read (thousands of replica names at a large
             # fleet): writing it again would only churn the database.
             read = stored_status.get(decision.deployment)
-            if status != read:
+            if read is None or status.stored() != read.stored():
                 # The autoscaler's log moves every cycle (repeats, last_at); anything else is news.
                 moved = moved or not _same_but_autoscaler(status, read)
                 try:
@@ -280,7 +290,8 @@ class Reconciler:
             last = self._last_recorded.get(decision.deployment)
             new_conditions = last is None or last["conditions"] != conditions
             if new_conditions or (acted and last != interesting):
-                self.store.record_decision(decision.deployment, decision.to_record(), now)
+                record = DecisionRecord.model_validate(decision.to_record())
+                self.store.record_decision(decision.deployment, record, now)
                 self._last_recorded[decision.deployment] = interesting
                 moved = True
         if not (moved or result.transitions or result.conflicts or plan.changes) and _settled(snapshot):
@@ -298,6 +309,10 @@ class Reconciler:
         result.desired = {d.name: d.desired_replicas for d in deployments}
         self._record(result)
         return result
+
+    def _autoscaler_log(self, deployment: str) -> list[AutoscalerEntry]:
+        """The autoscaler's log of a deployment, as its status keeps it."""
+        return [AutoscalerEntry.model_validate(e) for e in self.scale_log.entries(deployment)]
 
     def _record(self, result: CycleResult) -> None:
         if self.metrics is not None:
@@ -352,8 +367,8 @@ class Reconciler:
             status = quiet.statuses.get(name)
             if status is None:
                 continue
-            logged = {**status, "autoscaler": list(self.scale_log.entries(name))}
-            if logged != status:
+            logged = status.model_copy(update={"autoscaler": self._autoscaler_log(name)})
+            if logged.stored() != status.stored():
                 try:
                     self.store.set_deployment_status(name, logged)
                 except FleetserveError:
@@ -417,12 +432,12 @@ class Reconciler:
             log.warning("could not hand the reconciler lease over: %s", exc)
 
 
-def _same_but_autoscaler(status: dict[str, Any], other: dict[str, Any] | None) -> bool:
+def _same_but_autoscaler(status: DeploymentStatus, other: DeploymentStatus | None) -> bool:
     """Whether two statuses differ at most in the autoscaler's log."""
     if other is None:
         return False
-    return {k: v for k, v in status.items() if k != "autoscaler"} == {
-        k: v for k, v in other.items() if k != "autoscaler"
+    return {k: v for k, v in status.stored().items() if k != "autoscaler"} == {
+        k: v for k, v in other.stored().items() if k != "autoscaler"
     }
 
 

@@ -1,0 +1,61 @@
+"""The rollout commands: follow a deployment's rolling update (``rollout status``) or undo its last
+change (``rollout undo``), reading the admin API's answers as ``adminapi``'s models."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from fleetserve.adminapi.fleet import DeploymentDetail, UndoneDeployment
+from fleetserve.cli import views
+from fleetserve.cli.admin import ServerOpt, TokenOpt, call_as
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``rollout status`` and ``rollout undo`` to ``app``."""
+    rollout = typer.Typer(
+        help="Rolling updates of a deployment: follow one, or undo the last.", no_args_is_help=True
+    )
+    app.add_typer(rollout, name="rollout")
+
+    @rollout.command("status")
+    def rollout_status(
+        deployment: Annotated[str, typer.Argument(help="The deployment's name.")],
+        timeout: Annotated[
+            float, typer.Option(help="Give up (exit 1) after this many seconds.", min=0)
+        ] = 600.0,
+        watch: Annotated[bool, typer.Option(help="Wait until the rollout completes.")] = True,
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+    ) -> None:
+        """Print a deployment's rollout progress; wait until every replica runs its current revision."""
+        console = Console(soft_wrap=True)
+        deadline = time.monotonic() + timeout
+        last = ""
+        while True:
+            data = call_as(DeploymentDetail, server, token, "GET", f"/deployments/{deployment}")
+            line, done = views.rollout_line(data)
+            if line != last:
+                console.print(line, markup=False)
+                last = line
+            if done:
+                return
+            if not watch or time.monotonic() >= deadline:
+                raise typer.Exit(1)
+            time.sleep(1.0)
+
+    @rollout.command("undo")
+    def rollout_undo(
+        deployment: Annotated[str, typer.Argument(help="The deployment's name.")],
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+    ) -> None:
+        """Apply the deployment's previous spec again: a rollout back to its previous revision."""
+        data = call_as(UndoneDeployment, server, token, "POST", f"/deployments/{deployment}/undo")
+        Console(soft_wrap=True).print(
+            f"deployment/{deployment} rolled back to revision {data.revision} (generation {data.generation})",
+            markup=False,
+        )
