@@ -15,6 +15,8 @@ from e2e_support import AgentFactory, ServerFactory, short_deadline_args, wait_f
 from fleetserve.dev.tinymodel import write_tiny_model
 from hub.fake_hub import FakeHub
 
+pytestmark = pytest.mark.slow
+
 NODE = "hub-node"
 
 
