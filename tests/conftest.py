@@ -41,7 +41,8 @@ def uses_postgres(item: pytest.Item) -> bool:
     if POSTGRES_FIXTURES.intersection(getattr(item, "fixturenames", ())):
         return True
     callspec = getattr(item, "callspec", None)
-    return callspec is not None and POSTGRES_PARAM in callspec.params.values()
+    params = callspec.params.values() if callspec is not None else ()
+    return any(isinstance(value, str) and value == POSTGRES_PARAM for value in params)
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` selects by marker
