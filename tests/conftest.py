@@ -4,6 +4,8 @@ PostgreSQL cases use ``FLEETSERVE_TEST_DATABASE_URL`` (default: postgres on 127.
 database ``test``), each test module in its own fresh schema, dropped at the end. When the
 server does not answer they FAIL with a message saying so; ``FLEETSERVE_SKIP_POSTGRES=1`` skips
 them instead.
+Every PostgreSQL case is marked ``slow`` at collection (``pytest_collection_modifyitems``): the
+fast tier, ``pytest -m "not slow"``, runs the SQLite cases only and needs no PostgreSQL server.
 """
 
 from __future__ import annotations
@@ -24,6 +26,31 @@ if TYPE_CHECKING:
 # The store's modules are imported inside the fixtures: suites that do not use them never load them.
 
 POSTGRES_URL = os.environ.get("FLEETSERVE_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test")
+
+# The fixtures that reach the PostgreSQL server, and the parameter value that picks it in the
+# fixtures parametrized over both backends (``store``, ``two_stores``, ``inventory``...).
+POSTGRES_FIXTURES = frozenset(
+    {"postgres_url", "postgres_schema", "postgres_engine", "postgres_store", "pg_database"}
+)
+POSTGRES_PARAM = "postgres"
+
+
+def uses_postgres(item: pytest.Item) -> bool:
+    """Whether a collected test reaches the PostgreSQL server: it asks for one of the PostgreSQL
+    fixtures (itself or through another fixture), or one of its parameters picks ``postgres``."""
+    if POSTGRES_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        return True
+    callspec = getattr(item, "callspec", None)
+    params = callspec.params.values() if callspec is not None else ()
+    return any(isinstance(value, str) and value == POSTGRES_PARAM for value in params)
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` selects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every PostgreSQL case is ``slow``: the fast tier (``-m "not slow"``) needs no server."""
+    for item in items:
+        if uses_postgres(item):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

@@ -29,6 +29,8 @@ from fleetserve.agent.containment import (
 )
 from fleetserve.agent.supervisor import Supervisor
 
+pytestmark = pytest.mark.slow
+
 # The engine: a child in its process group, a grandchild (through the child) in a new session.
 # Each writes its pid to a file once it runs.
 ENGINE = r"""

@@ -32,6 +32,8 @@ from fleetserve.engines.registry import ENGINES
 from fleetserve.engines.spec import EngineKind
 from fleetserve.spec.resources import Profile, Replica, ReplicaState, Shard
 
+pytestmark = pytest.mark.slow
+
 GRACE = 1.0
 POLL = 0.1
 SLEEP = shutil.which("sleep") or "/bin/sleep"

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 import yaml
 from e2e_support import (
     AgentFactory,
@@ -35,6 +36,8 @@ from e2e_support import (
     tiny_documents,
     wait_for,
 )
+
+pytestmark = pytest.mark.slow
 
 
 def start_server(servers: ServerFactory, tmp_path: Path) -> ServerProcess:

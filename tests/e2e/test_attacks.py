@@ -39,6 +39,8 @@ from e2e_support import (
     wait_for,
 )
 
+pytestmark = pytest.mark.slow
+
 AGENT_API = "/api/v1/agent"
 
 

@@ -51,6 +51,8 @@ from e2e_support import (
 )
 from openai import OpenAI
 
+pytestmark = pytest.mark.slow
+
 NODE = "as-a"
 # A GBNF grammar with 2000 alternatives alive at every step: ~10 ms a token, ~40 ms with the 4
 # slots busy (as in test_gateway.py); ignore_eos makes every answer run to max_tokens.

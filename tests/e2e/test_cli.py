@@ -18,6 +18,8 @@ import pytest
 import yaml
 from e2e_support import FLEETSERVE, ROOT, ServerFactory, ServerProcess, clean_env, free_port, wait_for
 
+pytestmark = pytest.mark.slow
+
 EXAMPLES = ROOT / "examples" / "datacenter"
 
 

@@ -22,6 +22,8 @@ from typing import Any
 import pytest
 from e2e_support import synthetic_models
 
+pytestmark = pytest.mark.slow
+
 GPU_CLASS = "nvidia-h100-80gb"
 NODES = 300
 # Replicas per GPU deployment in the three rounds: allocate, scale down (releases), scale up.

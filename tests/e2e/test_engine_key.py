@@ -23,6 +23,8 @@ from e2e_support import (
     wait_for,
 )
 
+pytestmark = pytest.mark.slow
+
 NODE = "node-k"
 
 

@@ -60,6 +60,8 @@ from openai import OpenAI
 from fleetserve.engines.registry import ENGINES
 from fleetserve.engines.spec import EngineKind
 
+pytestmark = pytest.mark.slow
+
 NODES = ("gw-a", "gw-b")
 # Grammars that make generation slow on purpose (see the module docstring).
 # Routes are re-read from the store every second: wait this long after a replica turned Running

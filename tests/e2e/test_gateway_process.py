@@ -11,10 +11,13 @@ from __future__ import annotations
 import subprocess
 
 import httpx
+import pytest
 from e2e_support import FLEETSERVE, clean_env, free_port, wait_for
 
 from fake_engine import BUSY, REPLICA, engine_metrics, recorded, run_replica_on
 from fleetserve.store.sql import SqlStore
+
+pytestmark = pytest.mark.slow
 
 
 def test_a_standalone_gateway_publishes_the_engines_metrics(tmp_path):

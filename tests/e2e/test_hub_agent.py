@@ -15,6 +15,8 @@ from e2e_support import AgentFactory, ServerFactory, short_deadline_args, wait_f
 from agent.cache.fake_hub import FakeHub
 from fleetserve.dev.tinymodel import write_tiny_model
 
+pytestmark = pytest.mark.slow
+
 NODE = "hub-node"
 
 

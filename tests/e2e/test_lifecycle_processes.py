@@ -50,6 +50,8 @@ from e2e_support import (
 
 from load import LoadCounts, one_request, run_load
 
+pytestmark = pytest.mark.slow
+
 # One slow-ish token at a time: 20 tokens take seconds, so a drain lands mid-stream.
 SLOW_GRAMMAR = {
     "grammar": "root ::= " + " | ".join(f"r{i}" for i in range(12000)) + "\n"

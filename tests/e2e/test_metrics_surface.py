@@ -47,6 +47,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fleetserve.metrics.exposition import ENGINE_METRICS
 
+pytestmark = pytest.mark.slow
+
 CPU_NODE = "cpu-a"
 GPU_NODE = "gpu-v"
 GPU_CLASS = "nvidia-h200-141gb"

@@ -23,6 +23,8 @@ from e2e_support import AgentFactory, ServerFactory, short_deadline_args, tiny_d
 from fleetserve.agent.containment import cgroup2_root
 from fleetserve.dev.tinymodel import write_tiny_model
 
+pytestmark = pytest.mark.slow
+
 
 def wrapper(tmp_path: Path) -> tuple[Path, Path]:
     """The engine wrapper and the file it appends its helper's pid to."""

@@ -31,6 +31,8 @@ from fleetserve.spec.policies import ReplicaRange
 from fleetserve.spec.resources import DeviceClass
 from fleetserve.store import SqlStore
 
+pytestmark = pytest.mark.slow
+
 POLICY = HeartbeatPolicy(not_ready_after=timedelta(seconds=40), lost_after=timedelta(seconds=300))
 H100 = DeviceClass(name="h100", driver="gpu.nvidia.com", memory="80GiB")
 MODEL = safetensors_8gb()

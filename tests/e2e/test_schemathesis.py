@@ -24,6 +24,8 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
+pytestmark = pytest.mark.slow
+
 POSITIVE_EXAMPLES = 25
 NEGATIVE_EXAMPLES = 15
 EXISTING_EXAMPLES = 15  # per operation with {name}, the name fixed to a stored object

@@ -51,6 +51,8 @@ from openai import OpenAI
 
 from fleetserve.dev.tinymodel import write_tiny_model
 
+pytestmark = pytest.mark.slow
+
 NODE = "node-s"
 
 

@@ -30,6 +30,8 @@ from e2e_support import FLEETSERVE, AgentFactory, clean_env, free_port, run_cli,
 
 from fleetserve.tls import CaPin, ensure_generated
 
+pytestmark = pytest.mark.slow
+
 START_TIMEOUT = 60.0
 WRONG_PIN = "sha256:" + "0" * 64
 

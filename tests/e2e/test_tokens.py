@@ -9,7 +9,10 @@ import json
 import stat
 from pathlib import Path
 
+import pytest
 from e2e_support import AgentFactory, ServerFactory, cli_env, run_cli, short_deadline_args, wait_for
+
+pytestmark = pytest.mark.slow
 
 
 def test_a_join_token_is_created_used_from_a_file_and_revoked_and_the_admin_token_rotated(

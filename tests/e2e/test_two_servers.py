@@ -16,7 +16,10 @@ import threading
 import time
 from typing import Any
 
+import pytest
 from e2e_support import synthetic_models
+
+pytestmark = pytest.mark.slow
 
 GPU_CLASS = "nvidia-h100-80gb"
 CHURN_SECONDS = 4.0

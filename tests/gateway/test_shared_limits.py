@@ -25,6 +25,8 @@ import pytest
 from fake_engine import engines_on, fake_openai_engine
 from fleetserve.store.sql import SqlStore
 
+pytestmark = pytest.mark.slow
+
 FLEETSERVE = Path(sys.executable).with_name("fleetserve")
 REDIS = "redis://127.0.0.1:6379/0"
 

@@ -18,7 +18,7 @@ from scenarios import Result
 from lab import Lab, unavailable
 
 REASON = unavailable()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 
 # A request in flight to a host when its link is cut never gets an answer: the client's timeout
 # fails it. Those are the only failures a partition may cost (one per non-streamed client).

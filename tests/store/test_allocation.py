@@ -18,6 +18,8 @@ from fleetserve.spec.resources import Node
 from fleetserve.store import SqlStore, make_engine, migrate
 from fleetserve.store.tables import DeviceAllocationRow, ReplicaRow
 
+pytestmark = pytest.mark.slow
+
 ROUNDS = 100
 CORES = 4
 
