@@ -70,6 +70,8 @@ class Held(Enum):
     GONE = "gone"  # the agent went away: nobody to answer
 
 
+NOT_ALLOWED = Refusal(Reason.METHOD_NOT_ALLOWED)
+
 # A status report's outcome: the replicas to stop, the rule's verdict, or a refusal of its own.
 Reported = list[str] | Judgement | Refusal
 
@@ -146,9 +148,9 @@ class AgentDoor:
         if body is None:
             return None  # the agent went away
         beat = (
-            json_body(HeartbeatRequest, body, header(scope, b"content-type"))
-            if isinstance(body, bytes)
-            else body
+            body
+            if isinstance(body, Refusal)
+            else json_body(HeartbeatRequest, body, header(scope, b"content-type"))
         )
         if isinstance(beat, Refusal):
             return await self._unless_unauthorized(token, beat)
@@ -186,7 +188,7 @@ class AgentDoor:
         if token is None:
             return Refusal(Reason.NO_CREDENTIAL)
         if scope["method"] != "GET":
-            return await self._unless_unauthorized(token, self._not_allowed(scope))
+            return await self._unless_unauthorized(token, NOT_ALLOWED)
         query = poll_query(scope.get("query_string", b""))
         if isinstance(query, Refusal):
             return await self._unless_unauthorized(token, query)
@@ -262,16 +264,13 @@ class AgentDoor:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             return too_large(scope["method"], scope["path"], limit)
         if scope["method"] != method:
-            return self._not_allowed(scope)
+            return NOT_ALLOWED
         body = await read_body(receive, limit)
         if body is Unread.GONE:
             return None
         if body is Unread.OVER_LIMIT:
             return too_large(scope["method"], scope["path"], limit)
         return body
-
-    def _not_allowed(self, scope: Scope) -> Refusal:
-        return Refusal(Reason.METHOD_NOT_ALLOWED)
 
     async def _judge(self, claim: Claim) -> Refusal | None:
         """The refusal of a call the rule refuses as the rows stand (None: accepted)."""
