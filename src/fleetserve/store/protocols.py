@@ -19,7 +19,7 @@ the observer both read routes); each is small enough to fake in a few lines.
     AssignmentReads  the agents' API                  what one node's assignment set is built from
     NodeCredentials  the agents' door                 whose credential a token is; is it a join token
     AgentCalls       the agents' door                 judge and write heartbeats and status reports
-    AgentDoorStore   the agents' door                 the four above
+    AgentDoorStore   the agents' door                 the three above
     ReconcilerStore  the reconciler                   Inventory + the four above
     UsageSink        the gateway's usage flush        add counts per minute, key and model
     AuditLog         the admin API                    record an admin action
@@ -183,7 +183,7 @@ class AgentCalls(Protocol):
     def get_node(self, name: str) -> Node: ...
 
 
-class AgentDoorStore(NodeCredentials, AgentCalls, AssignmentReads, AssignmentSource, Protocol):
+class AgentDoorStore(NodeCredentials, AgentCalls, AssignmentReads, Protocol):
     """Everything the agents' door reads and writes."""
 
 

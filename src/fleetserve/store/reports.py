@@ -1,6 +1,9 @@
 """What agents report, over SQL: heartbeats and epochs (fencing), each node's assignments, the
 replicas' reported states and typed statuses (``protocol.ReplicaStatus``), each node's agent
 status (``protocol.AgentStatus``), and the replicas' endpoints.
+
+A status report is written only where the agents' accepted-call rule accepts it (its statements'
+WHERE is ``acceptance.accepts``); a refused one writes nothing, and the rule's verdict says why.
 """
 
 from __future__ import annotations
