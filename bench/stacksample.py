@@ -29,15 +29,12 @@ from types import FrameType
 INTERVAL = 0.01
 # Kinds of work, by a frame on the stack (the first that matches), as ``.top`` files group them.
 KINDS = (
-    # The hot path's batches (``server/agents/batching.py``) run in worker threads under these frames.
-    ("heartbeat (hot path)", "_beats (hotpath.py"),
-    ("status report (hot path)", "_reports (hotpath.py"),
-    ("credential check (hot path)", "nodes_for_credentials ("),
-    ("long-poll held (hot path)", "assignments (hotpath.py"),
-    ("heartbeat (FastAPI route)", "heartbeat (agents.py"),
-    ("status report (FastAPI route)", "status (agents.py"),
-    ("enrolment", "register (agents.py"),
-    ("long-poll", "assignments (agents.py"),
+    # The door's batches (``server/agents/batching.py``) run in worker threads under these frames.
+    ("heartbeat (door)", "_beats (door.py"),
+    ("status report (door)", "_reports (door.py"),
+    ("credential check (door)", "judge ("),
+    ("long-poll held (door)", "_poll (door.py"),
+    ("enrolment", "register (routes.py"),
     ("credential check (middleware)", "check_agent (auth.py"),
     ("admin API", "apply (app.py"),
     ("reconciler", "run_forever (reconciler.py"),

@@ -8,15 +8,14 @@ dispatched here by exact path; everything else (admin API, agents' API, ``/metri
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI
 
 from fleetserve.gateway.app import Gateway
 from fleetserve.gateway.openai_errors import send_error
-from fleetserve.rawasgi.types import App as App  # re-exported: server/agents/hotpath.py takes it here
-from fleetserve.rawasgi.types import Receive, Scope, Send
+from fleetserve.rawasgi.types import App, Receive, Scope, Send
 
 PROXIED: dict[str, bytes] = {
     "/v1/chat/completions": b"/v1/chat/completions",
@@ -54,24 +53,21 @@ class OpenAIApi:
             await send_error(send, 404, f"Unknown API route {path}.", "invalid_request_error", "unknown_url")
 
 
-# A raw route: the request, and the app (FastAPI's) that answers whatever the route leaves to it.
-RawRoute = Callable[[Scope, Receive, Send, App], Awaitable[None]]
-
-
 class ServingApp(FastAPI):
     """A FastAPI app whose ``/v1/`` requests go to the OpenAI API's raw ASGI app first, and whose
-    ``raw_routes`` (by exact path) are tried before FastAPI (``server/agents/hotpath.py``)."""
+    ``raw_routes`` (by exact path: plain ASGI apps, each the only handler of its path) are
+    answered before FastAPI (the agents' hot calls, ``server/agents/door.py``)."""
 
     def __init__(
         self,
         *args: Any,
         openai_api: OpenAIApi | None = None,
-        raw_routes: Mapping[str, RawRoute] | None = None,
+        raw_routes: Mapping[str, App] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.openai_api = openai_api
-        self.raw_routes: Mapping[str, RawRoute] = raw_routes or {}
+        self.raw_routes: Mapping[str, App] = raw_routes or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -81,6 +77,6 @@ class ServingApp(FastAPI):
                 return
             route = self.raw_routes.get(scope["path"])
             if route is not None:
-                await route(scope, receive, send, super().__call__)
+                await route(scope, receive, send)
                 return
         await super().__call__(scope, receive, send)

@@ -1,7 +1,7 @@
 """Raw ASGI: the few pieces a request handler needs when it answers without a framework.
 
 Used by the gateway's data path (``gateway/app.py``, ``gateway/asgi.py``) and the agents' fast
-path (``server/agents/hotpath.py``), where FastAPI costs more CPU than the call itself. It imports
+path (``server/agents/door.py``), where FastAPI costs more CPU than the call itself. It imports
 nothing of fleetserve but ``errors``: it sits below both of its users.
 
 - ``types``: ``Scope``, ``Message``, ``Receive``, ``Send``, ``App``, ``Header``, the ASGI aliases.

@@ -29,10 +29,10 @@ from fleetserve.server import auth, problems
 from fleetserve.server.admin.records import build_records_router
 from fleetserve.server.admin.routes import build_admin_router
 from fleetserve.server.admin.ui import build_ui_router
-from fleetserve.server.agents import limits
+from fleetserve.server.agents import limits, openapi
 from fleetserve.server.agents.assignwatch import AssignmentWatch
+from fleetserve.server.agents.door import AgentDoor
 from fleetserve.server.agents.enrolment import EnrolmentPolicy
-from fleetserve.server.agents.hotpath import AgentHotPath
 from fleetserve.server.agents.modelfiles import ModelFiles
 from fleetserve.server.agents.routes import build_agent_router
 from fleetserve.server.observer import Observer
@@ -168,9 +168,11 @@ def create_app(
     def stopping() -> bool:  # set by the server on SIGTERM: held polls answer at once
         return bool(getattr(app.state, "stopping", False))
 
-    watch = AssignmentWatch(store, stopping=stopping)  # one per process: route and hot path hold on it
-    app.state.hot_path = AgentHotPath(store, watch, stopping)
-    app.raw_routes = app.state.hot_path.routes()  # accepted heartbeats, reports, held polls skip FastAPI
+    # The agents' heartbeat, status report and assignments poll: answered by the door alone,
+    # before FastAPI (its polls held on the process's one watch), and described in the OpenAPI.
+    app.state.agent_door = AgentDoor(store, AssignmentWatch(store, stopping=stopping), stopping)
+    app.raw_routes = app.state.agent_door.routes()
+    openapi.document(app)
     problems.install(app)
     limits.install(app)
     auth.install(app)  # added last, so it runs first: no body is read before the token is checked
@@ -186,7 +188,7 @@ def create_app(
             lambda: serving.observer.engine_values,
         ),
         build_records_router(store),
-        build_agent_router(store, files, enrolment or EnrolmentPolicy(), watch),
+        build_agent_router(store, files, enrolment or EnrolmentPolicy()),
         build_ui_router(store),
     )
     return app

@@ -2,9 +2,11 @@
 and each node's own credential. All are Bearer tokens stored hashed.
 
 A middleware checks them before anything else — the request body included — so a caller
-without a token gets a 401 and the server never reads what it sent. On the agents' API it
-records who called (``Caller``) in the request's state: the routes authorise against it (a node
-speaks only for itself). The join token is accepted on ``ENROL_PATHS`` only.
+without a token gets a 401 and the server never reads what it sent. On the agents' FastAPI
+routes it records who called (``Caller``) in the request's state: the routes authorise against
+it (a node speaks only for itself). The join token is accepted on ``ENROL_PATHS`` only. The
+agents' heartbeat, status report and assignments poll never reach it: the agents' door
+(``server/agents/door.py``) checks their credentials itself, in the same words.
 
 The admin API also takes the dashboard's session cookie (``SESSION_COOKIE``), only when no
 Authorization header is sent, and then, for every change (not GET or HEAD), the session's CSRF
@@ -27,6 +29,8 @@ from starlette.requests import cookie_parser
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fleetserve.errors import StoreError
+from fleetserve.rawasgi.headers import bearer
+from fleetserve.server.agents.refusals import Reason, Refusal
 from fleetserve.server.problems import Forbidden, Unauthorized, error_body
 from fleetserve.store.credentials import TokenKind
 from fleetserve.store.protocols import AdminAuth, Sessions, Tokens
@@ -71,32 +75,21 @@ def kind_for(path: str) -> TokenKind | None:
     return None
 
 
-def bearer(authorization: str | None, what: str) -> str:
-    """The token of an ``Authorization: Bearer TOKEN`` header; Unauthorized without one."""
-    scheme, _, token = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        raise Unauthorized(f"this API needs {what} as 'Authorization: Bearer TOKEN'")
-    return token.strip()
-
-
 def check_agent(store: Tokens, authorization: str | None, path: str) -> Caller:
     """The caller of an agent route: a node by its credential, or (on ``ENROL_PATHS`` only) a
-    holder of a valid join token. Unauthorized otherwise."""
-    token = bearer(authorization, "a node credential (or, to enrol, the join token)")
+    holder of a valid join token. Unauthorized otherwise, in the words of the agents' door
+    (``server/agents/refusals.py``), which checks its own calls the same way."""
+    token = bearer(authorization.encode("latin-1")) if authorization is not None else None
+    if token is None:
+        raise Unauthorized(Refusal(Reason.NO_CREDENTIAL).message())
     node = store.node_for_credential(token)
     if node is not None:
         return Caller(node)
     if store.verify_token(token, TokenKind.JOIN):
         if path in ENROL_PATHS:
             return Caller(None)
-        raise Unauthorized(
-            "the join token only enrols (POST /api/v1/agent/register); every other agent route needs "
-            "the node's own credential, which enrolment returns"
-        )
-    raise Unauthorized(
-        "the token is not a node credential or a valid join token (wrong, revoked, expired, or its "
-        "node was deleted: enrol again)"
-    )
+        raise Unauthorized(Refusal(Reason.JOIN_TOKEN).message())
+    raise Unauthorized(Refusal(Reason.NOT_A_CREDENTIAL).message())
 
 
 @dataclass(frozen=True)

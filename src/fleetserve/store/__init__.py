@@ -2,7 +2,8 @@
 servers), their migrations, one module per aggregate (inventory: classes, fabrics, nodes and the
 snapshot, over ``allocation``, which takes replicas onto devices, and ``replicas``, their reads
 and states; identity, reports, deployments, credentials, usage, audit, sessions, lease),
-``SqlStore`` composing them (``sql``), and the narrow Protocols consumers depend on
+``SqlStore`` composing them (``sql``), the agents' accepted-call rule that identity's and
+reports' statements share (``acceptance``), and the narrow Protocols consumers depend on
 (``protocols``)."""
 
 from fleetserve.store.credentials import ApiKey, IssuedToken, TokenKind, TokenRecord

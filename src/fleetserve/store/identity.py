@@ -11,18 +11,30 @@ Expected refusals are values (``Refused``), not exceptions.
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 
-from sqlalchemy import bindparam, func, select, tuple_, update
-from sqlalchemy.orm import Session, aliased
+from sqlalchemy import Connection, bindparam, func, select, update
+from sqlalchemy.orm import Session
 
 from fleetserve.inventory.base import Registration
-from fleetserve.spec.resources import Node, NodeState
+from fleetserve.spec.resources import Node
+from fleetserve.store.acceptance import (
+    ACCEPTED,
+    Claim,
+    Judgement,
+    accepts,
+    array_values,
+    claim_arrays,
+    claim_values,
+    credential_hash,
+    judge,
+    locked_nodes,
+    one_claim,
+)
 from fleetserve.store.inventory import SqlInventory
 from fleetserve.store.tables import NodeCredentialRow, NodeRow, stamp
 
@@ -69,52 +81,35 @@ class EnrolmentRecord:
 # The agents' per-request statements, built once: building one cost more CPU than running it
 # (0.35 against 0.27 ms in process, bench/controlplane.py's heartbeat).
 _BOUND_NODE = select(NodeCredentialRow.node).where(NodeCredentialRow.token_hash == bindparam("b_hash"))
-# Many at once (``server/agents/batching.py`` gathers concurrent calls): which of these hashes are whose
-# credential; and the heartbeats of the nodes whose own credential a caller showed, at the epoch
-# that caller gave, while Ready (the credential checked again as the row is written: a revocation
-# between the two statements writes nothing).
+# Many at once (``server/agents/batching.py`` gathers concurrent calls): which of these hashes are
+# whose credential.
 _BOUND_NODES = select(NodeCredentialRow.token_hash, NodeCredentialRow.node).where(
     NodeCredentialRow.token_hash.in_(bindparam("b_hashes", expanding=True))
 )
-_BEATING = aliased(NodeRow, name="beating")
-# The rows are locked in name order before they are written, as every other writer of several
-# nodes locks them (allocations: ``SqlInventory``): a batch's UPDATE alone locks them in the order
-# its scan meets them, and PostgreSQL then found it in a deadlock with an allocation (one of the two
-# aborted, its calls answered again by the route). SQLite has one writer: no lock to order.
-_BEAT_LOCKS = (
-    select(_BEATING.name)
-    .where(
-        tuple_(_BEATING.name, _BEATING.epoch).in_(bindparam("b_pairs", expanding=True)),
-        _BEATING.name.in_(
-            select(NodeCredentialRow.node)
-            .where(NodeCredentialRow.token_hash.in_(bindparam("b_hashes", expanding=True)))
-            .scalar_subquery()
-        ),
-        _BEATING.state == NodeState.READY.value,
-    )
-    .order_by(_BEATING.name)
-    .with_for_update()
-    .subquery("locked")
-)
+_AT = bindparam("b_at", type_=NodeRow.last_heartbeat.type)
+# A batch of heartbeats on PostgreSQL, in one statement: every beat whose claim the rule accepts
+# (``acceptance.accepts``: the credential is the named node's, the epoch its current one, the
+# node Ready) is written, its node's row locked in name order first (``acceptance.locked_nodes``).
+_CLAIMS, _CLAIM = claim_arrays(credential=True)
+_LOCKED = locked_nodes()
 _BEATS = (
     update(NodeRow)
-    .where(NodeRow.name == _BEAT_LOCKS.c.name)
-    .values(last_heartbeat=bindparam("b_at", type_=NodeRow.last_heartbeat.type))
-    .returning(NodeRow.name, NodeRow.epoch)
+    .where(NodeRow.name == _LOCKED.c.name, accepts(_CLAIM))
+    .values(last_heartbeat=_AT)
+    .returning(NodeRow.name, NodeRow.epoch, _CLAIMS.c.credential)
 )
+# One heartbeat, with a credential or without (SQLite: one statement per beat in one transaction,
+# in process, no round trip).
+_BEAT = {
+    credential: update(NodeRow)
+    .where(accepts(one_claim(credential)))
+    .values(last_heartbeat=_AT)
+    .returning(NodeRow.name)
+    for credential in (True, False)
+}
 
-
-@dataclass(frozen=True)
-class Beat:
-    """A heartbeat as an agent sent it: the credential it showed, the node and epoch it claims."""
-
-    credential: str
-    node: str
-    epoch: int
-
-
-def _hash(plaintext: str) -> str:
-    return hashlib.sha256(plaintext.encode()).hexdigest()
+# A heartbeat is a bare claim: the credential shown, the node and the epoch it speaks for.
+Beat = Claim
 
 
 def _record(row: NodeCredentialRow) -> EnrolmentRecord:
@@ -148,7 +143,7 @@ class SqlIdentity(SqlInventory):
             if row is None:
                 row = NodeCredentialRow(node=node.name, approved=False)
                 s.add(row)
-            row.token_hash, row.issued_at, row.approved = _hash(plaintext), when, False
+            row.token_hash, row.issued_at, row.approved = credential_hash(plaintext), when, False
             row.requested_at = row.requested_from = None
             s.flush()
             return Enrolled(self._register(s, node), plaintext)
@@ -174,56 +169,76 @@ class SqlIdentity(SqlInventory):
         request: one indexed statement, no ORM session, nothing kept (a revocation or a deletion
         holds from the next request on, on every server)."""
         with self._single("verifying a node credential", write=False) as c:
-            node: str | None = c.scalar(_BOUND_NODE, {"b_hash": _hash(plaintext)})
+            node: str | None = c.scalar(_BOUND_NODE, {"b_hash": credential_hash(plaintext)})
             return node
 
     def nodes_for_credentials(self, plaintexts: Sequence[str]) -> list[str | None]:
         """``node_for_credential`` of each, in one statement: per credential, its node or None."""
-        hashes = [_hash(p) for p in plaintexts]
-        bound = self._bound_nodes(hashes)
-        return [bound.get(h) for h in hashes]
-
-    def _bound_nodes(self, hashes: Sequence[str]) -> dict[str, str]:
-        """Per credential hash among ``hashes``, the node it is bound to (unknown ones left out)."""
+        hashes = [credential_hash(p) for p in plaintexts]
         if not hashes:
-            return {}
+            return []
         with self._single("verifying node credentials", write=False) as c:
             rows = c.execute(_BOUND_NODES, {"b_hashes": sorted(set(hashes))})
-            return {token_hash: node for token_hash, node in rows if token_hash is not None}
+            bound = {token_hash: node for token_hash, node in rows if token_hash is not None}
+        return [bound.get(h) for h in hashes]
 
     def beat_with_credential(self, plaintext: str, node: str, epoch: int, now: datetime) -> bool:
-        """The agents' most frequent call: record a heartbeat of ``node`` at ``now`` if
-        ``plaintext`` is the node's own credential, ``epoch`` its registration and the node
-        Ready; whether it was recorded (``beats`` of one)."""
+        """The agents' most frequent call: record a heartbeat of ``node`` at ``now`` if the rule
+        accepts it (``acceptance``); whether it was recorded (``beats`` of one)."""
         return self.beats([Beat(plaintext, node, epoch)], now)[0]
 
     def beats(self, beats: Sequence[Beat], now: datetime) -> list[bool]:
-        """Heartbeats from many callers in two statements; per beat, whether it was recorded. A
-        beat is recorded only if its credential is the claimed node's own, its epoch the node's
-        registration and the node Ready; nothing is written otherwise, and nothing said why (the
-        caller then asks ``node_for_credential`` and ``heartbeat`` for the answer to give).
+        """``judge_beats``, told as whether each was recorded."""
+        return [judged.accepted for judged in self.judge_beats(beats, now)]
 
-        Each beat is judged on its own: the credential is paired with the node claimed before
-        anything is written, so a batch that holds a node's own beat at a stale epoch and another
-        caller's beat for that node at its current one writes nothing for it."""
+    def judge_beats(self, beats: Sequence[Beat], now: datetime) -> list[Judgement]:
+        """Heartbeats from many callers; per beat, the rule's verdict (``acceptance``). A beat the
+        rule accepts is recorded; nothing is written for any other, whose verdict is read (rows
+        locked) and returned. The accepted ones cost one statement for the whole batch on
+        PostgreSQL, one per beat in one transaction on SQLite.
+
+        Each beat is judged on its own: the credential is paired with the node claimed, so a
+        batch that holds a node's own beat at a stale epoch and another caller's beat for that
+        node at its current one writes nothing for it."""
         if not beats:
             return []
-        hashes = [_hash(b.credential) for b in beats]
-        bound = self._bound_nodes(hashes)
-        own = [i for i, (b, h) in enumerate(zip(beats, hashes, strict=True)) if bound.get(h) == b.node]
-        if not own:
-            return [False] * len(beats)
-        values = {
-            "b_pairs": sorted({(beats[i].node, beats[i].epoch) for i in own}),
-            "b_hashes": sorted({hashes[i] for i in own}),
-            "b_at": stamp(now),
-        }
-        with self._single(f"recording {len(own)} heartbeats", write=True) as c:
-            written = {(name, epoch) for name, epoch in c.execute(_BEATS, values)}
-        recorded = [False] * len(beats)
-        for i in own:
-            recorded[i] = (beats[i].node, beats[i].epoch) in written
-        return recorded
+        at = stamp(now)
+        out: list[Judgement | None] = [None] * len(beats)
+        with self._single(f"recording {len(beats)} heartbeats", write=True) as c:
+            together = [i for i, b in enumerate(beats) if b.credential is not None] if self._postgres else []
+            if together:
+                claims = [beats[i] for i in together]
+                values = {**array_values(claims, credential=True), "b_at": at}
+                written = {(name, epoch, h) for name, epoch, h in c.execute(_BEATS, values)}
+                for i, b in zip(together, claims, strict=True):
+                    if (b.node, b.epoch, credential_hash(b.credential or "")) in written:
+                        out[i] = ACCEPTED
+            alone = set(together)
+            for i, b in enumerate(beats):
+                if (
+                    i not in alone
+                    and c.execute(_BEAT[b.credential is not None], {**claim_values(b), "b_at": at}).first()
+                ):
+                    out[i] = ACCEPTED
+            if not self._postgres:  # one transaction (SQLite): the refused are judged in it too
+                self._judge_refused(c, beats, out, at)
+        if self._postgres and None in out:
+            with self._write(f"judging {out.count(None)} refused heartbeats") as s:
+                self._judge_refused(s.connection(), beats, out, at)
+        return [judged or ACCEPTED for judged in out]
+
+    def _judge_refused(
+        self, c: Connection, beats: Sequence[Beat], out: list[Judgement | None], at: datetime
+    ) -> None:
+        """Fill in the verdicts of the beats not recorded (``None`` in ``out``), their rows locked;
+        one that passes now (its row moved between the two statements) is recorded."""
+        refused = [i for i, judged in enumerate(out) if judged is None]
+        for i, judged in zip(
+            refused, judge(c, [beats[i] for i in refused], postgres=self._postgres, lock=True), strict=True
+        ):
+            if judged.accepted:
+                c.execute(_BEAT[beats[i].credential is not None], {**claim_values(beats[i]), "b_at": at})
+            out[i] = judged
 
     def approve(self, name: str, now: datetime) -> EnrolmentRecord:
         """Let the next enrolment under ``name`` through (a new name, or one enrolled already:

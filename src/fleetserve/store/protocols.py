@@ -16,6 +16,10 @@ the observer both read routes); each is small enough to fake in a few lines.
     Lease            the reconciler                   one leader among servers
     Drains           the reconciler                   turn replicas Draining (out of the routes)
     AssignmentSource held assignment polls            what every node's assignments are built from
+    AssignmentReads  the agents' API                  what one node's assignment set is built from
+    NodeCredentials  the agents' door                 whose credential a token is; is it a join token
+    AgentCalls       the agents' door                 judge and write heartbeats and status reports
+    AgentDoorStore   the agents' door                 the three above
     ReconcilerStore  the reconciler                   Inventory + the four above
     UsageSink        the gateway's usage flush        add counts per minute, key and model
     AuditLog         the admin API                    record an admin action
@@ -31,12 +35,13 @@ from typing import TYPE_CHECKING, Protocol
 from fleetserve.inventory.base import Inventory
 from fleetserve.protocol import AgentStatus
 from fleetserve.routing import ReplicaEndpoint
-from fleetserve.spec.resources import Model
+from fleetserve.spec.resources import DeviceClass, Model, Node, Replica
 from fleetserve.spec.status import DecisionRecord, DeploymentStatus
+from fleetserve.store.acceptance import Claim, Judgement
 from fleetserve.store.audit import AuditEntry
 from fleetserve.store.credentials import ApiKey, IssuedToken, TokenKind, TokenRecord
 from fleetserve.store.deployments import StoredDeployment
-from fleetserve.store.reports import AssignmentInputs, NodeHeartbeat
+from fleetserve.store.reports import AgentReport, AssignmentInputs, NodeHeartbeat
 from fleetserve.store.sessions import OpenedSession, UiSession
 from fleetserve.store.usage import UsageRecord
 
@@ -142,6 +147,47 @@ class AssignmentSource(Protocol):
     def fleet_changes(self) -> int: ...
 
 
+class AssignmentReads(Protocol):
+    """What one node's assignment set is built from: its replicas and what they name."""
+
+    def assignments(self, node: str) -> list[Replica]: ...
+
+    def device_classes(self) -> dict[str, DeviceClass]: ...
+
+    def node_addresses(self, names: Sequence[str]) -> dict[str, str]: ...
+
+    def engine_keys(self, replicas: Sequence[str]) -> dict[str, str]: ...
+
+    def get_deployment(self, name: str) -> StoredDeployment: ...
+
+    def get_model(self, name: str) -> Model: ...
+
+
+class NodeCredentials(Protocol):
+    """Whose credential each token is, and whether a token is the join token (a 401 says which)."""
+
+    def nodes_for_credentials(self, plaintexts: Sequence[str]) -> list[str | None]: ...
+
+    def verify_token(self, plaintext: str, kind: TokenKind, now: datetime | None = None) -> bool: ...
+
+
+class AgentCalls(Protocol):
+    """The agents' calls under the accepted-call rule (``store/acceptance.py``): judged, and
+    written when accepted; and the node a status report's GPU samples must be of."""
+
+    def judge(self, claims: Sequence[Claim]) -> list[Judgement]: ...
+
+    def judge_beats(self, beats: Sequence[Claim], now: datetime) -> list[Judgement]: ...
+
+    def judge_reports(self, batch: Sequence[AgentReport], now: datetime) -> list[list[str] | Judgement]: ...
+
+    def get_node(self, name: str) -> Node: ...
+
+
+class AgentDoorStore(NodeCredentials, AgentCalls, AssignmentReads, Protocol):
+    """Everything the agents' door reads and writes."""
+
+
 class ReconcilerStore(Inventory, Deployments, Heartbeats, Lease, Drains, Protocol):
     """Everything the reconciler reads and writes."""
 
@@ -179,9 +225,10 @@ if TYPE_CHECKING:
         Sessions,
         ReconcilerStore,
         AssignmentSource,
+        AgentDoorStore,
         UsageSink,
         AuditLog,
         Retention,
     ]:
         # mypy checks that SqlStore provides every view
-        return store, store, store, store, store, store, store, store, store
+        return store, store, store, store, store, store, store, store, store, store

@@ -1,6 +1,9 @@
 """What agents report, over SQL: heartbeats and epochs (fencing), each node's assignments, the
 replicas' reported states and typed statuses (``protocol.ReplicaStatus``), each node's agent
 status (``protocol.AgentStatus``), and the replicas' endpoints.
+
+A status report is written only where the agents' accepted-call rule accepts it (its statements'
+WHERE is ``acceptance.accepts``); a refused one writes nothing, and the rule's verdict says why.
 """
 
 from __future__ import annotations
@@ -11,12 +14,14 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import (
+    JSON,
     Connection,
+    Update,
     bindparam,
     case,
+    cast,
     func,
     select,
-    text,
     update,
 )
 
@@ -32,6 +37,19 @@ from fleetserve.spec.resources import (
     NodeState,
     Replica,
     ReplicaState,
+)
+from fleetserve.store.acceptance import (
+    Claim,
+    Judgement,
+    Verdict,
+    accepts,
+    array_values,
+    claim_arrays,
+    claim_values,
+    credential_hash,
+    judge,
+    locked_nodes,
+    one_claim,
 )
 from fleetserve.store.base import IN_CHUNK, SqlBase, as_text, replica_of
 from fleetserve.store.tables import (
@@ -79,41 +97,43 @@ def _canonical(rows: Sequence[tuple[str, object]]) -> str:
     return json.dumps(sorted(rows), sort_keys=True, separators=(",", ":"))
 
 
-# A status report's statements, built once (building one cost about as much CPU as running it):
-# the node's heartbeat with its check, with and without the agent's status, and the node's
-# replicas as stored.
-_REPORT_ACCEPTS = update(NodeRow).where(
-    NodeRow.name == bindparam("b_node"),
-    NodeRow.epoch == bindparam("b_epoch"),
-    NodeRow.state == NodeState.READY.value,
-)
-_REPORT_BEAT = _REPORT_ACCEPTS.values(
-    last_heartbeat=bindparam("b_at", type_=NodeRow.last_heartbeat.type)
-).returning(NodeRow.spec["modelCache"])
-_REPORT_BEAT_STATUS = _REPORT_ACCEPTS.values(
-    last_heartbeat=bindparam("b_at", type_=NodeRow.last_heartbeat.type),
-    agent_status=bindparam("b_agent", type_=NodeRow.agent_status.type),
-).returning(NodeRow.spec["modelCache"])
-# The node writes of many reports with their agents' status in one statement, on PostgreSQL
-# (``_beat_nodes``): the batch goes as three arrays, so the statement is built and compiled once.
-# (Built per batch with a VALUES list of its rows, it made thousands of SQL-expression objects in
-# reference cycles per batch, and compiled again for every batch size: at 1,000 agents the
-# collector's passes over that garbage stalled the server for 50 to 300 ms.) The nodes are locked
-# in name order first, as every writer of several nodes locks them (``identity._BEAT_LOCKS``): the
-# join alone would lock them in the order it meets them.
-_BEAT_NODES = text(
-    f"""
-    UPDATE {NodeRow.__tablename__} AS n
-    SET last_heartbeat = :b_at, agent_status = CAST(reported.agent AS JSON)
-    FROM unnest(CAST(:b_nodes AS TEXT[]), CAST(:b_epochs AS INTEGER[]), CAST(:b_agents AS TEXT[]))
-             AS reported (node, epoch, agent),
-         (SELECT name FROM {NodeRow.__tablename__}
-          WHERE name = ANY(CAST(:b_nodes AS TEXT[])) ORDER BY name FOR UPDATE) AS locked
-    WHERE n.name = locked.name AND n.name = reported.node AND n.epoch = reported.epoch
-      AND n.state = :b_ready
-    RETURNING n.name, n.epoch, n.spec -> 'modelCache'
-    """
-)
+# A status report's node write, built once per shape (building one cost about as much CPU as
+# running it): the heartbeat, with or without the agent's status, where the rule accepts the
+# report's claim (``acceptance.accepts``), with or without a credential to check; only the cached
+# models read back, not the node's hardware document.
+_AT = bindparam("b_at", type_=NodeRow.last_heartbeat.type)
+_AGENT = bindparam("b_agent", type_=NodeRow.agent_status.type)
+_REPORT_BEAT = {
+    (credential, status): update(NodeRow)
+    .where(accepts(one_claim(credential)))
+    .values(last_heartbeat=_AT, **({"agent_status": _AGENT} if status else {}))
+    .returning(NodeRow.spec["modelCache"])
+    for credential in (True, False)
+    for status in (True, False)
+}
+# A heartbeat the server records for itself (a registration: no claim to judge).
+_HEARD = update(NodeRow).where(NodeRow.name == bindparam("b_node")).values(last_heartbeat=_AT)
+
+
+def _beat_nodes_statement(credential: bool) -> Update:
+    """The node writes of many reports with their agents' status in one statement, on PostgreSQL:
+    the batch goes as arrays (``acceptance.claim_arrays``), so the statement is built and compiled
+    once. (Built per batch with a VALUES list of its rows, it made thousands of SQL-expression
+    objects in reference cycles per batch, and compiled again for every batch size: at 1,000
+    agents the collector's passes over that garbage stalled the server for 50 to 300 ms.) The
+    nodes are locked in name order first (``acceptance.locked_nodes``)."""
+    claims, claim = claim_arrays(credential, "agent")
+    locked = locked_nodes()
+    hashes = [claims.c.credential] if credential else []
+    return (
+        update(NodeRow)
+        .where(NodeRow.name == locked.c.name, accepts(claim))
+        .values(last_heartbeat=_AT, agent_status=cast(claims.c.agent, JSON))
+        .returning(NodeRow.name, NodeRow.epoch, NodeRow.spec["modelCache"], *hashes)
+    )
+
+
+_BEAT_NODES = {credential: _beat_nodes_statement(credential) for credential in (True, False)}
 # A replica's reported state and status; Draining is the control plane's word: an agent's report
 # never undoes it.
 _REPLICA_REPORTED = (
@@ -142,6 +162,23 @@ class AgentReport:
     replicas: Mapping[str, tuple[ReplicaState, ReplicaStatus]]
     model_cache: Sequence[str] | None = None
     agent_status: AgentStatus | None = None
+    credential: str | None = None  # the credential it came with (None: the server's own call)
+
+    @property
+    def claim(self) -> Claim:
+        """What the report claims, for the rule (``acceptance``)."""
+        return Claim(self.credential, self.node, self.epoch)
+
+
+def refused(judged: Judgement, node: str) -> StaleEpoch | UnknownNode:
+    """A call the rule refused, as the store's error for an in-process caller."""
+    if judged.verdict is Verdict.UNKNOWN_NODE:
+        return UnknownNode(f"no node named {node!r} is registered")
+    return StaleEpoch(f"node {node}: {judged.verdict.value} (register again)")
+
+
+def _written_key(r: AgentReport) -> tuple[str, int, str | None]:
+    return (r.node, r.epoch, None if r.credential is None else credential_hash(r.credential))
 
 
 class SqlReports(SqlBase):
@@ -149,39 +186,23 @@ class SqlReports(SqlBase):
 
     def heartbeat(self, name: str, now: datetime, epoch: int | None = None) -> None:
         """Record that the node's agent was heard from at ``now``; raises UnknownNode, and
-        StaleEpoch when ``epoch`` is given and is not the node's current registration."""
-        when = stamp(now)
-        # The common case in one statement: the check and the write together, atomic.
-        accepted = [NodeRow.name == name]
+        StaleEpoch when ``epoch`` is given and the rule refuses it (``acceptance``)."""
         if epoch is not None:
-            accepted += [NodeRow.epoch == epoch, NodeRow.state == NodeState.READY.value]
-        beat = update(NodeRow).where(*accepted).values(last_heartbeat=when).returning(NodeRow.name)
-        with self._single(f"recording a heartbeat of node {name}", write=True) as c:
-            if c.execute(beat).first() is not None:
-                return
-        # Refused: the reason, read and checked as it stands now.
-        with self._write(f"recording a heartbeat of node {name}") as s:
-            # The columns the check needs, not the node's hardware document: the most frequent call.
-            found = s.execute(select(NodeRow.epoch, NodeRow.state).where(NodeRow.name == name)).one_or_none()
-            if found is None:
-                raise UnknownNode(f"no node named {name!r} is registered")
-            self._check_epoch(name, found.epoch, found.state, epoch)
-            s.connection().execute(update(NodeRow).where(NodeRow.name == name).values(last_heartbeat=when))
-
-    @staticmethod
-    def _check_epoch(name: str, current: int, state: str, epoch: int | None) -> None:
-        if epoch is None:
+            (stop,) = self._reports([AgentReport(name, epoch, {})], now)
+            if isinstance(stop, Judgement):
+                raise refused(stop, name)
             return
-        if epoch != current:
-            # The message never names the current epoch: it is the node's to know, not a caller's.
-            raise StaleEpoch(
-                f"node {name} registered again since this registration; "
-                "register again and stop every replica not assigned"
-            )
-        if state != NodeState.READY.value:
-            # Judged NotReady or Lost while silent: only a registration brings it back, and tells
-            # the agent which of its replicas were moved away meanwhile.
-            raise StaleEpoch(f"node {name} was marked {state} while silent; register again")
+        with self._single(f"recording a heartbeat of node {name}", write=True) as c:
+            if (
+                c.execute(_HEARD.returning(NodeRow.name), {"b_node": name, "b_at": stamp(now)}).first()
+                is None
+            ):
+                raise UnknownNode(f"no node named {name!r} is registered")
+
+    def judge(self, claims: Sequence[Claim]) -> list[Judgement]:
+        """The rule's verdict on each call, as the rows stand (``acceptance``): one read."""
+        with self._single("judging agents' calls", write=False) as c:
+            return judge(c, claims, postgres=self._postgres)
 
     def assignments(self, node: str) -> list[Replica]:
         """The replicas with a shard on ``node``, by name: what its agent must run."""
@@ -230,24 +251,25 @@ class SqlReports(SqlBase):
         assigned to it), its model cache (placement prefers nodes holding a model) and anything
         else it reports; also a heartbeat. Returns the reported names not assigned to the node —
         the agent must stop those. Raises StaleEpoch for an old registration, UnknownNode."""
-        stop = self._reports(
-            [AgentReport(node, epoch, replicas, model_cache, agent_status)], now, explain=True
-        )[0]
-        assert stop is not None  # explained: refused ones raise
+        (stop,) = self._reports([AgentReport(node, epoch, replicas, model_cache, agent_status)], now)
+        if isinstance(stop, Judgement):
+            raise refused(stop, node)
         return stop
 
     def reports(self, batch: Sequence[AgentReport], now: datetime) -> list[list[str] | None]:
-        """Many agents' status reports in one transaction (``server/agents/batching.py`` gathers them);
-        per report, what ``report`` returns, or None where it was not accepted (a stale epoch, a
-        node not Ready or unknown): nothing of that one is written, and ``report`` says why.
-        Each is accepted or not on its own node's row, as if it came alone."""
-        return self._reports(batch, now, explain=False)
+        """``judge_reports``, with None where a report was refused."""
+        return [None if isinstance(r, Judgement) else r for r in self._reports(batch, now)]
 
-    def _reports(
-        self, batch: Sequence[AgentReport], now: datetime, *, explain: bool
-    ) -> list[list[str] | None]:
+    def judge_reports(self, batch: Sequence[AgentReport], now: datetime) -> list[list[str] | Judgement]:
+        """Many agents' status reports in one transaction (``server/agents/batching.py`` gathers
+        them); per report, what ``report`` returns, or the rule's verdict where it refused it
+        (``acceptance``): nothing of that one is written. Each is accepted or not on its own node's
+        row, as if it came alone."""
+        return self._reports(batch, now)
+
+    def _reports(self, batch: Sequence[AgentReport], now: datetime) -> list[list[str] | Judgement]:
         when = stamp(now)
-        out: list[list[str] | None] = [None] * len(batch)
+        out: list[list[str] | Judgement] = [[] for _ in batch]
         if not batch:
             return out
         action = (
@@ -262,41 +284,30 @@ class SqlReports(SqlBase):
             # in one statement (a round trip per report cost more than the rest of the batch; on
             # SQLite, in process, a statement is no round trip).
             together = (
-                [i for i, r in enumerate(batch) if r.agent_status is not None]
-                if self._postgres and not explain
-                else []
+                {i for i, r in enumerate(batch) if r.agent_status is not None} if self._postgres else set()
             )
-            written = self._beat_nodes(conn, [batch[i] for i in together], when) if together else {}
+            written = self._beat_nodes(conn, [batch[i] for i in sorted(together)], when) if together else {}
             # Nodes' rows locked in one order (by name) whatever order the reports came in.
             for i in sorted(range(len(batch)), key=lambda i: batch[i].node):
                 r = batch[i]
-                # The check and the node's write in one statement (it locks the row, as allocation
-                # does); only the cached models read back, not the node's hardware document.
-                values: dict[str, object] = {"b_node": r.node, "b_epoch": r.epoch, "b_at": when}
-                if together:
-                    found = written.get((r.node, r.epoch)) if r.agent_status is not None else None
-                    if found is None and r.agent_status is None:
-                        found = conn.execute(_REPORT_BEAT, values).first()
-                elif r.agent_status is None:
-                    found = conn.execute(_REPORT_BEAT, values).first()
+                values = {**claim_values(r.claim), "b_at": when}
+                if r.agent_status is not None:
+                    values["b_agent"] = r.agent_status.stored()
+                statement = _REPORT_BEAT[(r.credential is not None, r.agent_status is not None)]
+                if i in together:
+                    found = written.get(_written_key(r))
                 else:
-                    found = conn.execute(
-                        _REPORT_BEAT_STATUS, {**values, "b_agent": r.agent_status.stored()}
-                    ).first()
-                if found is not None:
-                    cached = found[0]
-                elif explain:
-                    # Refused: the reason, as the row stands (it raises; a row that passes now
-                    # moved under us, and is checked and written with its lock held).
-                    row = self._locked_node(s, r.node)
-                    self._check_epoch(row.name, row.epoch, row.state, r.epoch)
-                    row.last_heartbeat = when
-                    if r.agent_status is not None:
-                        row.agent_status = r.agent_status.stored()
-                    s.flush()
-                    cached = row.spec.get("modelCache")
-                else:
-                    continue
+                    found = conn.execute(statement, values).first()
+                if found is None:
+                    # Refused: the verdict, as the row stands (locked); one that passes now moved
+                    # under us, and is written with its lock held.
+                    (judged,) = judge(conn, [r.claim], postgres=self._postgres, lock=True)
+                    if not judged.accepted:
+                        out[i] = judged
+                        continue
+                    found = conn.execute(statement, values).first()
+                    assert found is not None  # judged accepted with its row locked
+                cached = found[0]
                 accepted.append(i)
                 if r.model_cache is not None and cached != sorted(set(r.model_cache)):
                     row = self._locked_node(s, r.node)
@@ -336,23 +347,28 @@ class SqlReports(SqlBase):
 
     def _beat_nodes(
         self, conn: Connection, reports: Sequence[AgentReport], when: datetime
-    ) -> dict[tuple[str, int], tuple[object]]:
-        """The node writes of ``reports`` (each with its agent's status) in one statement
-        (PostgreSQL: ``UPDATE … FROM unnest(arrays)``, ``_BEAT_NODES``): each
-        node whose epoch is the one its report gives, while Ready, gets the heartbeat and the
-        status (of its last report in the batch); per (node, epoch) written, its cached models."""
-        last: dict[tuple[str, int], AgentReport] = {}
-        for r in reports:
-            last[(r.node, r.epoch)] = r
-        batch = sorted(last.items())
-        arguments = {
-            "b_at": when,
-            "b_ready": NodeState.READY.value,
-            "b_nodes": [node for (node, _), _r in batch],
-            "b_epochs": [epoch for (_, epoch), _r in batch],
-            "b_agents": [json.dumps(r.agent_status.stored() if r.agent_status else {}) for _, r in batch],
-        }
-        return {(name, epoch): (cached,) for name, epoch, cached in conn.execute(_BEAT_NODES, arguments)}
+    ) -> dict[tuple[str, int, str | None], tuple[object]]:
+        """The node writes of ``reports`` (each with its agent's status) in one statement per
+        shape (``_BEAT_NODES``: with credentials, without): each node the rule accepts the report
+        of gets the heartbeat and the status (of its last report in the batch); per (node, epoch,
+        credential hash) written, its cached models."""
+        out: dict[tuple[str, int, str | None], tuple[object]] = {}
+        for credential in (True, False):
+            last: dict[tuple[str, int, str | None], AgentReport] = {}
+            for r in reports:
+                if (r.credential is not None) is credential:
+                    last[_written_key(r)] = r
+            if not last:
+                continue
+            batch = [last[key] for key in sorted(last, key=lambda k: (k[0], k[1], k[2] or ""))]
+            arguments = {
+                **array_values([r.claim for r in batch], credential),
+                "b_at": when,
+                "b_agent": [json.dumps(r.agent_status.stored() if r.agent_status else {}) for r in batch],
+            }
+            for row in conn.execute(_BEAT_NODES[credential], arguments):
+                out[(row[0], row[1], row[3] if credential else None)] = (row[2],)
+        return out
 
     def replica_status(self, name: str) -> ReplicaStatus:
         """What the agent last reported about a replica (message, restarts, stderr tail)."""

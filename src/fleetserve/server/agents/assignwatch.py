@@ -35,11 +35,9 @@ from fleetserve.store.reports import AssignmentInputs
 log = logging.getLogger("fleetserve.assignwatch")
 
 # How often the held polls' nodes are checked: the delay an agent sees before a new assignment.
+# A held poll waits once for all of its wait: its node moving wakes it, and so do its agent going
+# away (``wake``) and the server stopping (at the next tick).
 TICK_SECONDS = 0.5
-# The longest a poll held by the route sleeps between looks at its own request (disconnected?
-# shutting down?). The hot path's held polls wait once: a disconnect wakes them (``wake``), and
-# so does the server stopping (at the next tick).
-RECHECK_SECONDS = 2.0
 
 Fingerprint = int
 

@@ -1,9 +1,10 @@
-"""Body-size limits of the agents' API, one per route, checked before a route parses anything.
+"""Body-size limits of the agents' API, one per call, checked before anything is parsed.
 
-A body over its route's limit is answered 413 naming the limit, from its Content-Length before a
-byte is read, or as soon as a chunked body passes the limit; a body within it is buffered (it is
-small) and handed on. The per-document caps (labels, devices, HCAs, samples) are in
-``fleetserve.protocol`` and answer 422.
+A body over its call's limit is answered 413 naming the limit (``refusals.too_large``), from its
+Content-Length before a byte is read, or as soon as a chunked body passes the limit. The agents'
+door (``door.py``) checks its three calls itself; ``BodyLimitMiddleware`` checks the FastAPI
+routes (registration, classes, model files) and hands them the body it read, which is small. The
+per-document caps (labels, devices, HCAs, samples) are in ``fleetserve.protocol`` and answer 422.
 """
 
 from __future__ import annotations
@@ -12,17 +13,17 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
-from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from fleetserve.rawasgi.body import Unread, read_body
+from fleetserve.rawasgi.headers import header
+from fleetserve.server.agents.refusals import refuse, too_large
 from fleetserve.server.auth import AGENT_PREFIX
-from fleetserve.server.problems import error_body
 
 KiB = 1024
 MiB = 1024 * KiB
 
-# Per agent route (path after the prefix), the largest body it takes. A node document with every
+# Per agent call (path after the prefix), the largest body it takes. A node document with every
 # cap filled (256 devices, 64 HCAs, 64 labels) is under 128 KiB; a status report of a busy node
 # (replicas with stderr tails, 4096 GPU samples) under 2 MiB.
 BODY_LIMITS: Mapping[str, int] = MappingProxyType(
@@ -32,28 +33,19 @@ BODY_LIMITS: Mapping[str, int] = MappingProxyType(
         "/status": 4 * MiB,
     }
 )
-# Every other agent route is a GET: a body has no business there.
+# Every other agent call is a GET: a body has no business there.
 DEFAULT_LIMIT = 4 * KiB
 
 
 def limit_for(path: str) -> int | None:
-    """The body limit of ``path`` (None: not an agent route, no limit here)."""
+    """The body limit of ``path`` (None: not an agent call, no limit here)."""
     if path != AGENT_PREFIX and not path.startswith(AGENT_PREFIX + "/"):
         return None
     return BODY_LIMITS.get(path.removeprefix(AGENT_PREFIX), DEFAULT_LIMIT)
 
 
-def _size(n: int) -> str:
-    return f"{n // MiB} MiB" if n % MiB == 0 else f"{n // KiB} KiB" if n % KiB == 0 else f"{n} B"
-
-
-def _too_large(method: str, path: str, limit: int) -> JSONResponse:
-    message = f"the body of {method} {path} is over its limit of {_size(limit)} ({limit} bytes)"
-    return JSONResponse(error_body("body_too_large", message), status_code=413)
-
-
 class BodyLimitMiddleware:
-    """Pure ASGI middleware enforcing ``BODY_LIMITS`` on the agents' API."""
+    """Pure ASGI middleware enforcing ``BODY_LIMITS`` on the agents' FastAPI routes."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -64,29 +56,21 @@ class BodyLimitMiddleware:
             await self.app(scope, receive, send)
             return
         method, path = scope.get("method", ""), scope.get("path", "")
-        declared = Headers(scope=scope).get("content-length")
+        declared = header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            await _too_large(method, path, limit)(scope, receive, send)
+            await refuse(send, too_large(method, path, limit))
             return
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client went away before its body was complete
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                await _too_large(method, path, limit)(scope, receive, send)
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        await self.app(scope, replay(b"".join(chunks), receive), send)
+        body = await read_body(receive, limit)
+        if body is Unread.GONE:
+            return  # the client went away before its body was complete
+        if body is Unread.OVER_LIMIT:
+            await refuse(send, too_large(method, path, limit))
+            return
+        await self.app(scope, _read_already(body, receive), send)
 
 
-def replay(body: bytes, receive: Receive) -> Receive:
-    """A ``receive`` that hands on ``body`` (read already), then whatever follows."""
+def _read_already(body: bytes, receive: Receive) -> Receive:
+    """The route's ``receive``: the body read here, then whatever follows (its disconnect)."""
     sent = False
 
     async def again() -> Message:
