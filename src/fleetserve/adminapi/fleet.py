@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fleetserve.adminapi.values import IsoTime, View
 from fleetserve.protocol import AgentStatus, ReplicaStatus
+from fleetserve.spec.base import LINE_PATTERN
 from fleetserve.spec.resources import Deployment, Node, Replica, ReplicaState
 from fleetserve.spec.status import DecisionRecord, DeploymentStatus
 
@@ -42,8 +43,7 @@ class CordonRequest(BaseModel):
     """Why the node is cordoned; shown to every operator who looks at it."""
 
     model_config = ConfigDict(extra="forbid")
-    # One line of text: no control characters (``server/params.py``'s TEXT_PATTERN).
-    reason: str = Field(min_length=1, max_length=1000, pattern=r"^[^\x00-\x1f\x7f]*$")
+    reason: str = Field(min_length=1, max_length=1000, pattern=LINE_PATTERN)
 
 
 class NodeStatus(View):

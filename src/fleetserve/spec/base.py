@@ -18,6 +18,9 @@ from fleetserve.units import parse_bytes
 
 # A name as a pattern for API parameters and bodies (their lengths are bounded apart).
 NAME_PATTERN = r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?$"
+# One line of printable text: no NUL or other control characters a database column would refuse
+# (an operator's cordon reason, say).
+LINE_PATTERN = r"^[^\x00-\x1f\x7f]*$"
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?$")
 
 
