@@ -284,12 +284,15 @@ def table(columns: Sequence[tuple[str, dict[str, str]]]) -> list[str]:
 
 
 def run_column(kind: str, src: Path | None, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    """One column in a child process (``src``: another checkout's package first)."""
+    """One column in a child process (``src``: another checkout's package first, driven by that
+    checkout's own worker, so a module moved since that ref is imported where the ref has it)."""
     env = dict(os.environ)
+    script = Path(__file__).resolve()
     if src is not None:
         env["PYTHONPATH"] = str(src)
+        script = src.parent / "bench" / script.name
     result = tmp / f"{kind}-{'base' if src else 'this'}.json"
-    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--json", str(result)]
+    argv = [sys.executable, str(script), "--worker", kind, "--json", str(result)]
     argv += ["--nodes", str(args.nodes), "--gpus", str(args.gpus), "--replicas", str(args.replicas)]
     argv += ["--cycles", str(args.cycles), "--seed", str(args.seed), "--max-fill", str(args.max_fill)]
     done = subprocess.run(argv, env=env, cwd=tmp, check=False)
