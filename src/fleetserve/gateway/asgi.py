@@ -7,7 +7,7 @@ dispatched here by exact path; everything else (admin API, agents' API, ``/metri
 
 With CORS origins configured (``gateway.cors``), a browser's preflight is answered here before
 any route or API key, and every answer to an allowed origin gets its CORS headers on the way out
-(``_adding``); without, not one more step is taken.
+(``_adding``); without (the default), an answer costs one check more.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ def _adding(send: Send, added: tuple[Header, ...]) -> Send:
 
 
 async def _answer_preflight(send: Send, preflight: Preflight) -> None:
+    """A preflight's answer: 204 with its headers and no body, or its refusal in OpenAI's shape."""
     if preflight.refusal is not None:
         code = preflight.refusal.value
         await send_error(send, preflight.status, REFUSALS[preflight.refusal], "invalid_request_error", code)
