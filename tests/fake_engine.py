@@ -67,21 +67,33 @@ def run_replica_on(store: SqlStore, port: int, model_path: Path) -> None:
 
 class ServedGateway:
     """A gateway app served by uvicorn (uvloop, httptools) on 127.0.0.1 in a thread of its own, in
-    front of fake OpenAI engines (fleetserve.dev.fake_openai) in the same event loop."""
+    front of fake OpenAI engines (fleetserve.dev.fake_openai) in the same event loop; with
+    ``cors_origins``, its /v1 answers browsers of those origins."""
 
-    def __init__(self, store: SqlStore, engines: int = 1, redis_url: str | None = None, namespace: str = "t"):
+    def __init__(
+        self,
+        store: SqlStore,
+        engines: int = 1,
+        redis_url: str | None = None,
+        namespace: str = "t",
+        cors_origins: tuple[str, ...] = (),
+    ):
         import asyncio
 
         import uvicorn
         import uvloop
 
         from fleetserve.dev.fake_openai import FakeEngine
+        from fleetserve.gateway.cors import Cors
         from fleetserve.server.app import Serving, create_gateway_app
 
         self.store = store
         self.engines = [FakeEngine() for _ in range(engines)]
         self.app = create_gateway_app(
-            store, serving=Serving.build(store, redis_url=redis_url, redis_namespace=namespace)
+            store,
+            serving=Serving.build(
+                store, redis_url=redis_url, redis_namespace=namespace, cors=Cors.of(cors_origins)
+            ),
         )
         self.loop = uvloop.new_event_loop()
         self._ready = threading.Event()

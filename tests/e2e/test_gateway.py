@@ -4,8 +4,9 @@ statuses themselves are counted) against ``fleetserve server``'s /v1, in front o
 
 One server (SQLite) and two agents (gw-a, gw-b) serve the whole module, with two deployments of
 the tiny model: ``tiny`` (2 replicas, the default admission policy) and ``busy`` (1 replica,
-``admission: {maxWaiting: 1, maxWaitSeconds: 1}``). Every process — server, agents and the
-llama-servers they started — is stopped at teardown, and an engine left behind fails the module.
+``admission: {maxWaiting: 1, maxWaitSeconds: 1}``); the server allows one browser origin
+(``--cors-origin``). Every process — server, agents and the llama-servers they started — is
+stopped at teardown, and an engine left behind fails the module.
 
 The tiny model generates thousands of tokens per second, and a request's generation is bounded by
 the 256-token context: a whole answer takes a few milliseconds, too short to overload anything or
@@ -63,6 +64,8 @@ from fleetserve.engines.spec import EngineKind
 pytestmark = pytest.mark.slow
 
 NODES = ("gw-a", "gw-b")
+# The one origin whose web pages may call the server's /v1 (--cors-origin).
+BROWSER_ORIGIN = "https://chat.example.com"
 # Grammars that make generation slow on purpose (see the module docstring).
 # Routes are re-read from the store every second: wait this long after a replica turned Running
 # before counting on the gateway to send it requests.
@@ -180,7 +183,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     orphans: list[str] = []
     try:
         server = servers.start(
-            f"sqlite:///{tmp / 'state.db'}", name="server", extra_args=short_deadline_args(tmp)
+            f"sqlite:///{tmp / 'state.db'}",
+            name="server",
+            extra_args=(*short_deadline_args(tmp), "--cors-origin", BROWSER_ORIGIN),
         )
         agents = {name: agent_factory.start(server.url, server.join_token, name) for name in NODES}
         with server.client(timeout=10) as api:
@@ -427,6 +432,45 @@ def test_a_key_over_its_request_rate_gets_429_with_retry_after(fleet: Fleet) -> 
         assert client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4
         ).choices
+
+
+def test_a_browser_gets_the_gateways_cors_for_its_origin_only_never_the_engines(fleet: Fleet) -> None:
+    ports = fleet.running("tiny", 2)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    # llama-server itself allows whatever origin asks: that must not pass through the gateway.
+    port = next(iter(ports.values()))
+    direct = httpx.post(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        headers={**ENGINE_HEADERS[port], "Origin": "https://evil.example"},
+        json=body,
+        timeout=30,
+    )
+    print(f"llama-server's own CORS: {direct.headers.get_list('access-control-allow-origin')}")
+    preflight = httpx.options(
+        f"{fleet.base_url}/chat/completions",
+        headers={
+            "Origin": BROWSER_ORIGIN,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type",
+        },
+        timeout=10,
+    )
+    assert preflight.status_code == 204, preflight.text
+    assert preflight.headers["access-control-allow-origin"] == BROWSER_ORIGIN
+    with fleet.http() as http:
+        for stream in (False, True):
+            allowed = http.post(
+                "/chat/completions", headers={"Origin": BROWSER_ORIGIN}, json={**body, "stream": stream}
+            )
+            assert allowed.status_code == 200, allowed.text
+            assert allowed.headers.get_list("access-control-allow-origin") == [BROWSER_ORIGIN]
+            other = http.post(
+                "/chat/completions",
+                headers={"Origin": "https://evil.example"},
+                json={**body, "stream": stream},
+            )
+            assert other.status_code == 200, other.text
+            assert [n for n in other.headers if n.startswith("access-control-")] == []
 
 
 def test_a_body_over_the_limit_gets_413_without_reaching_an_engine(fleet: Fleet) -> None:

@@ -59,9 +59,13 @@ class UpOptions:
     # How long the server keeps usage and the audit log (--usage-retention, --audit-retention).
     usage_retention: str = "30d"
     audit_retention: str = "365d"
+    # The origins whose web pages may call the gateway (--cors-origin; none: no CORS).
+    cors_origins: tuple[str, ...] = ()
 
     def server_args(self) -> list[str]:
         args = ["--usage-retention", self.usage_retention, "--audit-retention", self.audit_retention]
+        for origin in self.cors_origins:
+            args += ["--cors-origin", origin]
         return args + (["--redis-url", self.redis_url] if self.redis_url else [])
 
     def agent_args(self) -> list[str]:

@@ -1,7 +1,7 @@
 """The flags the process commands share (``server``, ``gateway``, ``agent``, ``up``): TLS of the
-listener, Redis for the rate-limit windows, shutdown grace, log level, retention of usage and
-audit rows, and where model files may come from; with the two helpers that turn flags into
-values (``retention``, ``listen_tls``).
+listener, Redis for the rate-limit windows, the origins allowed CORS, shutdown grace, log level,
+retention of usage and audit rows, and where model files may come from; with the helpers that
+turn flags into values (``retention``, ``listen_tls``, ``cors``).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 if TYPE_CHECKING:
+    from fleetserve.gateway.cors import Cors
     from fleetserve.server.admin.retention import RetentionPolicy
     from fleetserve.tls import ServerTls
 
@@ -55,6 +56,17 @@ RedisUrlOpt = Annotated[
         envvar="FLEETSERVE_REDIS_URL",
         help="redis://HOST:PORT/DB: keep the API keys' rate-limit windows in this Redis, shared "
         "by every gateway (without it, each process keeps its own; losing Redis falls back to them).",
+    ),
+]
+CorsOriginOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--cors-origin",
+        help="An origin (scheme://host[:port], e.g. https://chat.example.com) whose web pages may "
+        "call /v1 from a browser: its preflights (OPTIONS) are answered without an API key and "
+        "every answer to it carries Access-Control-Allow-Origin (requests still need a key). "
+        "Repeatable; '*' (alone) allows any origin. Never with cookies or other credentials. "
+        "None by default: no CORS, browsers on other origins are refused.",
     ),
 ]
 RedisNamespaceOpt = Annotated[
@@ -128,6 +140,16 @@ def retention(usage: str, audit: str) -> RetentionPolicy:
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint=flag) from None
     return RetentionPolicy(values[0], values[1])
+
+
+def cors(origins: list[str] | None) -> Cors | None:
+    """The CORS of --cors-origin (None: not given); a bad origin is an error naming the flag."""
+    from fleetserve.gateway.cors import Cors
+
+    try:
+        return Cors.of(origins or ())
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--cors-origin") from None
 
 
 def listen_tls(

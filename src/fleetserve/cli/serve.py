@@ -14,6 +14,7 @@ from rich.console import Console
 from fleetserve.cli.options import (
     AllowPrivateSourcesOpt,
     AuditRetentionOpt,
+    CorsOriginOpt,
     GraceSecondsOpt,
     HfMirrorOpt,
     HfTokenFileOpt,
@@ -28,6 +29,7 @@ from fleetserve.cli.options import (
     TlsKeyOpt,
     TlsSanOpt,
     UsageRetentionOpt,
+    cors,
     listen_tls,
     retention,
 )
@@ -97,6 +99,7 @@ def server_command(
     ] = Path("fleetserve-models"),
     redis_url: RedisUrlOpt = None,
     redis_namespace: RedisNamespaceOpt = "fleetserve",
+    cors_origin: CorsOriginOpt = None,
     grace_seconds: GraceSecondsOpt = 30.0,
     log_level: LogLevelOpt = "info",
     usage_retention: UsageRetentionOpt = "30d",
@@ -137,6 +140,7 @@ def server_command(
         enrolment = EnrolmentPolicy(approve_new_nodes, parse_networks(node_address_allow or []))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
+    allowed = cors(cors_origin)
     control = ControlPlane(
         models_dir,
         reconcile_interval,
@@ -154,6 +158,7 @@ def server_command(
             control,
             SharedWindows(redis_url, redis_namespace),
             ReconcilerMode(reconciler),
+            allowed,
         )
     except FleetserveError as err:
         raise fail(err) from None
@@ -184,6 +189,7 @@ def up_command(
             help="redis://HOST:PORT/DB: the server's gateway keeps its rate-limit windows there.",
         ),
     ] = None,
+    cors_origin: CorsOriginOpt = None,
     usage_retention: UsageRetentionOpt = "30d",
     audit_retention: AuditRetentionOpt = "365d",
 ) -> None:
@@ -196,6 +202,7 @@ def up_command(
     from fleetserve.cli.local import UpOptions, up
 
     retention(usage_retention, audit_retention)  # checked here, before anything starts
+    cors(cors_origin)
     options = UpOptions(
         allow_private_sources,
         hf_mirror,
@@ -204,6 +211,7 @@ def up_command(
         redis_url,
         usage_retention,
         audit_retention,
+        tuple(cors_origin or ()),
     )
     try:
         up(data_dir, port, model, Console(soft_wrap=True), ready_timeout, options)
@@ -222,6 +230,7 @@ def gateway_command(
     port: Annotated[int, typer.Option(help="Port to listen on.", min=1, max=65535)] = 8081,
     redis_url: RedisUrlOpt = None,
     redis_namespace: RedisNamespaceOpt = "fleetserve",
+    cors_origin: CorsOriginOpt = None,
     access_log: Annotated[
         bool, typer.Option("--access-log", help="Log a line per request (costs CPU on the data path).")
     ] = False,
@@ -242,9 +251,11 @@ def gateway_command(
     """
     from fleetserve.server.process import Listen, SharedWindows, run_gateway
 
+    allowed = cors(cors_origin)
     try:
         served = listen_tls(host, tls_cert, tls_key, tls_dir, tls_san, tls, insecure, "gateway")
         listen = Listen(host, port, log_level, served, tuple(tls_san or ()), grace_seconds)
-        run_gateway(database_url, listen, SharedWindows(redis_url, redis_namespace), access_log)
+        windows = SharedWindows(redis_url, redis_namespace)
+        run_gateway(database_url, listen, windows, access_log, allowed)
     except FleetserveError as err:
         raise fail(err) from None

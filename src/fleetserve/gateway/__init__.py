@@ -4,6 +4,8 @@ The data path, a request in the order it meets the modules:
 
 - ``asgi``: ``/v1`` as raw ASGI (``rawasgi``), dispatched by exact path before FastAPI
   (``OpenAIApi``), and the app that puts it in front (``ServingApp``).
+- ``cors``: for the configured origins only, a browser's preflight answered and the CORS headers
+  every answer to them gets, computed once.
 - ``app``: the proxy, ``Gateway``: API keys, the checks, admission, forwarding with one retry,
   streaming; its state (routes, windows, in-flight counts, the upstream client).
 - ``openai_errors``: its refusals in OpenAI's error shape, and the event that ends a broken stream.

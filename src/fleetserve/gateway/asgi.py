@@ -4,6 +4,10 @@ FastAPI's routing, dependency injection and request objects cost more CPU than a
 may (design.md, "Gateway": 0.3 CPU-seconds per 1,000 requests). The OpenAI API has four routes,
 dispatched here by exact path; everything else (admin API, agents' API, ``/metrics``,
 ``/healthz``, the lifespan) stays on FastAPI, in the same app and on the same listener.
+
+With CORS origins configured (``gateway.cors``), a browser's preflight is answered here before
+any route or API key, and every answer to an allowed origin gets its CORS headers on the way out
+(``_adding``); without (the default), an answer costs one check more.
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ from typing import Any
 from fastapi import FastAPI
 
 from fleetserve.gateway.app import Gateway
+from fleetserve.gateway.cors import REFUSALS, Cors, Preflight
 from fleetserve.gateway.openai_errors import send_error
-from fleetserve.rawasgi.types import App, Receive, Scope, Send
+from fleetserve.rawasgi.headers import header
+from fleetserve.rawasgi.types import App, Header, Message, Receive, Scope, Send
 
 PROXIED: dict[str, bytes] = {
     "/v1/chat/completions": b"/v1/chat/completions",
@@ -25,13 +31,49 @@ PROXIED: dict[str, bytes] = {
 """The OpenAI routes forwarded to engines, with the path sent upstream."""
 
 
-class OpenAIApi:
-    """The OpenAI-compatible API over one ``Gateway``, as a raw ASGI app."""
+def _adding(send: Send, added: tuple[Header, ...]) -> Send:
+    """``send``, with ``added`` appended to the response's headers."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message["headers"] = [*message.get("headers", ()), *added]
+        await send(message)
+
+    return sending
+
+
+async def _answer_preflight(send: Send, preflight: Preflight) -> None:
+    """A preflight's answer: 204 with its headers and no body, or its refusal in OpenAI's shape."""
+    if preflight.refusal is not None:
+        code = preflight.refusal.value
+        await send_error(send, preflight.status, REFUSALS[preflight.refusal], "invalid_request_error", code)
+        return
+    await send({"type": "http.response.start", "status": preflight.status, "headers": preflight.headers})
+    await send({"type": "http.response.body", "body": b""})
+
+
+class OpenAIApi:
+    """The OpenAI-compatible API over one ``Gateway``, as a raw ASGI app; with ``cors``, callable
+    from web pages of its origins."""
+
+    def __init__(self, gateway: Gateway, cors: Cors | None = None) -> None:
         self.gateway = gateway
+        self.cors = cors
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        cors = self.cors
+        if cors is not None:
+            origin = header(scope, b"origin")
+            if origin is not None:
+                if scope["method"] == "OPTIONS":
+                    asked = header(scope, b"access-control-request-method")
+                    if asked is not None:  # a preflight: no API key, no route
+                        requested = header(scope, b"access-control-request-headers")
+                        await _answer_preflight(send, cors.preflight(origin, asked, requested))
+                        return
+                added = cors.actual(origin)
+                if added is not None:
+                    send = _adding(send, added)
         path: str = scope["path"]
         method: str = scope["method"]
         upstream = PROXIED.get(path)

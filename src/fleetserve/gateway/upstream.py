@@ -4,8 +4,9 @@ An upstream request is written as raw HTTP/1.1 bytes for ``httpclient``'s pooled
 built here, in one place, with the replica's engine key (``routing.engine_auth``), which the
 engine requires. Everything a request does not change (an endpoint's origin and Host, a key's
 header line) is computed once and cached. The answer's headers are relayed but for hop-by-hop
-ones (``relayed``); a streamed answer's events pass through as they come (``relay_stream``),
-and a stream that breaks off ends with an error event, never as if it were complete.
+ones and the engine's CORS (``relayed``); a streamed answer's events pass through as they come
+(``relay_stream``), and a stream that breaks off ends with an error event, never as if it were
+complete.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ log = logging.getLogger("fleetserve.gateway")
 
 # How long an engine may take to start answering (the head of its answer).
 UPSTREAM_TIMEOUT = 600.0
-# Upstream headers not relayed: hop-by-hop ones, and those uvicorn sets itself (no duplicates).
+# Upstream headers not relayed: hop-by-hop ones, those uvicorn sets itself (no duplicates), CORS.
 HOP_HEADERS = frozenset(
     {
         b"content-length",
@@ -36,6 +37,14 @@ HOP_HEADERS = frozenset(
         b"content-encoding",
         b"date",
         b"server",
+        # The engine's own CORS (llama-server allows whatever Origin it is sent): the gateway's
+        # CORS, for its configured origins only, is the one a browser sees (``gateway.cors``).
+        b"access-control-allow-origin",
+        b"access-control-allow-credentials",
+        b"access-control-allow-methods",
+        b"access-control-allow-headers",
+        b"access-control-expose-headers",
+        b"access-control-max-age",
     }
 )
 

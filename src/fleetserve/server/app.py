@@ -23,6 +23,7 @@ from fastapi import APIRouter, FastAPI, Request, Response
 from fleetserve import __version__
 from fleetserve.gateway.app import Gateway
 from fleetserve.gateway.asgi import OpenAIApi, ServingApp
+from fleetserve.gateway.cors import Cors
 from fleetserve.gateway.windows import RedisWindows, Windows
 from fleetserve.metrics.exposition import FleetMetrics
 from fleetserve.server import auth, problems
@@ -45,11 +46,13 @@ Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 @dataclass(frozen=True)
 class Serving:
     """What every serving process shares: its metrics, the observer scraping engines into them,
-    and the gateway (if any) whose picker reads the observer's engine load."""
+    the gateway (if any) whose picker reads the observer's engine load, and the origins whose
+    web pages may call its /v1 (None: no CORS)."""
 
     metrics: FleetMetrics
     observer: Observer
     gateway: Gateway | None
+    cors: Cors | None = None
 
     @classmethod
     def build(
@@ -58,9 +61,11 @@ class Serving:
         gateway: bool = True,
         redis_url: str | None = None,
         redis_namespace: str = "fleetserve",
+        cors: Cors | None = None,
     ) -> Serving:
         """Metrics, an observer over ``store`` and, unless told not, a gateway fed by the observer;
-        with ``redis_url``, its rate-limit windows are shared in that Redis."""
+        with ``redis_url``, its rate-limit windows are shared in that Redis; with ``cors``, its
+        /v1 answers browsers of those origins."""
         metrics = FleetMetrics()
         observer = Observer(store, metrics)
 
@@ -78,7 +83,7 @@ class Serving:
             if gateway
             else None
         )
-        return cls(metrics, observer, gw)
+        return cls(metrics, observer, gw, cors)
 
 
 def _assemble(
@@ -109,7 +114,8 @@ def _assemble(
     for router in routers:
         app.include_router(router)
     if serving.gateway is not None:
-        app.openai_api = OpenAIApi(serving.gateway)  # /v1/ is served before FastAPI sees it
+        # /v1/ is served before FastAPI sees it
+        app.openai_api = OpenAIApi(serving.gateway, serving.cors)
 
 
 def _serving_lifespan(serving: Serving, lifespan: Lifespan | None) -> Lifespan:

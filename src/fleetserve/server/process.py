@@ -30,6 +30,7 @@ from rich.console import Console
 from starlette.concurrency import run_in_threadpool
 
 from fleetserve.errors import ConfigError, Problem
+from fleetserve.gateway.cors import Cors
 from fleetserve.reconcile.health import HeartbeatPolicy
 from fleetserve.secretfile import write_secret
 from fleetserve.server.admin.retention import RetentionPolicy, prune_forever
@@ -229,12 +230,13 @@ def server_app(
     ca_pem: bytes | None = None,
     windows: SharedWindows | None = None,
     process: ReconcilerConfig | None = None,
+    cors: Cors | None = None,
 ) -> FastAPI:
     """The control plane's app: admin and agents' API, gateway, observer and reconciler (a thread,
     or with ``process`` a process of its own); it publishes ``ca_pem`` (a generated CA) for
-    clients that pin it."""
+    clients that pin it, and answers browsers of ``cors``'s origins on /v1."""
     windows = windows or SharedWindows()
-    serving = Serving.build(store, redis_url=windows.redis_url, redis_namespace=windows.namespace)
+    serving = Serving.build(store, redis_url=windows.redis_url, redis_namespace=windows.namespace, cors=cors)
     return create_app(
         store,
         lifespan=reconciling(store, control, serving, process),
@@ -246,11 +248,14 @@ def server_app(
 
 
 def gateway_app(
-    store: SqlStore, ca_pem: bytes | None = None, windows: SharedWindows | None = None
+    store: SqlStore,
+    ca_pem: bytes | None = None,
+    windows: SharedWindows | None = None,
+    cors: Cors | None = None,
 ) -> FastAPI:
     """An extra gateway's app: the same gateway, observer and ``/metrics`` as the control plane's."""
     windows = windows or SharedWindows()
-    serving = Serving.build(store, redis_url=windows.redis_url, redis_namespace=windows.namespace)
+    serving = Serving.build(store, redis_url=windows.redis_url, redis_namespace=windows.namespace, cors=cors)
     return create_gateway_app(store, serving=serving, ca_pem=ca_pem)
 
 
@@ -283,6 +288,12 @@ def print_tls(listen: Listen, console: Console, what: str) -> None:
         )
     else:
         console.print(f"  clients: trust {ca_file} (e.g. curl --cacert {ca_file})", markup=False)
+
+
+def print_cors(cors: Cors | None, console: Console) -> None:
+    """Say which origins' web pages may call /v1 (nothing without CORS)."""
+    if cors is not None:
+        console.print(f"  CORS for /v1: {', '.join(cors.origins)}", markup=False, highlight=False)
 
 
 class _DrainingServer(uvicorn.Server):
@@ -329,8 +340,10 @@ def run_server(
     control: ControlPlane,
     windows: SharedWindows | None = None,
     mode: ReconcilerMode = ReconcilerMode.AUTO,
+    cors: Cors | None = None,
 ) -> None:
-    """Open (and migrate) the store, then serve the API and run the reconciler until stopped."""
+    """Open (and migrate) the store, then serve the API and run the reconciler until stopped;
+    with ``cors``, /v1 answers browsers of its origins."""
     process = reconciler_process(mode, database_url, control, listen.log_level)
     logging.basicConfig(
         level=listen.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
@@ -341,22 +354,29 @@ def run_server(
     store = SqlStore.open(database_url)
     try:
         ensure_tokens(store, control.token_file, console)
-        app = server_app(store, control, listen.tls.ca_pem if listen.tls else None, windows, process)
+        ca_pem = listen.tls.ca_pem if listen.tls else None
+        app = server_app(store, control, ca_pem, windows, process, cors)
         console.print(
             f"fleetserve server: {listen.url} (OpenAPI at /docs, dashboard at /ui), state in "
             f"{shown_url(database_url)}; reconciler in {'a process of its own' if process else 'a thread'}",
             markup=False,
         )
         print_tls(listen, console, "server")
+        print_cors(cors, console)
         serve(app, listen, access_log=False)
     finally:
         store.close()
 
 
 def run_gateway(
-    database_url: str, listen: Listen, windows: SharedWindows | None = None, access_log: bool = False
+    database_url: str,
+    listen: Listen,
+    windows: SharedWindows | None = None,
+    access_log: bool = False,
+    cors: Cors | None = None,
 ) -> None:
-    """Open the control plane's store, then serve the gateway over it until stopped."""
+    """Open the control plane's store, then serve the gateway over it until stopped; with
+    ``cors``, /v1 answers browsers of its origins."""
     logging.basicConfig(
         level=listen.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
@@ -365,7 +385,8 @@ def run_gateway(
         console = Console(soft_wrap=True)
         console.print(f"fleetserve gateway: {listen.url}/v1", markup=False)
         print_tls(listen, console, "gateway")
-        app = gateway_app(store, listen.tls.ca_pem if listen.tls else None, windows)
+        print_cors(cors, console)
+        app = gateway_app(store, listen.tls.ca_pem if listen.tls else None, windows, cors)
         if not serve(app, listen, access_log=access_log):
             raise SystemExit(STARTUP_FAILURE)
     finally:
