@@ -29,7 +29,6 @@ CTX = 4096
 CASES: list[tuple[str, dict[str, Any], frozenset[EngineKind], int | None, int]] = [
     ("max_tokens is the cap", {"max_tokens": 100}, LLAMA, CTX, 100),
     ("max_completion_tokens is the cap", {"max_completion_tokens": 70}, VLLM, CTX, 70),
-    ("the Responses API's max_output_tokens is the cap", {"max_output_tokens": 90}, LLAMA, CTX, 90),
     ("llama.cpp's n_predict is the cap", {"n_predict": 300}, LLAMA, CTX, 300),
     (
         "llama.cpp reads n_predict before max_tokens, a smaller one included",
@@ -166,6 +165,26 @@ def test_a_request_reserves_what_its_engines_may_generate(
     body: dict[str, Any], engines: frozenset[EngineKind], context: int | None, expected: int
 ) -> None:
     assert reservation(body, b"", engines, context) == expected
+
+
+# (sentence, request body, the deployment's engines, the path it is sent to, tokens reserved)
+ROUTES: list[tuple[str, dict[str, Any], frozenset[EngineKind], bytes, int]] = [
+    ("on the Responses route max_output_tokens is the cap", {"max_output_tokens": 90}, LLAMA, b"/v1/responses", 90),
+    ("on vLLM's Responses route too", {"max_output_tokens": 90}, VLLM, b"/v1/responses", 90),
+    ("elsewhere llama.cpp ignores max_output_tokens: the context", {"max_output_tokens": 90}, LLAMA, b"/v1/chat/completions", CTX),
+    ("elsewhere vLLM ignores it too", {"max_output_tokens": 90}, VLLM, b"/v1/completions", CTX),
+    ("beside max_tokens on the Responses route, the larger", {"max_output_tokens": 9, "max_tokens": 20}, LLAMA, b"/v1/responses", 20),
+    ("n_predict still comes first on llama.cpp's Responses route", {"max_output_tokens": 9, "n_predict": 30}, LLAMA, b"/v1/responses", 30),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("body", "engines", "path", "expected"), [pytest.param(b, e, p, x, id=s) for s, b, e, p, x in ROUTES]
+)
+def test_max_output_tokens_caps_a_request_on_the_responses_route_only(
+    body: dict[str, Any], engines: frozenset[EngineKind], path: bytes, expected: int
+) -> None:
+    assert reservation(body, b"", engines, CTX, path) == expected
 
 
 def test_the_prompt_is_estimated_from_the_bodys_bytes_on_top() -> None:

@@ -7,8 +7,8 @@ one request's worth. (Before, only ``max_tokens`` was read: two got through and 
 generated.)
 
 ``max_output_tokens`` is the Responses API's field; this branch's gateway relays the Chat
-Completions route only, so it is sent there, to an engine that honours it as llama.cpp's Responses
-route would.
+Completions route only, so it is sent there, where engines ignore it (llama-server generates until
+the context is full) and the gateway reserves the context; the fake engine honours it.
 """
 
 from __future__ import annotations

@@ -52,7 +52,9 @@ class CapFields:
 
     Each is a tuple of groups of fields: the first group holding a value the engine reads wins;
     within a group, where the engine's own order is not pinned here, the largest (never less than
-    the engine generates). ``strings``: the engine reads a numeric string as a number.
+    the engine generates). ``strings``: the engine reads a numeric string as a number. The
+    Responses API's ``max_output_tokens`` is read on that API's route only: elsewhere engines
+    ignore it (llama-server's Chat Completions route generates until the context is full).
     """
 
     cap: tuple[tuple[str, ...], ...]
@@ -66,7 +68,7 @@ CAP_FIELDS: Mapping[EngineKind, CapFields] = MappingProxyType(
         # max_completion_tokens, else max_tokens, else its own default of -1; a negative cap runs
         # until the context is full. The Responses API's max_output_tokens is read beside
         # max_tokens (its conversion to Chat Completions, whose order is not pinned here). Choices:
-        # n_cmpl, else n. JSON numbers only: a field of another type falls through to the next.
+        # n_cmpl, else n (1 to its slots). Numbers and booleans only: it refuses a string.
         EngineKind.LLAMACPP: CapFields(
             cap=(("n_predict",), ("max_completion_tokens",), ("max_tokens", "max_output_tokens")),
             choices=(("n_cmpl",), ("n",)),
@@ -100,9 +102,18 @@ def _number(value: object, strings: bool) -> int | None:
     return None
 
 
-def _first(data: dict[str, Any], groups: tuple[tuple[str, ...], ...], strings: bool) -> int | None:
+RESPONSES_ONLY = "max_output_tokens"
+
+
+def _first(
+    data: dict[str, Any], groups: tuple[tuple[str, ...], ...], strings: bool, responses: bool = False
+) -> int | None:
     for group in groups:
-        values = [n for name in group if (n := _number(data.get(name), strings)) is not None]
+        values = [
+            n
+            for name in group
+            if (responses or name != RESPONSES_ONLY) and (n := _number(data.get(name), strings)) is not None
+        ]
         if values:
             return max(values)
     return None
@@ -117,11 +128,13 @@ def _prompts(data: dict[str, Any]) -> int:
     return 1
 
 
-def completion_budget(data: dict[str, Any], fields: CapFields, context: int | None) -> int:
-    """Tokens an engine reading ``fields`` may generate for ``data``: its cap per choice (at most
-    the ``context`` its replicas start with; that context when unbounded), times choices and
-    prompts."""
-    cap = _first(data, fields.cap, fields.strings)
+def completion_budget(
+    data: dict[str, Any], fields: CapFields, context: int | None, responses: bool = False
+) -> int:
+    """Tokens an engine reading ``fields`` may generate for ``data`` (sent to the Responses API when
+    ``responses``): its cap per choice (at most the ``context`` its replicas start with; that
+    context when unbounded), times choices and prompts."""
+    cap = _first(data, fields.cap, fields.strings, responses)
     if cap is None or cap < 0:  # unbounded: until the context is full
         per_sequence = DEFAULT_RESERVE_TOKENS if context is None else context
     else:
@@ -132,13 +145,18 @@ def completion_budget(data: dict[str, Any], fields: CapFields, context: int | No
 
 
 def reservation(
-    data: dict[str, Any], body: bytes, engines: Iterable[EngineKind] = (), context: int | None = None
+    data: dict[str, Any],
+    body: bytes,
+    engines: Iterable[EngineKind] = (),
+    context: int | None = None,
+    path: bytes = b"",
 ) -> int:
-    """Tokens to reserve for a request before its usage is known: the most any of ``engines`` (the
-    deployment's; every known engine when none is named) may generate for it, within the deployment's
-    ``context`` (None: not known here), plus an estimate of its prompt."""
+    """Tokens to reserve for a request to ``path`` before its usage is known: the most any of
+    ``engines`` (the deployment's; every known engine when none is named) may generate for it,
+    within the deployment's ``context`` (None: not known here), plus an estimate of its prompt."""
     rules = [CAP_FIELDS[e] for e in engines if e in CAP_FIELDS] or list(CAP_FIELDS.values())
-    budget = max(completion_budget(data, fields, context) for fields in rules)
+    responses = path.endswith(b"/responses")
+    budget = max(completion_budget(data, fields, context, responses) for fields in rules)
     return budget + len(body) // BYTES_PER_TOKEN
 
 
