@@ -2,10 +2,15 @@
 
 Raw asyncio with the ``httptools`` request parser, so that as little CPU as possible goes to the
 upstream itself. ``POST /v1/chat/completions``, ``/v1/completions`` and ``/v1/embeddings``
-answer at once: a JSON body, or with ``"stream": true`` a server-sent event stream of
-``max_tokens`` content events (default 16), each written on its own, then the usage event when
+answer at once: a JSON body, or with ``"stream": true`` a server-sent event stream of one
+content event per token, each written on its own, then the usage event when
 ``stream_options.include_usage`` asks for it, then ``[DONE]``. Usage counts one prompt token per
 4 bytes of the request body and one completion token per event, as engines report them.
+
+Tokens per choice are read as llama-server reads them (``tokens_asked``): ``n_predict``, else
+``max_completion_tokens``, else ``max_tokens`` or the Responses API's ``max_output_tokens``,
+default 16; a negative cap runs until the fake's context of ``CONTEXT`` tokens is full, and no
+cap goes past it. ``n`` (or ``n_cmpl``) choices each generate that many.
 
 Three fields of a request steer it, for tests: ``"fake_delay": SECONDS`` waits that long before
 each event, ``"fake_status": CODE`` answers with that status, ``"fake_break_after": N`` drops the
@@ -24,13 +29,36 @@ import httptools
 import orjson
 
 _CONTENT = b"hi "
+CONTEXT = 4096
+"""The fake's context: no choice generates more tokens than this."""
+DEFAULT_TOKENS = 16
+
+
+def _integer(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def tokens_asked(request: dict[str, Any]) -> tuple[int, int]:
+    """Tokens per choice and choices ``request`` asks for, read as llama-server reads them."""
+    tokens = DEFAULT_TOKENS
+    for name in ("n_predict", "max_completion_tokens", "max_tokens", "max_output_tokens"):
+        value = _integer(request.get(name))
+        if value is not None:
+            tokens = CONTEXT if value < 0 else min(value, CONTEXT)
+            break
+    choices = _integer(request.get("n_cmpl"))
+    if choices is None:
+        choices = _integer(request.get("n"))
+    return tokens, max(1, choices or 1)
 
 
 @dataclass
 class Served:
-    """What a fake engine saw: requests, bodies (the last few), streams finished and cut off."""
+    """What a fake engine saw: requests, bodies (the last few), streams finished and cut off, and
+    the completion tokens it generated."""
 
     requests: int = 0
+    generated: int = 0
     streams_done: int = 0
     streams_cut: int = 0
     bodies: list[dict[str, Any]] = field(default_factory=list)
@@ -51,12 +79,13 @@ def _chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
-def completion(path: bytes, prompt_tokens: int, tokens: int) -> bytes:
-    """The non-streamed answer to ``path`` (chat, completions or embeddings)."""
+def completion(path: bytes, prompt_tokens: int, tokens: int, choices: int = 1) -> bytes:
+    """The non-streamed answer to ``path`` (chat, completions or embeddings): ``choices`` choices of
+    ``tokens`` tokens each."""
     usage = {
         "prompt_tokens": prompt_tokens,
-        "completion_tokens": tokens,
-        "total_tokens": prompt_tokens + tokens,
+        "completion_tokens": tokens * choices,
+        "total_tokens": prompt_tokens + tokens * choices,
     }
     if path.endswith(b"/embeddings"):
         usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
@@ -67,18 +96,18 @@ def completion(path: bytes, prompt_tokens: int, tokens: int) -> bytes:
                 "usage": usage,
             }
         )
+    text = (_CONTENT * tokens).decode()
     if path.endswith(b"/chat/completions"):
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": (_CONTENT * tokens).decode()},
-            "finish_reason": "length",
-        }
+        answers: list[dict[str, Any]] = [
+            {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+            for i in range(choices)
+        ]
         kind = "chat.completion"
     else:
-        choice = {"index": 0, "text": (_CONTENT * tokens).decode(), "finish_reason": "length"}
+        answers = [{"index": i, "text": text, "finish_reason": "length"} for i in range(choices)]
         kind = "text_completion"
     return orjson.dumps(
-        {"id": "fake-1", "object": kind, "created": 1, "model": "fake", "choices": [choice], "usage": usage}
+        {"id": "fake-1", "object": kind, "created": 1, "model": "fake", "choices": answers, "usage": usage}
     )
 
 
@@ -140,7 +169,8 @@ class _Request(asyncio.Protocol):
             error = b'{"error":{"message":"fake failure","type":"server_error","param":null,"code":null}}'
             transport.write(_head(status, b"application/json", len(error)) + error)
             return
-        tokens = request.get("max_tokens") or 16
+        per_choice, choices = tokens_asked(request)
+        tokens = per_choice * choices  # streamed as one run of events
         prompt_tokens = max(1, len(body) // 4)
         delay = request.get("fake_delay") or 0
         if request.get("stream"):
@@ -158,7 +188,9 @@ class _Request(asyncio.Protocol):
                 )
             )
             return
-        answer = completion(url, prompt_tokens, int(tokens))
+        answer = completion(url, prompt_tokens, per_choice, choices)
+        if not url.endswith(b"/embeddings"):
+            self.engine.served.generated += tokens
         transport.write(_head(200, b"application/json", len(answer)) + answer)
 
     async def _stream(
@@ -192,6 +224,7 @@ class _Request(asyncio.Protocol):
                 else:
                     await asyncio.sleep(0)  # each event in a write of its own, as tokens come
                 transport.write(_chunk(event))
+                self.engine.served.generated += 1
             tail = last
             if usage:
                 numbers = b'{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}' % (

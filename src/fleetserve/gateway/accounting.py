@@ -1,8 +1,11 @@
 """What a request costs and how it is counted: its token reservation, and its accounting.
 
 - Before a request is forwarded, a key with a tokens-per-minute limit reserves what the request
-  may use (``reservation``: its completion budget and an estimate of its prompt); when its answer
-  is in, the reservation is settled with the usage the engine reported, or with what was held
+  may use (``reservation``): what its deployment's engines may generate for it, read from
+  whichever field carries its cap as each engine reads them (``CAP_FIELDS``: ``max_tokens``,
+  ``max_completion_tokens``, ``max_output_tokens``, llama.cpp's ``n_predict``; times ``n``), the
+  deployment's context when unbounded, plus an estimate of its prompt. When its answer is in, the
+  reservation is settled with the usage the engine reported, or with what was held
   (``held_reserved``) when the answer carried none.
 - Every answered request, refusals included, is accounted once (``Accounting.account``): usage
   per minute, key and model in memory (``gateway.usage``, written to the store by
@@ -13,9 +16,14 @@
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
+from fleetserve.engines.spec import EngineKind
 from fleetserve.gateway.admission import Admission
 from fleetserve.gateway.endpoints import EndpointTable
 from fleetserve.gateway.picker import Endpoint
@@ -25,19 +33,130 @@ from fleetserve.gateway.windows import Held
 from fleetserve.metrics.exposition import FleetMetrics
 from fleetserve.store.credentials import ApiKey
 
-# Tokens reserved for a request without max_tokens, until its real usage is known.
+# Tokens reserved per choice for a request the engine may answer until its context is full, where
+# the deployment's context is not known to the gateway (a profile without ``context``: its engine
+# starts with the model's own, read from the weights, which the gateway does not open).
 DEFAULT_RESERVE_TOKENS = 256
 # Bytes of request body per prompt token, for the reservation's estimate of the prompt.
 BYTES_PER_TOKEN = 4
+# The most sequences (choices times prompts) one request is reserved for, and the most tokens per
+# sequence where no context bounds them (llama.cpp reads a cap as a 32-bit int): a nonsense ``n``
+# or cap cannot make a reservation past 2**47 tokens, which Redis's Lua (doubles) counts exactly.
+MAX_SEQUENCES = 1 << 16
+MAX_TOKENS_PER_SEQUENCE = (1 << 31) - 1
 
 
-def reservation(data: dict[str, Any], body: bytes) -> int:
-    """Tokens to reserve for a request before its usage is known: its completion budget and prompt."""
-    budget = data.get("max_tokens")
-    if not isinstance(budget, int) or budget < 0:
-        budget = data.get("max_completion_tokens")
-    if not isinstance(budget, int) or budget < 0:
-        budget = DEFAULT_RESERVE_TOKENS
+@dataclass(frozen=True)
+class CapFields:
+    """How one engine reads a request's completion cap and its number of choices.
+
+    Each is a tuple of groups of fields: the first group holding a value the engine reads wins;
+    within a group, where the engine's own order is not pinned here, the largest (never less than
+    the engine generates). ``strings``: the engine reads a numeric string as a number. The
+    Responses API's ``max_output_tokens`` is read on that API's route only: elsewhere engines
+    ignore it (llama-server's Chat Completions route generates until the context is full).
+    """
+
+    cap: tuple[tuple[str, ...], ...]
+    choices: tuple[tuple[str, ...], ...]
+    strings: bool
+
+
+CAP_FIELDS: Mapping[EngineKind, CapFields] = MappingProxyType(
+    {
+        # llama-server (tools/server/server-task.cpp, params_from_json_cmpl): n_predict, else
+        # max_completion_tokens, else max_tokens, else its own default of -1; a negative cap runs
+        # until the context is full. The Responses API's max_output_tokens is read beside
+        # max_tokens (its conversion to Chat Completions, whose order is not pinned here). Choices:
+        # n_cmpl, else n (1 to its slots). Numbers and booleans only: it refuses a string.
+        EngineKind.LLAMACPP: CapFields(
+            cap=(("n_predict",), ("max_completion_tokens",), ("max_tokens", "max_output_tokens")),
+            choices=(("n_cmpl",), ("n",)),
+            strings=False,
+        ),
+        # vLLM: max_completion_tokens or max_tokens (chat), max_tokens (completions),
+        # max_output_tokens (Responses); none: until the context is full. n choices, best_of
+        # sequences. Pydantic's lax integers: numeric strings count.
+        EngineKind.VLLM: CapFields(
+            cap=(("max_completion_tokens", "max_tokens", "max_output_tokens"),),
+            choices=(("n", "best_of"),),
+            strings=True,
+        ),
+    }
+)
+
+
+def _number(value: object, strings: bool) -> int | None:
+    """``value`` as an engine reads an integer field, rounded up; None where it reads none."""
+    if value is None or isinstance(value, bool):  # a boolean read as 0 or 1 would only shrink
+        return None
+    if isinstance(value, int):
+        return value
+    try:
+        if isinstance(value, float):
+            return math.ceil(value)
+        if strings and isinstance(value, str):
+            return math.ceil(float(value))
+    except (ValueError, OverflowError):  # "nan", "inf", not a number
+        return None
+    return None
+
+
+RESPONSES_ONLY = "max_output_tokens"
+
+
+def _first(
+    data: dict[str, Any], groups: tuple[tuple[str, ...], ...], strings: bool, responses: bool = False
+) -> int | None:
+    for group in groups:
+        values = [
+            n
+            for name in group
+            if (responses or name != RESPONSES_ONLY) and (n := _number(data.get(name), strings)) is not None
+        ]
+        if values:
+            return max(values)
+    return None
+
+
+def _prompts(data: dict[str, Any]) -> int:
+    """Prompts one request holds: a completions request's list of prompts is answered prompt by
+    prompt (a list of token ids is one prompt)."""
+    prompt = data.get("prompt")
+    if isinstance(prompt, list):
+        return max(1, sum(1 for p in prompt if isinstance(p, str | list | dict)))
+    return 1
+
+
+def completion_budget(
+    data: dict[str, Any], fields: CapFields, context: int | None, responses: bool = False
+) -> int:
+    """Tokens an engine reading ``fields`` may generate for ``data`` (sent to the Responses API when
+    ``responses``): its cap per choice (at most the ``context`` its replicas start with; that
+    context when unbounded), times choices and prompts."""
+    cap = _first(data, fields.cap, fields.strings, responses)
+    if cap is None or cap < 0:  # unbounded: until the context is full
+        per_sequence = DEFAULT_RESERVE_TOKENS if context is None else context
+    else:
+        per_sequence = min(max(cap, 1), MAX_TOKENS_PER_SEQUENCE if context is None else context)
+    choices = _first(data, fields.choices, fields.strings)
+    sequences = min(MAX_SEQUENCES, max(1, choices or 1) * _prompts(data))  # never shrunk below one
+    return per_sequence * sequences
+
+
+def reservation(
+    data: dict[str, Any],
+    body: bytes,
+    engines: Iterable[EngineKind] = (),
+    context: int | None = None,
+    path: bytes = b"",
+) -> int:
+    """Tokens to reserve for a request to ``path`` before its usage is known: the most any of
+    ``engines`` (the deployment's; every known engine when none is named) may generate for it,
+    within the deployment's ``context`` (None: not known here), plus an estimate of its prompt."""
+    rules = [CAP_FIELDS[e] for e in engines if e in CAP_FIELDS] or list(CAP_FIELDS.values())
+    responses = path.endswith(b"/responses")
+    budget = max(completion_budget(data, fields, context, responses) for fields in rules)
     return budget + len(body) // BYTES_PER_TOKEN
 
 

@@ -245,7 +245,9 @@ class Gateway:
             return
         held: Held | None = None
         if key.rpm is not None or key.tpm is not None:
-            reserve = reservation(data, body) if key.tpm is not None else 0
+            reserve = (
+                reservation(data, body, route.engine_kinds, route.context, path) if key.tpm is not None else 0
+            )
             decision, held = await self.windows.admit(str(key.id), Limits(key.rpm, key.tpm), reserve)
             if not decision.allowed:
                 if self.metrics is not None:

@@ -20,17 +20,19 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from starlette.concurrency import run_in_threadpool
 
 from fleetserve.changegate import ChangeGate
 from fleetserve.engines.registry import ENGINES
+from fleetserve.engines.spec import EngineKind
 from fleetserve.errors import FleetserveError
 from fleetserve.gateway.picker import Endpoint
 from fleetserve.httpclient import ConnectFailed
 from fleetserve.routing import ROUTE_REFRESH_SECONDS, routable
 from fleetserve.spec.policies import AdmissionPolicy
-from fleetserve.spec.resources import Deployment
+from fleetserve.spec.resources import Deployment, Profile
 from fleetserve.store.protocols import RouteSource
 
 log = logging.getLogger("fleetserve.gateway")
@@ -49,6 +51,42 @@ class Route:
     created: int = 0
     # replica → its engine's name, for metrics labels
     engines: Mapping[str, str] = field(default_factory=dict, compare=False)
+    # What one request may generate here, for token reservations: the engines its profiles run
+    # (each reads a request's cap its own way) and the largest context a replica starts with
+    # (None when a profile leaves it to the model's own, which the gateway does not read).
+    engine_kinds: frozenset[EngineKind] = frozenset()
+    context: int | None = None
+
+
+CONTEXT_ARGS: Mapping[EngineKind, str] = MappingProxyType({EngineKind.VLLM: "--max-model-len"})
+"""The engineArgs flag that sets the context an engine starts with over the profile's ``context``
+(llama.cpp's --ctx-size is fleetserve's own and refused there)."""
+
+
+def profile_context(profile: Profile) -> int | None:
+    """The context a replica of ``profile`` starts with: its ``context``, or the engine's flag in
+    its engineArgs (the last one wins, as the engine reads them); None where the gateway cannot tell."""
+    context = profile.context
+    flag = CONTEXT_ARGS.get(profile.engine)
+    if flag is None:
+        return context
+    args = profile.engine_args
+    for i, arg in enumerate(args):
+        if arg == flag:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+        else:
+            continue
+        context = int(value) if value.isascii() and value.isdigit() and int(value) > 0 else None
+    return context
+
+
+def deployment_context(profiles: Iterable[Profile]) -> int | None:
+    """The largest context a replica of any of ``profiles`` starts with; None if one is unknown."""
+    contexts = [profile_context(p) for p in profiles]
+    known = [c for c in contexts if c is not None]
+    return max(known) if known and len(known) == len(contexts) else None
 
 
 EJECT_SECONDS = 5.0
@@ -144,6 +182,8 @@ class EndpointTable:
                 prefix_affinity=dep.routing.prefix_affinity,
                 concurrency_per_replica=min(ENGINES[p.engine].concurrency_per_replica for p in dep.profiles),
                 engines=engines.get(name, {}),
+                engine_kinds=frozenset(p.engine for p in dep.profiles),
+                context=deployment_context(dep.profiles),
             )
             for name, dep in deployments.items()
         }

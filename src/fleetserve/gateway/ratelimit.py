@@ -7,11 +7,11 @@ counts while ``now < t + 60``; at ``t + 60`` exactly it no longer does.
 
 - A request is denied while the requests admitted in the last 60 s are ``>= rpm``.
 - A request is denied while the tokens counted in the last 60 s are ``>= tpm``. An admitted request
-  reserves its expected tokens at once (``admit(..., reserve=N)``: its ``max_tokens`` and an
-  estimate of its prompt), so parallel requests see each other's reservations; when the answer's
-  ``usage`` arrives, ``settle`` replaces the reservation with the real count, in place (at the
-  time of the request). A reservation already out of the window when it is settled counts the
-  real tokens at the time of settling.
+  reserves its expected tokens at once (``admit(..., reserve=N)``: ``accounting.reservation``,
+  its completion cap and an estimate of its prompt), so parallel requests see each other's
+  reservations; when the answer's ``usage`` arrives, ``settle`` replaces the reservation with the
+  real count, in place (at the time of the request). A reservation already out of the window
+  when it is settled counts the real tokens at the time of settling.
 
 Memory is bounded: a key's log holds only the last 60 s of events, and a key with none is
 dropped; a sweep over every key runs at most once per 60 s of the passed-in clock, and
