@@ -18,7 +18,7 @@ from types import MappingProxyType
 
 from fleetserve.drivers import DRIVERS, Driver, RuntimeVariant
 from fleetserve.engines.launch import LaunchContext, LaunchSpec, url_host, visible_devices_env
-from fleetserve.engines.spec import EngineKind, EngineSpec, PodFacts
+from fleetserve.engines.spec import CapFields, EngineKind, EngineSpec, PodFacts
 from fleetserve.errors import SourceError
 from fleetserve.metrics.mapping import MetricMapping
 from fleetserve.sources import HfRepo, HttpSource
@@ -193,5 +193,15 @@ LLAMACPP = EngineSpec(
     ),
     metrics=METRICS,
     adapter=LlamaCppAdapter(),
+    # llama-server (tools/server/server-task.cpp, params_from_json_cmpl): n_predict, else
+    # max_completion_tokens, else max_tokens, else its own default of -1; a negative cap runs until
+    # the context is full. The Responses API's max_output_tokens is read beside max_tokens (its
+    # conversion to Chat Completions, whose order is not pinned here). Choices: n_cmpl, else n (1 to
+    # its slots). Numbers and booleans only: it refuses a string.
+    cap_fields=CapFields(
+        cap=(("n_predict",), ("max_completion_tokens",), ("max_tokens", "max_output_tokens")),
+        choices=(("n_cmpl",), ("n",)),
+        strings=False,
+    ),
     bundled_binary=bundled_binary,
 )

@@ -44,6 +44,22 @@ class PodFacts:
     shared_memory: bool = False
 
 
+@dataclass(frozen=True)
+class CapFields:
+    """How an engine reads a request's completion cap and its number of choices (the gateway
+    reserves a key's tokens from them, ``gateway/accounting.py``).
+
+    Each is a tuple of groups of fields: the first group holding a value the engine reads wins;
+    within a group, where the engine's own order is not pinned, the largest (never less than the
+    engine generates). ``strings``: the engine reads a numeric string as a number. The Responses
+    API's ``max_output_tokens`` is read on that API's route only: elsewhere engines ignore it.
+    """
+
+    cap: tuple[tuple[str, ...], ...]
+    choices: tuple[tuple[str, ...], ...]
+    strings: bool
+
+
 def _none_bundled(_variant: RuntimeVariant) -> str | None:
     return None
 
@@ -82,6 +98,8 @@ class EngineSpec:
     metrics: MetricMapping
     # Builds the engine's argv for an agent and for a pod.
     adapter: EngineAdapter
+    # How it reads a request's completion cap and choices (the gateway's token reservation).
+    cap_fields: CapFields
     # A binary that ships with fleetserve's own install for a variant, if any.
     bundled_binary: Callable[[RuntimeVariant], str | None] = _none_bundled
     why_no_cpu: str = ""
@@ -93,6 +111,9 @@ class EngineSpec:
     path_lookup: frozenset[RuntimeVariant] | None = None
     # What to install when a variant's binary is missing, where there is more to say than PATH.
     install_hint: Mapping[RuntimeVariant, str] = field(default_factory=dict)
+    # The engineArgs flag that sets the context it starts with over the profile's ``context``
+    # (None: the profile's ``context`` is the only word, as llama.cpp's --ctx-size is fleetserve's).
+    context_arg: str | None = None
 
     def drivers(self) -> frozenset[Driver]:
         """Every driver this engine has a variant for."""

@@ -32,7 +32,7 @@ from types import MappingProxyType
 
 from fleetserve.drivers import Driver, RuntimeVariant
 from fleetserve.engines.launch import LaunchContext, LaunchSpec, url_host, visible_devices_env
-from fleetserve.engines.spec import EngineKind, EngineSpec, PodFacts
+from fleetserve.engines.spec import CapFields, EngineKind, EngineSpec, PodFacts
 from fleetserve.errors import SourceError
 from fleetserve.metrics.mapping import MetricMapping
 from fleetserve.sources import HfRepo, HttpSource
@@ -272,4 +272,13 @@ VLLM = EngineSpec(
     ),
     metrics=METRICS,
     adapter=VllmAdapter(),
+    # max_completion_tokens or max_tokens (chat), max_tokens (completions), max_output_tokens
+    # (Responses); none: until the context is full. n choices, best_of sequences. Pydantic's lax
+    # integers: numeric strings count.
+    cap_fields=CapFields(
+        cap=(("max_completion_tokens", "max_tokens", "max_output_tokens"),),
+        choices=(("n", "best_of"),),
+        strings=True,
+    ),
+    context_arg="--max-model-len",
 )

@@ -2,7 +2,7 @@
 
 - Before a request is forwarded, a key with a tokens-per-minute limit reserves what the request
   may use (``reservation``): what its deployment's engines may generate for it, read from
-  whichever field carries its cap as each engine reads them (``CAP_FIELDS``: ``max_tokens``,
+  whichever field carries its cap as each engine reads them (each engine row's ``cap_fields``: ``max_tokens``,
   ``max_completion_tokens``, ``max_output_tokens``, llama.cpp's ``n_predict``; times ``n``), the
   deployment's context when unbounded, plus an estimate of its prompt. When its answer is in, the
   reservation is settled with the usage the engine reported, or with what was held
@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from types import MappingProxyType
+from collections.abc import Iterable
 from typing import Any
 
-from fleetserve.engines.spec import EngineKind
+from fleetserve.engines.registry import ENGINES
+from fleetserve.engines.spec import CapFields, EngineKind
 from fleetserve.gateway.admission import Admission
 from fleetserve.gateway.endpoints import EndpointTable
 from fleetserve.gateway.picker import Endpoint
@@ -44,46 +43,6 @@ BYTES_PER_TOKEN = 4
 # or cap cannot make a reservation past 2**47 tokens, which Redis's Lua (doubles) counts exactly.
 MAX_SEQUENCES = 1 << 16
 MAX_TOKENS_PER_SEQUENCE = (1 << 31) - 1
-
-
-@dataclass(frozen=True)
-class CapFields:
-    """How one engine reads a request's completion cap and its number of choices.
-
-    Each is a tuple of groups of fields: the first group holding a value the engine reads wins;
-    within a group, where the engine's own order is not pinned here, the largest (never less than
-    the engine generates). ``strings``: the engine reads a numeric string as a number. The
-    Responses API's ``max_output_tokens`` is read on that API's route only: elsewhere engines
-    ignore it (llama-server's Chat Completions route generates until the context is full).
-    """
-
-    cap: tuple[tuple[str, ...], ...]
-    choices: tuple[tuple[str, ...], ...]
-    strings: bool
-
-
-CAP_FIELDS: Mapping[EngineKind, CapFields] = MappingProxyType(
-    {
-        # llama-server (tools/server/server-task.cpp, params_from_json_cmpl): n_predict, else
-        # max_completion_tokens, else max_tokens, else its own default of -1; a negative cap runs
-        # until the context is full. The Responses API's max_output_tokens is read beside
-        # max_tokens (its conversion to Chat Completions, whose order is not pinned here). Choices:
-        # n_cmpl, else n (1 to its slots). Numbers and booleans only: it refuses a string.
-        EngineKind.LLAMACPP: CapFields(
-            cap=(("n_predict",), ("max_completion_tokens",), ("max_tokens", "max_output_tokens")),
-            choices=(("n_cmpl",), ("n",)),
-            strings=False,
-        ),
-        # vLLM: max_completion_tokens or max_tokens (chat), max_tokens (completions),
-        # max_output_tokens (Responses); none: until the context is full. n choices, best_of
-        # sequences. Pydantic's lax integers: numeric strings count.
-        EngineKind.VLLM: CapFields(
-            cap=(("max_completion_tokens", "max_tokens", "max_output_tokens"),),
-            choices=(("n", "best_of"),),
-            strings=True,
-        ),
-    }
-)
 
 
 def _number(value: object, strings: bool) -> int | None:
@@ -154,7 +113,9 @@ def reservation(
     """Tokens to reserve for a request to ``path`` before its usage is known: the most any of
     ``engines`` (the deployment's; every known engine when none is named) may generate for it,
     within the deployment's ``context`` (None: not known here), plus an estimate of its prompt."""
-    rules = [CAP_FIELDS[e] for e in engines if e in CAP_FIELDS] or list(CAP_FIELDS.values())
+    rules = [ENGINES[e].cap_fields for e in engines if e in ENGINES] or [
+        s.cap_fields for s in ENGINES.values()
+    ]
     responses = path.endswith(b"/responses")
     budget = max(completion_budget(data, fields, context, responses) for fields in rules)
     return budget + len(body) // BYTES_PER_TOKEN

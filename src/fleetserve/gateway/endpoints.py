@@ -20,7 +20,6 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 
 from starlette.concurrency import run_in_threadpool
 
@@ -58,16 +57,12 @@ class Route:
     context: int | None = None
 
 
-CONTEXT_ARGS: Mapping[EngineKind, str] = MappingProxyType({EngineKind.VLLM: "--max-model-len"})
-"""The engineArgs flag that sets the context an engine starts with over the profile's ``context``
-(llama.cpp's --ctx-size is fleetserve's own and refused there)."""
-
-
 def profile_context(profile: Profile) -> int | None:
     """The context a replica of ``profile`` starts with: its ``context``, or the engine's flag in
-    its engineArgs (the last one wins, as the engine reads them); None where the gateway cannot tell."""
+    its engineArgs (the engine row's ``context_arg``; the last one wins, as the engine reads them);
+    None where the gateway cannot tell."""
     context = profile.context
-    flag = CONTEXT_ARGS.get(profile.engine)
+    flag = ENGINES[profile.engine].context_arg
     if flag is None:
         return context
     args = profile.engine_args
