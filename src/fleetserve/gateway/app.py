@@ -1,7 +1,10 @@
 """The gateway's proxy: API keys, rate limits, admission, endpoint picking, forwarding, streaming.
 
-- ``GET /v1/models``; ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``.
-- API keys are Bearer tokens, stored hashed, each with its models and request/token limits;
+- Every client route of the engines' route tables (``EngineSpec.routes``), dispatched by
+  ``gateway.asgi``; ``GET /v1/models`` (and ``/models``) answered here, merged with what each
+  engine says (``gateway.modelinfo``). A request names its model in its body's ``"model"``; where
+  its route allows (llama.cpp's own routes, GETs), by ``?model=``, else the key's one model.
+- API keys are Bearer tokens (or ``X-Api-Key``, as Anthropic's clients send them), stored hashed, each with its models and request/token limits;
   lookups are cached for ``KEY_CACHE_SECONDS``. A key that may not use a model gets the same 404
   as a model that does not exist.
 - The engine ignores the request's ``"model"``: the gateway checks it.
