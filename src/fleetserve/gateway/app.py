@@ -4,8 +4,9 @@
   ``gateway.asgi``; ``GET /v1/models`` (and ``/models``) answered here, merged with what each
   engine says (``gateway.modelinfo``). A request names its model in its body's ``"model"``; where
   its route allows (llama.cpp's own routes, GETs), by ``?model=``, else the key's one model.
-- API keys are Bearer tokens (or ``X-Api-Key``, as Anthropic's clients send them), stored hashed, each with its models and request/token limits;
-  lookups are cached for ``KEY_CACHE_SECONDS``. A key that may not use a model gets the same 404
+- API keys are Bearer tokens (or ``X-Api-Key``, as Anthropic's clients send them), stored
+  hashed, each with its models and request/token limits; lookups are cached for
+  ``KEY_CACHE_SECONDS``. A key that may not use a model gets the same 404
   as a model that does not exist.
 - The engine ignores the request's ``"model"``: the gateway checks it.
 - A request that fails before its first byte reached the client is retried once on another
