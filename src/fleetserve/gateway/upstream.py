@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -88,9 +89,13 @@ FORWARDED_HEADERS = frozenset(
 )
 
 
+_UNSAFE_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f-\xff]")
+_UNSAFE_TARGET = re.compile(rb"[\x00-\x20\x7f-\xff]")
+
+
 def _safe(value: bytes) -> bool:
-    """Whether ``value`` can go into a request head as it is: no control bytes (no line breaks)."""
-    return all(32 <= b < 127 or b == 9 for b in value)
+    """Whether ``value`` can go into a request head as it is: printable ASCII and tabs (no line break)."""
+    return _UNSAFE_VALUE.search(value) is None
 
 
 @dataclass(frozen=True)
@@ -110,7 +115,7 @@ class Call:
     ) -> Call | None:
         """The call for a client's request, or None when its target cannot be relayed as it is."""
         target = path + b"?" + query if query else path
-        if not _safe(target) or b" " in target or not target.startswith(b"/"):
+        if _UNSAFE_TARGET.search(target) is not None or not target.startswith(b"/"):
             return None
         lines = b"".join(
             b"%s: %s\r\n" % (name, value)
