@@ -151,6 +151,9 @@ def test_method_path_query_and_the_allowed_headers_reach_the_engine_credentials_
             answer = http.get(target, headers={"Authorization": f"Bearer {one}"})
             assert answer.status_code == 200, answer.text
             assert engine.seen[-1][:2] == ("GET", target)
+        # The engine gets the path the route was found by, however the client encoded it.
+        answer = http.get("/%70rops?model=tiny", headers={"Authorization": f"Bearer {one}"})
+        assert answer.status_code == 200 and engine.seen[-1][:2] == ("GET", "/props?model=tiny")
         answer = http.get("/health?model=other", headers={"Authorization": f"Bearer {one}"})
         assert answer.status_code == 404 and answer.json()["error"]["code"] == "model_not_found"
 

@@ -284,10 +284,12 @@ class Gateway:
             return
         method: str = scope["method"]
         lead = next(iter(routes.values()))
-        raw_path = scope.get("raw_path") or scope["path"].encode("latin-1")
+        # The path the route was found by (decoded), not the raw one: the engine gets the route that
+        # was checked, whatever percent-encoding a client chose.
+        path_only = scope["path"].encode("utf-8")
         query: bytes = scope.get("query_string", b"")
         has_body = method != "GET"
-        call = Call.of(method, raw_path, query, scope["headers"], has_body)
+        call = Call.of(method, path_only, query, scope["headers"], has_body)
         if call is None:
             await send_error(
                 send, 400, "The request's path or query string cannot be relayed.", "invalid_request_error"
@@ -346,7 +348,7 @@ class Gateway:
             await send_error(send, status, message, "invalid_request_error", code)
             self.accounting.account(key, model, model, status, started, None)
             return
-        path = call.target.partition(b"?")[0]
+        path = path_only
         counted = any(routes[e].usage is not UsageBy.NONE for e in route.engine_kinds if e in routes)
         held: Held | None = None
         if key.rpm is not None or key.tpm is not None:
