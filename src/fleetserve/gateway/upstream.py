@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 from fleetserve.gateway.accounting import Exchange
 from fleetserve.gateway.openai_errors import broken_stream_event
@@ -65,16 +68,99 @@ def auth_line(engine_key: str | None) -> bytes:
     return b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in engine_auth(engine_key).items())
 
 
-def upstream_request(endpoint: Endpoint, path: bytes, body: bytes) -> tuple[Origin, bytes]:
-    """The request to send to an engine, head and body: the one place its headers are built."""
+# Client headers an engine reads that a client relies on, forwarded as they came: content
+# negotiation, the OpenAI and Anthropic API versions and betas, request ids and trace context, and
+# llama.cpp's conversation id (tools/server/server-stream.cpp: a stream it can resume). Nothing
+# else: never hop-by-hop headers, nor credentials (Authorization, X-Api-Key, Cookie, Proxy-*),
+# which are the gateway's to read; the engine gets the replica's own key.
+FORWARDED_HEADERS = frozenset(
+    {
+        b"accept",
+        b"openai-beta",
+        b"openai-organization",
+        b"openai-project",
+        b"anthropic-version",
+        b"anthropic-beta",
+        b"x-request-id",
+        b"x-conversation-id",
+        b"traceparent",
+        b"tracestate",
+    }
+)
+
+
+_UNSAFE_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f-\xff]")
+_UNSAFE_TARGET = re.compile(rb"[\x00-\x20\x7f-\xff]")
+
+
+def _safe(value: bytes) -> bool:
+    """Whether ``value`` can go into a request head as it is: printable ASCII and tabs (no line break)."""
+    return _UNSAFE_VALUE.search(value) is None
+
+
+@dataclass(frozen=True)
+class Call:
+    """What a request asks of an engine: method, target (path and query string, as the client sent
+    them) and the client's forwarded header lines; the body goes beside it."""
+
+    method: bytes
+    target: bytes
+    headers: bytes = b""
+    # Whether a body goes with it (a JSON one); a GET has none.
+    body: bool = True
+
+    @classmethod
+    def of(
+        cls, method: str, path: bytes, query: bytes, client_headers: Iterable[Header], body: bool
+    ) -> Call | None:
+        """The call for a client's request, or None when its target cannot be relayed as it is."""
+        target = path + b"?" + query if query else path
+        if _UNSAFE_TARGET.search(target) is not None or not target.startswith(b"/"):
+            return None
+        lines = b"".join(
+            b"%s: %s\r\n" % (name, value)
+            for name, value in client_headers
+            if name in FORWARDED_HEADERS and _safe(value)
+        )
+        return cls(method.encode("ascii"), target, lines, body)
+
+
+POST_CALLS: dict[bytes, Call] = {}
+
+
+def post(path: bytes) -> Call:
+    """A plain ``POST path`` with a JSON body and no client headers (cached)."""
+    call = POST_CALLS.get(path)
+    if call is None:
+        call = POST_CALLS[path] = Call(b"POST", path)
+    return call
+
+
+def upstream_request(endpoint: Endpoint, call: Call | bytes, body: bytes) -> tuple[Origin, bytes]:
+    """The request to send to an engine, head and body: the one place its headers are built. A
+    ``call`` given as a path is a ``POST`` of JSON to it."""
+    if isinstance(call, bytes):
+        call = post(call)
     origin, host = origin_of(endpoint.url)
     # The replica's own engine key: the engine refuses any request without it.
-    head = (
-        b"POST %s HTTP/1.1\r\nHost: %s\r\n%sContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-        % (
-            path,
+    auth = auth_line(endpoint.engine_key)
+    if not call.body:
+        head = b"%s %s HTTP/1.1\r\nHost: %s\r\n%s%s\r\n" % (
+            call.method,
+            call.target,
             host,
-            auth_line(endpoint.engine_key),
+            auth,
+            call.headers,
+        )
+        return origin, head
+    head = (
+        b"%s %s HTTP/1.1\r\nHost: %s\r\n%s%sContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+        % (
+            call.method,
+            call.target,
+            host,
+            auth,
+            call.headers,
             len(body),
         )
     )

@@ -1,0 +1,121 @@
+"""What an engine says about the model it serves, merged into the gateway's ``/v1/models``.
+
+The gateway lists its deployments in OpenAI's shape (``id``: the deployment, ``object``,
+``created``: when it was applied, ``owned_by``: the engine's word, else ``fleetserve``) and adds the
+engine's own fields under each entry: llama.cpp's ``meta`` (``n_ctx``, ``n_ctx_train``,
+``n_params``, ``size`` ...), ``aliases``, ``tags`` and ``architecture``; vLLM's ``max_model_len``.
+Left out: what names the engine's host (vLLM's ``root`` and ``parent``: the path it loaded), and
+the engine's own ``id``, ``object`` and ``created``, which are fleetserve's to say.
+
+What an engine says is asked once per replica (``GET /v1/models`` on one Ready replica), kept for
+the replica's life (its names are never reused), and asked again after ``RETRY_SECONDS`` when the
+engine did not answer; a model with no Ready replica lists with what fleetserve knows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import orjson
+
+from fleetserve.gateway.picker import Endpoint
+from fleetserve.gateway.upstream import Call, upstream_request
+from fleetserve.httpclient import HttpClient, UpstreamError
+
+log = logging.getLogger("fleetserve.gateway")
+
+ASK_SECONDS = 2.0
+"""How long a listing waits for an engine's answer."""
+
+RETRY_SECONDS = 10.0
+"""How long an engine that did not answer is not asked again."""
+
+OPENAI_FIELDS = ("id", "object", "created", "owned_by")
+HOST_FIELDS = frozenset({"root", "parent"})
+MODELS_CALL = Call(b"GET", b"/v1/models", body=False)
+
+
+def engine_entry(answer: bytes) -> dict[str, Any] | None:
+    """The model entry of an engine's ``/v1/models`` answer (its first), or None."""
+    try:
+        data = orjson.loads(answer)
+    except orjson.JSONDecodeError:
+        return None
+    listed = data.get("data") if isinstance(data, dict) else None
+    first = listed[0] if isinstance(listed, list) and listed else None
+    return first if isinstance(first, dict) else None
+
+
+def merged(name: str, created: int, engine: Mapping[str, Any] | None) -> dict[str, Any]:
+    """One ``/v1/models`` entry: OpenAI's fields as fleetserve says them, then the engine's own."""
+    owned = engine.get("owned_by") if engine is not None else None
+    entry: dict[str, Any] = {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": owned if isinstance(owned, str) and owned else "fleetserve",
+    }
+    if engine is not None:
+        for field, value in engine.items():
+            if field not in OPENAI_FIELDS and field not in HOST_FIELDS:
+                entry[field] = value
+    return entry
+
+
+class ModelInfo:
+    """What each replica's engine says about its model, asked once per replica."""
+
+    def __init__(self, clock: Any = time.monotonic) -> None:
+        self.clock = clock
+        self.known: dict[str, dict[str, Any]] = {}
+        self.failed: dict[str, float] = {}  # replica → when it may be asked again
+
+    def of(self, endpoints: Iterable[Endpoint]) -> dict[str, Any] | None:
+        """What one of ``endpoints`` said, if one has been asked."""
+        return next((self.known[e.replica] for e in endpoints if e.replica in self.known), None)
+
+    def keep_only(self, replicas: Iterable[str]) -> None:
+        """Forget replicas no longer routed."""
+        live = set(replicas)
+        for gone in [r for r in self.known if r not in live]:
+            del self.known[gone]
+        for gone in [r for r in self.failed if r not in live]:
+            del self.failed[gone]
+
+    def to_ask(self, endpoints: tuple[Endpoint, ...]) -> Endpoint | None:
+        """The replica to ask for a deployment that has none asked yet (the first not failing)."""
+        if self.of(endpoints) is not None:
+            return None
+        now = self.clock()
+        return next((e for e in endpoints if self.failed.get(e.replica, 0.0) <= now), None)
+
+    async def ask(self, http: HttpClient, endpoints: Iterable[Endpoint]) -> None:
+        """Ask each of ``endpoints`` at once, within ``ASK_SECONDS``; keep what they say."""
+        asked = list(endpoints)
+        if asked:
+            await asyncio.gather(*(self._ask(http, e) for e in asked))
+
+    async def _ask(self, http: HttpClient, endpoint: Endpoint) -> None:
+        try:
+            entry = await asyncio.wait_for(self._fetch(http, endpoint), ASK_SECONDS)
+        except (TimeoutError, UpstreamError) as exc:
+            log.info("asking %s for its model failed: %s", endpoint.replica, exc)
+            entry = None
+        if entry is None:
+            self.failed[endpoint.replica] = self.clock() + RETRY_SECONDS
+        else:
+            self.known[endpoint.replica] = entry
+
+    async def _fetch(self, http: HttpClient, endpoint: Endpoint) -> dict[str, Any] | None:
+        origin, request = upstream_request(endpoint, MODELS_CALL, b"")
+        response = await http.request(origin, request, ASK_SECONDS)
+        try:
+            if response.status != 200:
+                return None
+            return engine_entry(await response.read())
+        finally:
+            response.close()
