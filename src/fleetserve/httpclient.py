@@ -19,6 +19,7 @@ keep-alive timeout) is retried once on a new connection. Failures raise:
         ├── ConnectFailed    no connection could be opened (nothing was sent)
         ├── UpstreamTimeout  no answer within the timeout
         └── UpstreamBroke    the connection closed or sent malformed HTTP mid-answer
+            └── NoAnswer     it closed before any byte of the answer (the gateway may retry)
 """
 
 from __future__ import annotations
@@ -67,8 +68,9 @@ class UpstreamBroke(UpstreamError):
     """The connection closed, or the upstream sent malformed HTTP, in the middle of an answer."""
 
 
-class _NoAnswer(UpstreamBroke):
-    """The connection closed before any byte of the answer: a reused one may just have expired."""
+class NoAnswer(UpstreamBroke):
+    """The connection closed before any byte of the answer: a reused one may just have expired,
+    a fresh one's server died or reset it before its status line."""
 
 
 @dataclass(frozen=True)
@@ -201,7 +203,7 @@ class _Connection(asyncio.Protocol):
         head, response = self._head, self._response
         if head is not None and not head.done():
             if self._received == 0:
-                head.set_exception(_NoAnswer(f"the connection closed before the answer{because}"))
+                head.set_exception(NoAnswer(f"the connection closed before the answer{because}"))
             else:
                 head.set_exception(UpstreamBroke(f"the connection closed in the answer's head{because}"))
         elif response is not None:
@@ -318,7 +320,7 @@ class HttpClient:
         if conn is not None:
             try:
                 return await self._exchange(conn, request, timeout)
-            except _NoAnswer:
+            except NoAnswer:
                 pass  # the server closed it while idle: once more on a fresh connection
         return await self._exchange(await self._connect(origin), request, timeout)
 

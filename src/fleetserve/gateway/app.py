@@ -5,9 +5,11 @@
   lookups are cached for ``KEY_CACHE_SECONDS``. A key that may not use a model gets the same 404
   as a model that does not exist.
 - The engine ignores the request's ``"model"``: the gateway checks it.
-- A request that fails before its first byte reached the client is retried once on another
-  replica; after that, never. ``stream: true`` passes the engine's events through as they come;
-  a client that disconnects closes the upstream request, which cancels it.
+- What the engine answers, the client gets: its status and body, an error's in OpenAI's shape where
+  the engine's is not. Only a try that got no answer at all (no connection, or one closed before
+  the status line) is retried, once, on another replica; 503 ``no_replica`` when none could be
+  reached. ``stream: true`` passes the engine's events through as they come; a client that
+  disconnects closes the upstream request, which cancels it.
 - Tokens count against a key's limit whether or not the client asked for them: the gateway asks
   the engine for the usage event and strips it when the client did not (``sse.UsageTap``).
 - Its refusals are OpenAI error bodies (``gateway.openai_errors``); what it sends an engine is
@@ -40,8 +42,15 @@ from fleetserve.gateway.endpoints import EndpointTable, Route
 from fleetserve.gateway.openai_errors import send_error
 from fleetserve.gateway.picker import Endpoint, Load, pick, prefix_key_for
 from fleetserve.gateway.ratelimit import Limits
-from fleetserve.gateway.sse import UsageTap, usage_of_body
-from fleetserve.gateway.upstream import UPSTREAM_TIMEOUT, relay_stream, relayed, upstream_request
+from fleetserve.gateway.sse import UsageTap
+from fleetserve.gateway.upstream import (
+    BEFORE_ANY_ANSWER,
+    UPSTREAM_TIMEOUT,
+    answer_failed,
+    relay_answer,
+    relay_stream,
+    upstream_request,
+)
 from fleetserve.gateway.usage import UsageCounter
 from fleetserve.gateway.usage_flush import FLUSH_SECONDS, UsageFlusher
 from fleetserve.gateway.windows import Held, LocalWindows, Windows
@@ -316,7 +325,9 @@ class Gateway:
     async def _forward(
         self, send: Send, model: str, path: bytes, body: bytes, prefix: str | None, ex: Exchange
     ) -> int:
-        """Send to a replica (once more to another if it fails before any byte reached the client)."""
+        """Send to a replica; relay its answer, whatever its status. Only a try that got no answer
+        at all (no connection, or one closed before the status line) goes once more to another
+        replica; 503 ``no_replica`` when no replica could be reached."""
         http = self.http
         if http is None:
             raise InternalError("the gateway forwards requests only between start() and stop()")
@@ -333,28 +344,21 @@ class Gateway:
                 ex.sent_at = time.monotonic()
                 try:
                     origin, request = upstream_request(endpoint, path, body)
+                except UpstreamError as exc:  # nothing was sent
+                    last_error = f"replica {endpoint.replica}: {exc}"
+                    continue
+                try:
                     response = await http.request(origin, request, UPSTREAM_TIMEOUT)
                 except UpstreamError as exc:
                     self.table.failed(endpoint.replica, exc)  # a connect failure ejects it at once
+                    if not isinstance(exc, BEFORE_ANY_ANSWER):
+                        return await answer_failed(send, endpoint.replica, exc)
                     last_error = f"replica {endpoint.replica}: {exc}"
                     continue
-                if response.status >= 500:
-                    response.close()
-                    last_error = f"replica {endpoint.replica} answered {response.status}"
-                    continue
-                if ex.tap is None:
-                    try:
-                        content = await response.read()
-                    except UpstreamError as exc:  # failed mid-body: nothing reached the client yet
-                        last_error = f"replica {endpoint.replica}: {exc}"
-                        continue
-                    finally:
-                        response.close()
-                    usage = usage_of_body(content)
-                    if usage is not None:
-                        ex.usage_total, ex.prompt, ex.completion = usage.total, usage.prompt, usage.completion
-                    await answer(send, response.status, content, relayed(response))
-                    return response.status
+                # The engine answered: its status and body are the client's (an engine's 5xx is
+                # not a failure to reach it, so it neither ejects the replica nor is retried).
+                if ex.tap is None or response.status >= 400:
+                    return await relay_answer(send, response, ex)
                 await relay_stream(send, response, ex, ex.tap)
                 return response.status
             finally:
@@ -363,7 +367,7 @@ class Gateway:
         await send_error(
             send,
             503,
-            f"No replica of `{model}` could serve the request ({last_error}).",
+            f"No replica of `{model}` could be reached ({last_error}).",
             "service_unavailable",
             "no_replica",
             retry_after=1,
