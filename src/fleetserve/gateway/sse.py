@@ -1,12 +1,22 @@
-"""The usage event of a server-sent event stream: found as the stream passes, stripped when unasked.
+"""The usage events of a server-sent event stream: found as the stream passes, and taken out only
+where the gateway's own ask put them.
 
-The gateway always asks an engine for the usage event (``stream_options.include_usage``), so
-that a stream's tokens are counted against its key's limits whether or not the client asked for
-them. ``UsageTap`` sits on the relayed bytes: it passes whole events through untouched and
-unparsed, except the one carrying a non-null ``usage``, which it reads (with orjson) and, when
-the client did not ask for it, removes (an event with no choices left) or strips of its usage
-field. Bytes of an event not yet complete are held back until its end arrives, so an event split
-across reads is seen whole.
+The gateway asks an engine for usage (``stream_options.include_usage``) when the client did not,
+so that a stream's tokens are counted against its key's limits. What the client receives must not
+change for it: ``UsageTap`` sits on the relayed bytes and passes whole events through untouched and
+unparsed, except those carrying a non-null ``usage``, which it reads (with orjson). When the
+gateway asked on the client's behalf (``strip``), it takes out only what the ask added:
+
+- the usage-only event (empty ``choices``: vLLM's, llama.cpp's on chat) is removed, blank line
+  too, when it holds nothing but OpenAI's chunk envelope; where it carries the engine's own fields
+  (llama.cpp moves its ``timings`` into it when asked), only its ``usage`` is removed and the
+  event, with every other field, passes on;
+- usage on an event with choices is the engine's own (llama.cpp's ``/v1/completions`` final chunk
+  carries it whether asked or not): passed on untouched.
+
+An engine that reports usage per sequence (llama.cpp: one usage event per choice and per prompt)
+is counted from them all (``summed``, ``usage_events``). Bytes of an event not yet complete are
+held back until its end arrives, so an event split across reads is seen whole.
 """
 
 from __future__ import annotations
@@ -21,6 +31,12 @@ MAX_CARRY = 64 * 1024
 _USAGE = b'"usage"'
 
 
+_ENVELOPE = frozenset(
+    {"id", "object", "created", "model", "system_fingerprint", "service_tier", "obfuscation", "choices"}
+)
+"""The fields of OpenAI's chunk envelope: a usage-only event with nothing else is the ask's alone."""
+
+
 class Usage:
     """Token counts from a usage object; zeros where absent."""
 
@@ -32,6 +48,12 @@ class Usage:
         self.completion = _count(data.get("completion_tokens"))
         total = _count(data.get("total_tokens"))
         self.total = total if total else self.prompt + self.completion
+
+    def add(self, other: Usage) -> None:
+        """Count ``other`` in too."""
+        self.prompt += other.prompt
+        self.completion += other.completion
+        self.total += other.total
 
 
 def _count(value: object) -> int:
@@ -61,13 +83,17 @@ def _event_end(data: bytes) -> int:
 
 
 class UsageTap:
-    """Watches a relayed event stream for its usage; ``strip`` removes it from what passes on."""
+    """Watches a relayed event stream for its usage: the last usage event (``usage``), the sum of
+    them all (``summed``) and how many there were (``usage_events``). ``strip``: the gateway asked
+    for usage the client did not, and takes out what its ask added."""
 
-    __slots__ = ("_carry", "events", "strip", "usage")
+    __slots__ = ("_carry", "events", "strip", "summed", "usage", "usage_events")
 
     def __init__(self, strip: bool) -> None:
         self.strip = strip
         self.usage: Usage | None = None
+        self.summed: Usage | None = None
+        self.usage_events = 0
         self.events = 0
         self._carry = b""
 
@@ -122,11 +148,16 @@ class UsageTap:
             return None
         if not isinstance(event, dict) or not isinstance(event.get("usage"), dict):
             return None
-        self.usage = Usage(event["usage"])
-        if not self.strip:
-            return b"data:" + payload  # passed on exactly as it came
-        if not event.get("choices"):
-            self.events -= 1
-            return b""  # the usage-only event the client did not ask for: gone, blank line too
+        usage = self.usage = Usage(event["usage"])
+        self.usage_events += 1
+        if self.summed is None:
+            self.summed = Usage(event["usage"])
+        else:
+            self.summed.add(usage)
+        if not self.strip or event.get("choices"):
+            return b"data:" + payload  # the client's ask, or the engine's own: exactly as it came
         del event["usage"]
-        return b"data: " + orjson.dumps(event)
+        if event.keys() <= _ENVELOPE:
+            self.events -= 1
+            return b""  # the usage-only event only the gateway's ask added: gone, blank line too
+        return b"data: " + orjson.dumps(event)  # the engine's own fields (timings) stay
