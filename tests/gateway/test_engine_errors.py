@@ -8,6 +8,7 @@ test sees whether a second replica was tried.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import socket
@@ -17,6 +18,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 
 import httpx
 import pytest
@@ -26,6 +28,9 @@ from fleetserve.store.sql import SqlStore
 
 RESET = b"reset"
 """A script that reads the request and resets the connection before any byte of an answer."""
+SILENT = b"silent"
+"""A script that reads the request and never answers: it waits for the gateway to give up, and
+records how the connection ended (``ScriptedEngine.ends``: "reset" or "closed")."""
 
 
 def http_answer(
@@ -45,6 +50,7 @@ class ScriptedEngine:
         self.port: int = self.listener.getsockname()[1]
         self.script = http_answer(200, b"{}")
         self.requests = 0
+        self.ends: list[str] = []
         self._lock = threading.Lock()
         threading.Thread(target=self._serve, daemon=True).start()
 
@@ -88,6 +94,15 @@ class ScriptedEngine:
             if script == RESET:
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 return
+            if script == SILENT:
+                conn.settimeout(30)
+                try:
+                    while conn.recv(65536):
+                        pass
+                    self.ends.append("closed")
+                except ConnectionResetError:
+                    self.ends.append("reset")
+                return
             conn.sendall(script)
 
     def close(self) -> None:
@@ -107,6 +122,7 @@ class Bench:
         for i, engine in enumerate(self.engines):
             engine.script = scripts[min(i, len(scripts) - 1)]
             engine.requests = 0
+            engine.ends = []
 
     @property
     def requests(self) -> int:
@@ -261,12 +277,92 @@ def test_a_connection_reset_before_the_status_line_is_retried_on_the_other_repli
     assert served == 20 and resets >= 1, (resets, served)  # picked first at random: 1 in 2^20 never
 
 
-def test_no_replica_is_answered_only_when_none_could_be_reached(bench: Bench) -> None:
+def test_replicas_that_all_close_without_answering_are_a_502_not_no_replica(bench: Bench) -> None:
     bench.script(RESET)
     response = bench.post("/chat/completions", CHAT)
+    assert response.status_code == 502, response.text
+    assert response.json()["error"]["code"] == "no_answer" and "retry-after" not in response.headers
+    assert [e.requests for e in bench.engines] == [1, 1]
+
+
+@contextlib.contextmanager
+def upstream_timeout(bench: Bench, seconds: float) -> Iterator[None]:
+    gateway = bench.gw.gateway
+    before, gateway.upstream_timeout = gateway.upstream_timeout, seconds
+    try:
+        yield
+    finally:
+        gateway.upstream_timeout = before
+
+
+def test_a_try_with_no_status_line_in_time_is_reset_and_retried_on_the_other_replica(bench: Bench) -> None:
+    bench.script(SILENT, http_answer(200, b'{"ok":true}'))
+    with upstream_timeout(bench, 0.3):
+        statuses = [bench.post("/chat/completions", CHAT).status_code for _ in range(8)]
+    assert statuses == [200] * 8
+    silent, served = bench.engines
+    assert served.requests == 8 and silent.requests >= 1, (silent.requests, served.requests)
+    deadline = time.monotonic() + 5
+    while len(silent.ends) < silent.requests and time.monotonic() < deadline:
+        time.sleep(0.02)
+    # Given up with a zero linger: what the kernel still held for the engine is dropped, not sent.
+    assert silent.ends == ["reset"] * silent.requests
+
+
+def test_a_try_with_no_answer_in_time_on_every_replica_is_a_504(bench: Bench) -> None:
+    bench.script(SILENT)
+    with upstream_timeout(bench, 0.3):
+        response = bench.post("/chat/completions", CHAT)
+    assert response.status_code == 504, response.text
+    assert response.json()["error"]["code"] == "upstream_timeout"
+    assert [e.requests for e in bench.engines] == [1, 1]
+
+
+def forward(bench: Bench, retry: bool) -> tuple[int, list[dict[str, object]]]:
+    """``Gateway._forward`` of one chat request, run on the gateway's loop: its status and what it sent."""
+    from fleetserve.gateway.accounting import Exchange
+
+    sent: list[dict[str, object]] = []
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    body = json.dumps(CHAT).encode()
+    work = bench.gw.gateway._forward(send, "tiny", b"/v1/chat/completions", body, None, Exchange(), retry)
+    return asyncio.run_coroutine_threadsafe(work, bench.gw.loop).result(10), sent
+
+
+def test_a_route_that_may_not_be_retried_gets_one_try_when_it_got_no_answer(bench: Bench) -> None:
+    bench.script(RESET)
+    status, _ = forward(bench, retry=False)
+    assert status == 502 and bench.requests == 1
+    bench.script(SILENT)
+    with upstream_timeout(bench, 0.3):
+        status, sent = forward(bench, retry=False)
+    assert status == 504 and bench.requests == 1
+    last = sent[-1]["body"]
+    assert isinstance(last, bytes) and b"upstream_timeout" in last
+    bench.script(RESET)
+    status, _ = forward(bench, retry=True)
+    assert status == 502 and bench.requests == 2
+
+
+def test_no_replica_only_when_none_could_be_reached(tmp_path: Path) -> None:
+    closed = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
+    ports = [s.getsockname()[1] for s in closed]
+    for listener in closed:
+        listener.close()  # nothing listens there now: every connect is refused
+    with SqlStore.open(tmp_path / "state.db") as store, ServedGateway(store, engines=0) as gw:
+        engines_on(store, ports, tmp_path / "tiny.gguf")
+        deadline = time.monotonic() + 10
+        while len(getattr(gw.gateway.table.routes.get("tiny"), "endpoints", ())) != 2:
+            assert time.monotonic() < deadline, "the replicas never reached the routes"
+            time.sleep(0.02)
+        _, token = store.create_api_key("errors", ["*"], None, None, datetime.now(UTC))
+        with httpx.Client(base_url=f"{gw.url}/v1", timeout=30) as http:
+            response = http.post("/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {token}"})
     assert response.status_code == 503, response.text
     assert response.json()["error"]["code"] == "no_replica" and response.headers["retry-after"] == "1"
-    assert [e.requests for e in bench.engines] == [1, 1]
 
 
 def test_an_answer_that_breaks_off_mid_body_is_a_502_and_not_retried(bench: Bench) -> None:

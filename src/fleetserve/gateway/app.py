@@ -25,6 +25,7 @@ children) is computed once.
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import time
@@ -36,7 +37,14 @@ import orjson
 from starlette.concurrency import run_in_threadpool
 
 from fleetserve.errors import InternalError
-from fleetserve.gateway.accounting import Accounting, Exchange, held_reserved, reservation
+from fleetserve.gateway.accounting import (
+    Accounting,
+    Exchange,
+    answering_fields,
+    held_reserved,
+    reservation,
+    settlement,
+)
 from fleetserve.gateway.admission import Admission, AdmissionPolicy, GatewayRejection
 from fleetserve.gateway.endpoints import EndpointTable, Route
 from fleetserve.gateway.openai_errors import send_error
@@ -54,7 +62,7 @@ from fleetserve.gateway.upstream import (
 from fleetserve.gateway.usage import UsageCounter
 from fleetserve.gateway.usage_flush import FLUSH_SECONDS, UsageFlusher
 from fleetserve.gateway.windows import Held, LocalWindows, Windows
-from fleetserve.httpclient import HttpClient, UpstreamError
+from fleetserve.httpclient import ConnectFailed, HttpClient, NoAnswer, UpstreamError
 from fleetserve.metrics.exposition import UNKNOWN_MODEL, FleetMetrics
 from fleetserve.rawasgi.answers import answer
 from fleetserve.rawasgi.body import Unread, read_body
@@ -63,6 +71,8 @@ from fleetserve.rawasgi.headers import bearer, header
 from fleetserve.rawasgi.types import Receive, Scope, Send
 from fleetserve.store.credentials import ApiKey
 from fleetserve.store.protocols import GatewayStore, UsageSink
+
+log = logging.getLogger("fleetserve.gateway")
 
 # Requests larger than this are refused with 413 before they are parsed.
 BODY_LIMIT = 8 << 20
@@ -108,6 +118,9 @@ class Gateway:
         self.accounting = Accounting(self.usage, metrics, self.admission, self.table)
         self._policies: dict[str, tuple[Route, AdmissionPolicy]] = {}
         self.http: HttpClient | None = None
+        # How long a replica may take to start answering (its status line) before the try is
+        # given up as unanswered.
+        self.upstream_timeout = UPSTREAM_TIMEOUT
 
     async def start(self) -> None:
         """Open the upstream client and start following the replicas."""
@@ -317,22 +330,41 @@ class Gateway:
         finally:
             await exits.aclose()
             self.last_request[model] = time.monotonic()  # a request is activity until it is answered
+            # What the request used (counted in ``exchange`` too where the engine reports usage
+            # per sequence); a key with limits is settled at it.
+            reserved = held_reserved(held) if held is not None else 0
+            used = settlement(reserved, exchange, answering_fields(route, exchange), data)
             if held is not None:
-                used = exchange.usage_total
-                await self.windows.settle(held, held_reserved(held) if used is None else used)
+                await self.windows.settle(held, used)
             self.accounting.account(key, model, model, status, started, exchange)
 
     async def _forward(
-        self, send: Send, model: str, path: bytes, body: bytes, prefix: str | None, ex: Exchange
+        self,
+        send: Send,
+        model: str,
+        path: bytes,
+        body: bytes,
+        prefix: str | None,
+        ex: Exchange,
+        retry: bool = True,
     ) -> int:
-        """Send to a replica; relay its answer, whatever its status. Only a try that got no answer
-        at all (no connection, or one closed before the status line) goes once more to another
-        replica; 503 ``no_replica`` when no replica could be reached."""
+        """Send to a replica; relay its answer, whatever its status.
+
+        A try that could not connect sent nothing and goes to another replica. A try that got no
+        answer at all (``BEFORE_ANY_ANSWER``: no status line in time, or the connection closed
+        before it) goes once more to another replica when the route may be retried (``retry``);
+        its connection is reset first (``HttpClient`` aborts it with a zero linger), so a request
+        given up on never reaches that engine later, after a partition heals. An engine that
+        answered is never tried again. 503 ``no_replica`` only when no replica was reached; one
+        reached that never answered is a 504 (no answer in time) or 502.
+        """
         http = self.http
         if http is None:
             raise InternalError("the gateway forwards requests only between start() and stop()")
         tried: set[str] = set()
         last_error = "no replica is ready"
+        # The last try that reached a replica and got no answer: the replica and what happened.
+        unanswered: tuple[str, UpstreamError] | None = None
         for _ in range(2):
             endpoint = self._pick(model, frozenset(tried), prefix)
             if endpoint is None:
@@ -348,13 +380,20 @@ class Gateway:
                     last_error = f"replica {endpoint.replica}: {exc}"
                     continue
                 try:
-                    response = await http.request(origin, request, UPSTREAM_TIMEOUT)
+                    response = await http.request(origin, request, self.upstream_timeout)
                 except UpstreamError as exc:
-                    self.table.failed(endpoint.replica, exc)  # a connect failure ejects it at once
-                    if not isinstance(exc, BEFORE_ANY_ANSWER):
-                        return await answer_failed(send, endpoint.replica, exc)
-                    last_error = f"replica {endpoint.replica}: {exc}"
-                    continue
+                    # A connect failure ejects the replica at once; so does a request its host
+                    # never acknowledged (unreachable, as if no connection could be opened).
+                    unreachable = isinstance(exc, NoAnswer) and exc.unacknowledged
+                    self.table.failed(endpoint.replica, ConnectFailed(str(exc)) if unreachable else exc)
+                    log.warning("try on %s failed: %s (%s)", endpoint.replica, type(exc).__name__, exc)
+                    if isinstance(exc, ConnectFailed):
+                        last_error = f"replica {endpoint.replica}: {exc}"
+                        continue
+                    unanswered = (endpoint.replica, exc)
+                    if retry and isinstance(exc, BEFORE_ANY_ANSWER):
+                        continue
+                    break
                 # The engine answered: its status and body are the client's (an engine's 5xx is
                 # not a failure to reach it, so it neither ejects the replica nor is retried).
                 if ex.tap is None or response.status >= 400:
@@ -363,6 +402,10 @@ class Gateway:
                 return response.status
             finally:
                 self.in_flight[endpoint.replica] -= 1
+        if unanswered is not None:
+            # Reached, never answered: what it generated (if anything) is not known, so the
+            # reservation stands.
+            return await answer_failed(send, *unanswered)
         ex.usage_total = 0  # nothing was generated
         await send_error(
             send,

@@ -10,8 +10,9 @@ complete. A whole answer (``relay_answer``) keeps the engine's status, an error'
 OpenAI's shape where it is not; one that breaks off mid-body is a 502.
 
 Which failures may go to another replica is decided here too (``BEFORE_ANY_ANSWER``): only those
-where no byte of an answer came back. Once a status line arrived, the engine has answered, and a
-second try could run a generation twice.
+where no byte of an answer came back (no connection, a reset before the status line, no status
+line in time). Once a status line arrived, the engine has answered, and a second try could run a
+generation twice.
 """
 
 from __future__ import annotations
@@ -54,9 +55,11 @@ HOP_HEADERS = frozenset(
     }
 )
 
-# Failures where nothing came back from the engine: no connection, or one closed (reset, or the
-# engine died) before the status line. The only ones retried on another replica.
-BEFORE_ANY_ANSWER = (ConnectFailed, NoAnswer)
+# Failures where nothing came back from the engine: no connection, one closed (reset, or the
+# engine died) before the status line, or no status line within the timeout (an engine behind a
+# partition). The only ones retried on another replica; the request may have reached the engine,
+# so a route that must not run twice is not retried (``Gateway._forward``'s ``retry``).
+BEFORE_ANY_ANSWER = (ConnectFailed, NoAnswer, UpstreamTimeout)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -97,11 +100,14 @@ def relayed(response: Response) -> list[Header]:
 
 
 async def answer_failed(send: Send, replica: str, error: UpstreamError) -> int:
-    """Tell the client that ``replica`` was reached but its answer never came whole (not retried):
-    504 when it gave no answer in time, else 502; the status sent."""
+    """Tell the client that ``replica`` was reached but its answer never came whole (or, on its
+    last try, at all): 504 when it gave no answer in time, else 502; the status sent."""
     if isinstance(error, UpstreamTimeout):
         message = f"Replica {replica} did not answer in time ({error})."
         status, code = 504, "upstream_timeout"
+    elif isinstance(error, NoAnswer):
+        message = f"Replica {replica} closed the connection without answering ({error})."
+        status, code = 502, "no_answer"
     else:
         message = f"The answer of replica {replica} broke off before it was complete ({error})."
         status, code = 502, "answer_broken"
