@@ -26,7 +26,7 @@ from fake_engine import ServedGateway, engines_on
 from fleetserve.dev.tinymodel import write_tiny_model
 from fleetserve.store.sql import SqlStore
 
-CONTEXT = 256
+CONTEXT = 512
 SLOTS = 4
 
 
