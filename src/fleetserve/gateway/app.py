@@ -6,12 +6,14 @@
   as a model that does not exist.
 - The engine ignores the request's ``"model"``: the gateway checks it.
 - What the engine answers, the client gets: its status and body, an error's in OpenAI's shape where
-  the engine's is not. Only a try that got no answer at all (no connection, or one closed before
-  the status line) is retried, once, on another replica; 503 ``no_replica`` when none could be
-  reached. ``stream: true`` passes the engine's events through as they come; a client that
-  disconnects closes the upstream request, which cancels it.
+  the engine's is not. Only a try that got no answer at all (no connection; closed, or no status
+  line, in time; bytes its host never acknowledged) is retried, once, on another replica, its
+  connection reset first; 503 ``no_replica`` only when none could be reached. ``stream: true``
+  passes the engine's events through as they come; a client that disconnects closes the upstream
+  request, which cancels it.
 - Tokens count against a key's limit whether or not the client asked for them: the gateway asks
-  the engine for the usage event and strips it when the client did not (``sse.UsageTap``).
+  the engine for usage when the client did not, and takes out only what its ask added
+  (``sse.UsageTap``); a request is settled at what every sequence used (``accounting.settlement``).
 - Its refusals are OpenAI error bodies (``gateway.openai_errors``); what it sends an engine is
   built in ``gateway.upstream``; what a request reserves and how it is counted, in
   ``gateway.accounting``.
@@ -293,8 +295,8 @@ class Gateway:
         if stream:
             options = data.get("stream_options")
             if not (isinstance(options, dict) and options.get("include_usage") is True):
-                # Ask the engine for the usage event, so the stream's tokens are counted; the
-                # client, which did not ask for it, does not get it.
+                # Ask the engine for usage, so the stream's tokens are counted; the client, which
+                # did not ask for it, does not get what the ask added (``UsageTap``).
                 data["stream_options"] = {
                     **(options if isinstance(options, dict) else {}),
                     "include_usage": True,
