@@ -7,7 +7,8 @@ What llama-server sends, pinned here first straight at the engine: on a chat str
 ``usage`` (and ``timings``) whether asked or not; with ``n`` choices every sequence sends its own.
 Through the gateway, which asks for usage to count a key's tokens: a client that did not ask gets
 no usage it would not have had, llama.cpp's ``timings`` and its default usage stay, and the tokens
-of every sequence are counted.
+of every sequence are counted; a client that asked gets OpenAI's usage-only event last, added on
+``/v1/completions``, where llama-server sends none.
 """
 
 from __future__ import annotations
@@ -122,10 +123,22 @@ def test_a_chat_stream_unasked_for_usage_keeps_the_timings_gets_no_usage_and_is_
 
 def test_a_completions_stream_reaches_the_client_as_llama_server_sent_it(lg: LlamaGateway) -> None:
     _, token = new_key(lg, "completions-unasked")
-    for options in ({}, ASKED):
-        got = through(lg, "/completions", {**COMPLETION, **options}, token)
-        assert shapes(got) == shapes(direct(lg, "/completions", {**COMPLETION, **options}))
-        assert got[-1]["usage"]["completion_tokens"] == 3 and "timings" in got[-1]
+    got = through(lg, "/completions", COMPLETION, token)
+    assert shapes(got) == shapes(direct(lg, "/completions", COMPLETION))
+    assert got[-1]["usage"]["completion_tokens"] == 3 and "timings" in got[-1]
+
+
+def test_a_completions_stream_that_asked_for_usage_gets_openais_usage_only_event_too(
+    lg: LlamaGateway,
+) -> None:
+    _, token = new_key(lg, "completions-asked")
+    got = through(lg, "/completions", {**COMPLETION, **ASKED, "n": 2}, token)
+    engine = direct(lg, "/completions", {**COMPLETION, **ASKED, "n": 2})
+    # llama-server's own events, as it sent them (usage and timings on each sequence's last chunk) ...
+    assert shapes(got[:-1]) == shapes(engine)
+    assert [e["usage"]["completion_tokens"] for e in got[:-1] if "usage" in e] == [3, 3]
+    # ... and OpenAI's usage-only event, of the whole request, last.
+    assert got[-1]["choices"] == [] and got[-1]["usage"]["completion_tokens"] == 6
 
 
 def test_a_client_that_asked_gets_the_usage_only_event_as_openai_specifies(lg: LlamaGateway) -> None:

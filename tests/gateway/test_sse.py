@@ -64,6 +64,23 @@ def test_a_usage_only_event_with_the_engines_own_fields_keeps_them_and_loses_onl
     assert tap.events == 3
 
 
+def test_a_client_that_asked_gets_openais_usage_only_event_where_the_engine_sent_none() -> None:
+    # llama.cpp's /v1/completions with n=2: usage rides on each sequence's final chunk
+    last = (
+        b'data: {"choices":[{"text":"a","index":0,"finish_reason":"length"}],"created":1,"id":"c",'
+        b'"model":"m","object":"text_completion","usage":{"completion_tokens":3,"prompt_tokens":2,'
+        b'"total_tokens":5},"timings":{"predicted_n":3}}\n\n'
+    )
+    tap = UsageTap(strip=False)
+    out = relay(tap, [CHUNK, last, last[:40], last[40:] + DONE])
+    owed = b'data: {"choices":[],"created":1,"id":"c","model":"m","object":"text_completion",'
+    owed += b'"usage":{"prompt_tokens":4,"completion_tokens":6,"total_tokens":10}}\n\n'
+    assert out == CHUNK + last + last + owed + DONE
+    # Where the engine sent one (chat), nothing is added.
+    tap = UsageTap(strip=False)
+    assert relay(tap, [CHUNK, USAGE, DONE]) == CHUNK + USAGE + DONE
+
+
 def test_usage_events_of_several_sequences_are_summed() -> None:
     # llama.cpp with n=2: one usage event per sequence
     tap = UsageTap(strip=True)

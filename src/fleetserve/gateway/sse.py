@@ -14,6 +14,10 @@ gateway asked on the client's behalf (``strip``), it takes out only what the ask
 - usage on an event with choices is the engine's own (llama.cpp's ``/v1/completions`` final chunk
   carries it whether asked or not): passed on untouched.
 
+A client that asked for usage gets it as OpenAI specifies: where the engine put it on chunks
+with choices only (llama.cpp's ``/v1/completions``), a usage-only event (empty ``choices``, the
+usage of every sequence) is added before ``[DONE]``; the engine's events pass as they came.
+
 An engine that reports usage per sequence (llama.cpp: one usage event per choice and per prompt)
 is counted from them all (``summed``, ``usage_events``). Bytes of an event not yet complete are
 held back until its end arrives, so an event split across reads is seen whole.
@@ -29,6 +33,7 @@ MAX_CARRY = 64 * 1024
 """An incomplete event held back longer than this is passed on as it is (no event is this big)."""
 
 _USAGE = b'"usage"'
+_DONE = b"[DONE]"
 
 
 _ENVELOPE = frozenset(
@@ -87,7 +92,7 @@ class UsageTap:
     them all (``summed``) and how many there were (``usage_events``). ``strip``: the gateway asked
     for usage the client did not, and takes out what its ask added."""
 
-    __slots__ = ("_carry", "events", "strip", "summed", "usage", "usage_events")
+    __slots__ = ("_carry", "_owed", "events", "strip", "summed", "usage", "usage_events")
 
     def __init__(self, strip: bool) -> None:
         self.strip = strip
@@ -96,6 +101,9 @@ class UsageTap:
         self.usage_events = 0
         self.events = 0
         self._carry = b""
+        # OpenAI's usage-only event, owed to a client that asked for usage where the engine put it
+        # on a chunk with choices only; sent before [DONE].
+        self._owed: dict[str, Any] | None = None
 
     def feed(self, piece: bytes) -> bytes:
         """The bytes to pass on for this ``piece`` (whole events only; the rest is held back)."""
@@ -119,6 +127,18 @@ class UsageTap:
 
     def _events(self, data: bytes) -> bytes:
         self.events += data.count(b"data:")
+        data = self._usage_events(data)
+        if self._owed is not None:
+            done = data.find(_DONE)
+            if done >= 0:  # OpenAI's usage-only event, which the engine did not send, before [DONE]
+                start = data.rfind(b"data:", 0, done)
+                start = done if start < 0 else start
+                data = data[:start] + b"data: " + orjson.dumps(self._owed) + b"\n\n" + data[start:]
+                self._owed = None
+                self.events += 1
+        return data
+
+    def _usage_events(self, data: bytes) -> bytes:
         at = data.find(_USAGE)
         while at >= 0:
             value = data[at + len(_USAGE) : at + len(_USAGE) + 8].lstrip(b": ")
@@ -154,10 +174,31 @@ class UsageTap:
             self.summed = Usage(event["usage"])
         else:
             self.summed.add(usage)
-        if not self.strip or event.get("choices"):
-            return b"data:" + payload  # the client's ask, or the engine's own: exactly as it came
+        if not self.strip:
+            # The client asked: as it came. Usage on a chunk with choices (llama.cpp's completions)
+            # is owed OpenAI's usage-only event too, of every sequence's usage, before [DONE].
+            if event.get("choices"):
+                self._owed = self._usage_only(event)
+            else:
+                self._owed = None
+            return b"data:" + payload
+        if event.get("choices"):
+            return b"data:" + payload  # the engine's own usage: exactly as it came
         del event["usage"]
         if event.keys() <= _ENVELOPE:
             self.events -= 1
             return b""  # the usage-only event only the gateway's ask added: gone, blank line too
         return b"data: " + orjson.dumps(event)  # the engine's own fields (timings) stay
+
+    def _usage_only(self, event: dict[str, Any]) -> dict[str, Any]:
+        """OpenAI's usage-only chunk for a stream whose last usage rode on ``event``: its envelope,
+        no choices, the usage of every sequence so far."""
+        summed = self.summed or Usage(None)
+        out = {k: v for k, v in event.items() if k in _ENVELOPE}
+        out["choices"] = []
+        out["usage"] = {
+            "prompt_tokens": summed.prompt,
+            "completion_tokens": summed.completion,
+            "total_tokens": summed.total,
+        }
+        return out
