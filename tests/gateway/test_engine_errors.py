@@ -373,3 +373,33 @@ def test_an_answer_that_breaks_off_mid_body_is_a_502_and_not_retried(bench: Benc
     assert (error["type"], error["code"]) == ("upstream_error", "answer_broken")
     assert set(error) == {"message", "type", "param", "code"} and "broke off" in error["message"]
     assert bench.requests == 1
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_USER_TIMEOUT"), reason="TCP_USER_TIMEOUT is Linux's")
+def test_a_request_its_engines_host_never_acknowledges_is_given_up_after_a_bound() -> None:
+    """Behind a partition nothing acknowledges a request: its connection must end within
+    ``UNACKED_SECONDS`` (the lab's partition scenario shows the retry; here, the bound is set on
+    every upstream connection, where loopback cannot drop packets)."""
+    from fleetserve.httpclient import UNACKED_SECONDS, HttpClient, Origin
+
+    engine = ScriptedEngine()
+    engine.script = http_answer(200, b"{}", length=100)  # an answer still coming: the connection open
+
+    async def check() -> int:
+        http = HttpClient()
+        try:
+            request = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
+            response = await http.request(Origin("127.0.0.1", engine.port), request, 5)
+            [conn] = http._open
+            sock = conn.raw_socket()
+            assert sock is not None
+            bound = int(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT))
+            response.close()
+            return bound
+        finally:
+            await http.aclose()
+
+    try:
+        assert asyncio.run(check()) == int(UNACKED_SECONDS * 1000)
+    finally:
+        engine.close()
