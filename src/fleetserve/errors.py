@@ -41,7 +41,7 @@ Classes without a module are defined here.
     │   ├── ConnectFailed        no connection could be opened: nothing was sent
     │   ├── UpstreamTimeout      no answer within the timeout
     │   └── UpstreamBroke        the connection closed or the answer was not HTTP, mid-answer
-    │       └── _NoAnswer        closed before any byte: a reused connection may have expired
+    │       └── NoAnswer         closed before any byte of the answer (nothing came back)
     ├── GatewayRejection         (fleetserve.gateway.admission) the gateway refuses a request; carries
     │   │                        an HTTP status and a Retry-After
     │   ├── QueueFull            as many requests as the policy allows already wait

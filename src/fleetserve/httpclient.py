@@ -12,19 +12,27 @@ A connection goes back to the pool the moment its response is complete (the body
 pieces are already buffered in the ``Response``); ``Response.close`` before that aborts it, which
 is how a cancelled request stops the engine's work: llama.cpp and vLLM cancel a generation
 whose connection closed. A reused connection that the server had closed before answering (its
-keep-alive timeout) is retried once on a new connection. Failures raise:
+keep-alive timeout) is retried once on a new connection.
+
+A request whose bytes the upstream's host does not acknowledge within ``UNACKED_SECONDS`` (the
+host is gone or behind a partition: a live host's kernel acknowledges at once, however busy its
+server) ends its connection there (``TCP_USER_TIMEOUT``): the kernel drops the bytes still queued,
+so they cannot reach the server later, when the partition heals, and the request fails with
+``NoAnswer``, which the gateway retries elsewhere. Failures raise:
 
     FleetserveError
     └── UpstreamError        a request to an upstream failed; nothing more is coming from it
         ├── ConnectFailed    no connection could be opened (nothing was sent)
         ├── UpstreamTimeout  no answer within the timeout
         └── UpstreamBroke    the connection closed or sent malformed HTTP mid-answer
+            └── NoAnswer     it closed before any byte of the answer (the gateway may retry)
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import socket
 import ssl
 import struct
@@ -45,6 +53,10 @@ MAX_IDLE = 4096
 PAUSE_BYTES = 256 * 1024
 """A response buffering this much unread body stops reading from its socket until it is drained."""
 
+
+UNACKED_SECONDS = 3.0
+"""How long bytes sent to an upstream may stay unacknowledged by its host before the connection is
+given up (``TCP_USER_TIMEOUT``, where the platform has it)."""
 
 _FRAMING = (b"content-length", b"transfer-encoding")
 # SO_LINGER on with a zero timeout: close() resets the connection and drops what is unsent.
@@ -67,8 +79,14 @@ class UpstreamBroke(UpstreamError):
     """The connection closed, or the upstream sent malformed HTTP, in the middle of an answer."""
 
 
-class _NoAnswer(UpstreamBroke):
-    """The connection closed before any byte of the answer: a reused one may just have expired."""
+class NoAnswer(UpstreamBroke):
+    """The connection closed before any byte of the answer: a reused one may just have expired,
+    a fresh one's server died or reset it before its status line, or its host never acknowledged
+    the request (``unacknowledged``: gone or behind a partition)."""
+
+    def __init__(self, message: str, unacknowledged: bool = False) -> None:
+        super().__init__(message)
+        self.unacknowledged = unacknowledged
 
 
 @dataclass(frozen=True)
@@ -201,7 +219,9 @@ class _Connection(asyncio.Protocol):
         head, response = self._head, self._response
         if head is not None and not head.done():
             if self._received == 0:
-                head.set_exception(_NoAnswer(f"the connection closed before the answer{because}"))
+                # ETIMEDOUT: what it sent was never acknowledged (TCP_USER_TIMEOUT ran out)
+                unacked = isinstance(exc, OSError) and exc.errno == errno.ETIMEDOUT
+                head.set_exception(NoAnswer(f"the connection closed before the answer{because}", unacked))
             else:
                 head.set_exception(UpstreamBroke(f"the connection closed in the answer's head{because}"))
         elif response is not None:
@@ -269,19 +289,26 @@ class _Connection(asyncio.Protocol):
         if self._transport is not None and not self.closed:
             self._transport.resume_reading()
 
+    def raw_socket(self) -> socket.socket | None:
+        """The connection's socket (None once closed)."""
+        return None if self._transport is None else self._transport.get_extra_info("socket")
+
     def abort(self) -> None:
         """Drop the connection at once: a reset, not a close. asyncio's ``abort`` alone empties
         only its own buffer; the kernel would still deliver what it had queued, and retransmit it
         for minutes. A request given up on (an engine behind a partition, a cancelled stream) must
         not reach the engine later, when the partition heals: with a zero linger the kernel drops
-        it and sends a reset."""
+        it and sends a reset. One the kernel closed already (``connection_lost``) has nothing left
+        to drop."""
         self.closed = True
-        if self._transport is not None:
-            sock = self._transport.get_extra_info("socket")
+        transport = self._transport
+        if transport is not None and not transport.is_closing():
+            sock = transport.get_extra_info("socket")
             if sock is not None:
-                with contextlib.suppress(OSError):
+                # ValueError: uvloop's socket of a descriptor closed meanwhile
+                with contextlib.suppress(OSError, ValueError):
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
-            self._transport.abort()
+            transport.abort()
 
 
 def _expire(head: asyncio.Future[Response], timeout: float) -> None:
@@ -296,11 +323,13 @@ class HttpClient:
         self,
         *,
         connect_timeout: float = 5.0,
+        unacked_timeout: float | None = UNACKED_SECONDS,
         max_idle_per_origin: int = MAX_IDLE_PER_ORIGIN,
         max_idle: int = MAX_IDLE,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.connect_timeout = connect_timeout
+        self.unacked_timeout = unacked_timeout
         self._per_origin = max_idle_per_origin
         self._max_idle = max_idle
         self._ssl = ssl_context
@@ -318,8 +347,10 @@ class HttpClient:
         if conn is not None:
             try:
                 return await self._exchange(conn, request, timeout)
-            except _NoAnswer:
-                pass  # the server closed it while idle: once more on a fresh connection
+            except NoAnswer as exc:
+                if exc.unacknowledged:
+                    raise  # the host is unreachable: a fresh connection would wait as long again
+                # the server closed it while idle: once more on a fresh connection
         return await self._exchange(await self._connect(origin), request, timeout)
 
     async def _exchange(self, conn: _Connection, request: bytes, timeout: float | None) -> Response:
@@ -360,6 +391,13 @@ class HttpClient:
         except OSError as exc:
             raise ConnectFailed(f"connecting to {origin.host}:{origin.port} failed: {exc}") from exc
         self._open.add(conn)
+        if self.unacked_timeout is not None and hasattr(socket, "TCP_USER_TIMEOUT"):
+            sock = conn.raw_socket()
+            if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(
+                        socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(self.unacked_timeout * 1000)
+                    )
         return conn
 
     def _take_idle(self, origin: Origin) -> _Connection | None:
@@ -415,6 +453,7 @@ class HttpClient:
 __all__ = [
     "ConnectFailed",
     "HttpClient",
+    "NoAnswer",
     "Origin",
     "Response",
     "UpstreamBroke",

@@ -503,6 +503,24 @@ def test_a_body_over_the_limit_gets_413_without_reaching_an_engine(fleet: Fleet)
             assert after[name][counter] == before[name][counter], (name, counter, before[name], after[name])
 
 
+def test_an_engine_error_reaches_the_client_as_the_engine_said_it(fleet: Fleet) -> None:
+    """The replicas run without ``--embeddings``: llama-server answers an embeddings request 501
+    and says how to enable them. The client gets that, not a 503 telling it to retry."""
+    with fleet.http() as http:
+        started = time.monotonic()
+        response = http.post("/embeddings", json={"model": "tiny", "input": "hello"})
+        took = time.monotonic() - started
+    print(f"embeddings without --embeddings: {response.status_code} {response.text} in {took * 1000:.0f} ms")
+    assert response.status_code == 501, response.text
+    assert "retry-after" not in response.headers
+    error = error_of(response)  # llama.cpp's own error, with the param OpenAI's shape has
+    assert error["type"] == "not_supported_error" and error["code"] == 501, error
+    assert "does not support embeddings" in error["message"] and "--embeddings" in error["message"], error
+    with fleet.openai() as client, pytest.raises(openai.APIStatusError) as raised:
+        client.embeddings.create(model="tiny", input="hello")
+    assert raised.value.status_code == 501 and "--embeddings" in raised.value.message
+
+
 # --- overload, disconnects and failures ---------------------------------------------------------------
 
 

@@ -1,6 +1,7 @@
 """What a request reserves against its key's tokens per minute: whichever field carries its cap, as
-each engine reads it, times its choices and prompts, the context when unbounded; and the context a
-deployment's replicas start with, as the gateway's routes learn it."""
+each engine reads it, times its choices and prompts, the context when unbounded; the context a
+deployment's replicas start with, as the gateway's routes learn it; and what a request is settled
+at once answered (llama.cpp reports one sequence's usage for several)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,19 @@ import orjson
 import pytest
 
 from builders import deployment
+from fleetserve.engines.registry import ENGINES
 from fleetserve.engines.spec import EngineKind
 from fleetserve.gateway.accounting import (
     BYTES_PER_TOKEN,
     DEFAULT_RESERVE_TOKENS,
     MAX_SEQUENCES,
     MAX_TOKENS_PER_SEQUENCE,
+    Exchange,
     reservation,
+    settlement,
 )
 from fleetserve.gateway.endpoints import deployment_context
+from fleetserve.gateway.sse import UsageTap
 
 LLAMA = frozenset({EngineKind.LLAMACPP})
 VLLM = frozenset({EngineKind.VLLM})
@@ -214,3 +219,52 @@ def test_the_context_a_deployments_replicas_start_with(
     profiles: list[dict[str, Any]], expected: int | None
 ) -> None:
     assert deployment_context(deployment("d", 1, *profiles).profiles) == expected
+
+
+def exchange(usage: tuple[int, int] | None, events: list[tuple[int, int]] | None = None) -> Exchange:
+    """What a request saw: the usage it reported (prompt, completion), and a stream's usage events."""
+    ex = Exchange()
+    if usage is not None:
+        ex.prompt, ex.completion = usage
+        ex.usage_total = sum(usage)
+    if events is not None:
+        tap = ex.tap = UsageTap(strip=True)
+        for prompt, completion in events:
+            payload = {"choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": completion}}
+            tap.feed(b"data: " + orjson.dumps(payload) + b"\n\n")
+    return ex
+
+
+LLAMA_FIELDS = ENGINES[EngineKind.LLAMACPP].cap_fields
+VLLM_FIELDS = ENGINES[EngineKind.VLLM].cap_fields
+RESERVED = 500
+
+# (sentence, request body, the answering engine's fields, what it saw, tokens settled)
+SETTLEMENTS: list[tuple[str, dict[str, Any], Any, Exchange, int]] = [
+    ("one sequence: its usage", {"max_tokens": 10}, LLAMA_FIELDS, exchange((20, 10)), 30),
+    ("no usage: the reservation", {"max_tokens": 10}, LLAMA_FIELDS, exchange(None), RESERVED),
+    ("nothing generated (an error without usage): nothing", {"n": 4}, LLAMA_FIELDS, exchange((0, 0)), 0),
+    ("llama.cpp, n 4, a whole answer's one-sequence usage: the reservation", {"n": 4}, LLAMA_FIELDS, exchange((20, 10)), RESERVED),
+    ("llama.cpp, n_cmpl 2 before n", {"n_cmpl": 2, "n": 1}, LLAMA_FIELDS, exchange((20, 10)), RESERVED),
+    ("llama.cpp, a list of prompts", {"prompt": ["a", "b"]}, LLAMA_FIELDS, exchange((20, 10)), RESERVED),
+    ("llama.cpp, a stream with one usage event per sequence: their sum", {"n": 2}, LLAMA_FIELDS, exchange((20, 10), [(20, 10), (20, 12)]), 62),
+    ("llama.cpp, a stream missing a sequence's usage: the reservation", {"n": 3}, LLAMA_FIELDS, exchange((20, 10), [(20, 10), (20, 12)]), RESERVED),
+    ("llama.cpp, usage past the reservation: the usage", {"n": 2}, LLAMA_FIELDS, exchange((400, 300)), 700),
+    ("vLLM's usage is the whole request's", {"n": 4}, VLLM_FIELDS, exchange((20, 40)), 60),
+    ("no engine known (no replica tried): the usage", {"n": 4}, None, exchange((0, 0)), 0),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("body", "fields", "ex", "expected"), [pytest.param(b, f, e, x, id=s) for s, b, f, e, x in SETTLEMENTS]
+)
+def test_a_request_is_settled_at_what_its_engine_generated_for_every_sequence(
+    body: dict[str, Any], fields: Any, ex: Exchange, expected: int
+) -> None:
+    assert settlement(RESERVED, ex, fields, body) == expected
+
+
+def test_a_streams_summed_usage_is_what_the_key_is_counted_for() -> None:
+    ex = exchange((20, 10), [(20, 10), (20, 12)])
+    settlement(RESERVED, ex, LLAMA_FIELDS, {"n": 2})
+    assert (ex.prompt, ex.completion, ex.usage_total) == (40, 22, 62)

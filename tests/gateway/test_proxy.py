@@ -240,12 +240,14 @@ def test_a_replica_that_refuses_connections_is_retried_on_the_other(served):
         asyncio.run_coroutine_threadsafe(victim.start(victim.port), served.loop).result(5)
 
 
-def test_an_engine_error_is_retried_once_and_then_answered_503(served):
+def test_an_engine_error_reaches_the_client_as_the_engine_said_it_and_is_not_retried(served):
+    before = sum(e.served.requests for e in served.engines)
     with client(served, key(served, "fails")) as http:
         response = http.post("/chat/completions", json=chat(fake_status=500))
-    assert response.status_code == 503, response.text
-    assert response.json()["error"]["code"] == "no_replica"
-    assert response.headers["retry-after"] == "1"
+    assert response.status_code == 500, response.text
+    assert response.json()["error"]["message"] == "fake failure"
+    assert "retry-after" not in response.headers
+    assert sum(e.served.requests for e in served.engines) == before + 1
 
 
 def test_metrics_carry_ttft_itl_and_per_key_figures_with_bounded_labels(served):

@@ -1,5 +1,11 @@
-"""The usage event of a relayed stream: found whole however the stream is cut, stripped when the
-client did not ask for it, passed on untouched when it did."""
+"""The usage events of a relayed stream: found whole however the stream is cut; when the gateway
+asked for usage the client did not, only what that ask added is taken out (the usage-only event,
+or just its ``usage`` where the engine put its own fields in it); passed on untouched otherwise.
+
+The llama.cpp events below are the shapes llama-server sends (checked against the real one in
+tests/e2e/test_stream_usage.py): on chat, ``timings`` ride on the last chunk unasked and move into
+the usage-only event when usage is asked; on completions, the last chunk carries ``usage`` always.
+"""
 
 from __future__ import annotations
 
@@ -29,15 +35,61 @@ def test_the_usage_is_read_however_the_stream_is_cut(size: int, strip: bool) -> 
     assert out == (CHUNK * 2 + DONE if strip else STREAM)
 
 
-def test_usage_riding_on_a_chunk_with_choices_is_removed_from_it_alone() -> None:
-    last = b'data: {"id":"x","choices":[{"index":0,"delta":{},"finish_reason":"stop"}],"usage":{"total_tokens":9}}\n\n'
+def test_usage_on_a_chunk_with_choices_is_the_engines_own_and_passes_untouched() -> None:
+    # llama.cpp's /v1/completions: the final chunk has its usage (and timings) whether asked or not
+    last = (
+        b'data: {"choices":[{"text":"a","index":0,"logprobs":null,"finish_reason":"length"}],'
+        b'"object":"text_completion","usage":{"completion_tokens":3,"prompt_tokens":3,"total_tokens":6},'
+        b'"id":"c","timings":{"predicted_n":3}}\n\n'
+    )
     tap = UsageTap(strip=True)
     out = relay(tap, [CHUNK + last + DONE])
-    assert tap.usage is not None and tap.usage.total == 9
-    assert (
-        out
-        == CHUNK + b'data: {"id":"x","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n' + DONE
+    assert tap.usage is not None and tap.usage.total == 6
+    assert out == CHUNK + last + DONE
+
+
+def test_a_usage_only_event_with_the_engines_own_fields_keeps_them_and_loses_only_its_usage() -> None:
+    # llama.cpp's chat stream when asked for usage: its timings move into the usage-only event
+    asked = (
+        b'data: {"choices":[],"created":1,"id":"c","model":"m","system_fingerprint":"b1",'
+        b'"object":"chat.completion.chunk","usage":{"completion_tokens":3,"prompt_tokens":23,'
+        b'"total_tokens":26},"timings":{"prompt_n":1,"predicted_n":3}}\n\n'
     )
+    tap = UsageTap(strip=True)
+    out = relay(tap, [CHUNK, asked, DONE])
+    assert tap.usage is not None and tap.usage.total == 26
+    kept = b'{"choices":[],"created":1,"id":"c","model":"m","system_fingerprint":"b1",'
+    kept += b'"object":"chat.completion.chunk","timings":{"prompt_n":1,"predicted_n":3}}'
+    assert out == CHUNK + b"data: " + kept + b"\n\n" + DONE
+    assert tap.events == 3
+
+
+def test_a_client_that_asked_gets_openais_usage_only_event_where_the_engine_sent_none() -> None:
+    # llama.cpp's /v1/completions with n=2: usage rides on each sequence's final chunk
+    last = (
+        b'data: {"choices":[{"text":"a","index":0,"finish_reason":"length"}],"created":1,"id":"c",'
+        b'"model":"m","object":"text_completion","usage":{"completion_tokens":3,"prompt_tokens":2,'
+        b'"total_tokens":5},"timings":{"predicted_n":3}}\n\n'
+    )
+    tap = UsageTap(strip=False)
+    out = relay(tap, [CHUNK, last, last[:40], last[40:] + DONE])
+    owed = b'data: {"choices":[],"created":1,"id":"c","model":"m","object":"text_completion",'
+    owed += b'"usage":{"prompt_tokens":4,"completion_tokens":6,"total_tokens":10}}\n\n'
+    assert out == CHUNK + last + last + owed + DONE
+    # Where the engine sent one (chat), nothing is added.
+    tap = UsageTap(strip=False)
+    assert relay(tap, [CHUNK, USAGE, DONE]) == CHUNK + USAGE + DONE
+
+
+def test_usage_events_of_several_sequences_are_summed() -> None:
+    # llama.cpp with n=2: one usage event per sequence
+    tap = UsageTap(strip=True)
+    out = relay(tap, [CHUNK, USAGE, CHUNK, USAGE, DONE])
+    assert out == CHUNK * 2 + DONE
+    assert tap.usage_events == 2
+    summed = tap.summed
+    assert summed is not None and (summed.prompt, summed.completion, summed.total) == (6, 4, 10)
+    assert tap.usage is not None and tap.usage.total == 5
 
 
 def test_crlf_framed_events_flow_without_waiting_for_the_end() -> None:

@@ -300,6 +300,9 @@ LLAMACPP = EngineSpec(
         cap=(("n_predict",), ("max_completion_tokens",), ("max_tokens", "max_output_tokens")),
         choices=(("n_cmpl",), ("n",)),
         strings=False,
+        # A whole answer's usage is its first sequence's (server-context.cpp merges the choices of
+        # the others, not their usage); a stream sends one usage event per sequence.
+        usage_per_sequence=True,
     ),
     bundled_binary=bundled_binary,
     routes=ROUTES,

@@ -54,11 +54,15 @@ class CapFields:
     within a group, where the engine's own order is not pinned, the largest (never less than the
     engine generates). ``strings``: the engine reads a numeric string as a number. The Responses
     API's ``max_output_tokens`` is read on that API's route only: elsewhere engines ignore it.
+    ``usage_per_sequence``: for a request of several sequences (choices, prompts) the engine's
+    usage is one sequence's (a whole answer's) or one usage event per sequence (a stream's), not
+    the request's; the gateway settles such a request from every event, or at its reservation.
     """
 
     cap: tuple[tuple[str, ...], ...]
     choices: tuple[tuple[str, ...], ...]
     strings: bool
+    usage_per_sequence: bool = False
 
 
 def _none_bundled(_variant: RuntimeVariant) -> str | None:

@@ -5,8 +5,10 @@
   whichever field carries its cap as each engine reads them (each engine row's ``cap_fields``: ``max_tokens``,
   ``max_completion_tokens``, ``max_output_tokens``, llama.cpp's ``n_predict``; times ``n``), the
   deployment's context when unbounded, plus an estimate of its prompt. When its answer is in, the
-  reservation is settled with the usage the engine reported, or with what was held
-  (``held_reserved``) when the answer carried none.
+  reservation is settled (``settlement``) with the usage the engine reported, or with what was
+  held (``held_reserved``) when the answer carried none or, from an engine that reports one
+  sequence's usage (llama.cpp), when the request had several sequences (unless a stream's usage
+  events count them all).
 - Every answered request, refusals included, is accounted once (``Accounting.account``): usage
   per minute, key and model in memory (``gateway.usage``, written to the store by
   ``gateway.usage_flush``), and the gateway's metrics (answer, queue depth, per key, per stream).
@@ -24,7 +26,7 @@ from typing import Any
 from fleetserve.engines.registry import ENGINES
 from fleetserve.engines.spec import CapFields, EngineKind
 from fleetserve.gateway.admission import Admission
-from fleetserve.gateway.endpoints import EndpointTable
+from fleetserve.gateway.endpoints import EndpointTable, Route
 from fleetserve.gateway.picker import Endpoint
 from fleetserve.gateway.sse import UsageTap
 from fleetserve.gateway.usage import UsageCounter
@@ -62,6 +64,7 @@ def _number(value: object, strings: bool) -> int | None:
 
 
 RESPONSES_ONLY = "max_output_tokens"
+_KINDS = {k.value: k for k in EngineKind}
 
 
 def _first(
@@ -98,9 +101,14 @@ def completion_budget(
         per_sequence = DEFAULT_RESERVE_TOKENS if context is None else context
     else:
         per_sequence = min(max(cap, 1), MAX_TOKENS_PER_SEQUENCE if context is None else context)
+    return per_sequence * sequences(data, fields)
+
+
+def sequences(data: dict[str, Any], fields: CapFields) -> int:
+    """Sequences an engine reading ``fields`` generates for ``data``: choices times prompts (never
+    fewer than one, never more than ``MAX_SEQUENCES``)."""
     choices = _first(data, fields.choices, fields.strings)
-    sequences = min(MAX_SEQUENCES, max(1, choices or 1) * _prompts(data))  # never shrunk below one
-    return per_sequence * sequences
+    return min(MAX_SEQUENCES, max(1, choices or 1) * _prompts(data))
 
 
 def reservation(
@@ -124,6 +132,42 @@ def reservation(
 def held_reserved(held: Held) -> int:
     """The tokens a reservation holds (settled as used when the answer had no usage)."""
     return held.reserved
+
+
+def answering_fields(route: Route, ex: Exchange) -> CapFields | None:
+    """The cap fields of the engine that answered ``ex`` (None when no replica was tried)."""
+    if ex.endpoint is None:
+        return None
+    kind = _KINDS.get(route.engines.get(ex.endpoint.replica, ""))
+    rules = [ENGINES[k].cap_fields for k in ((kind,) if kind else route.engine_kinds) if k in ENGINES]
+    # Not known which of several engines answered: the one whose usage says least.
+    return next((f for f in rules if f.usage_per_sequence), rules[0] if rules else None)
+
+
+def settlement(reserved: int, ex: Exchange, fields: CapFields | None, data: dict[str, Any]) -> int:
+    """Tokens a request that reserved ``reserved`` is settled at, once answered by an engine
+    reading ``fields``: the usage it reported (``ex``), or the reservation when it reported none.
+
+    An engine whose usage is one sequence's (``usage_per_sequence``: llama.cpp) answering a
+    request of several sequences (``n``, a list of prompts) would let a key generate past its
+    limit if settled from that usage: a stream is settled from the sum of its usage events when
+    there is one per sequence (and counted so in ``ex``), anything else at the reservation, which
+    holds what every sequence may generate.
+    """
+    used = ex.usage_total
+    if used is None:
+        return reserved
+    if used == 0 or fields is None or not fields.usage_per_sequence:
+        return used
+    wanted = sequences(data, fields)
+    if wanted <= 1:
+        return used
+    tap = ex.tap
+    if tap is not None and tap.summed is not None and tap.usage_events >= wanted:
+        summed = tap.summed
+        ex.usage_total, ex.prompt, ex.completion = summed.total, summed.prompt, summed.completion
+        return summed.total
+    return max(used, reserved)
 
 
 class Exchange:

@@ -9,11 +9,15 @@
   ``KEY_CACHE_SECONDS``. A key that may not use a model gets the same 404
   as a model that does not exist.
 - The engine ignores the request's ``"model"``: the gateway checks it.
-- A request that fails before its first byte reached the client is retried once on another
-  replica; after that, never. ``stream: true`` passes the engine's events through as they come;
-  a client that disconnects closes the upstream request, which cancels it.
+- What the engine answers, the client gets: its status and body, an error's in OpenAI's shape where
+  the engine's is not. Only a try that got no answer at all (no connection; closed, or no status
+  line, in time; bytes its host never acknowledged) is retried, once, on another replica, its
+  connection reset first; 503 ``no_replica`` only when none could be reached. ``stream: true``
+  passes the engine's events through as they come; a client that disconnects closes the upstream
+  request, which cancels it.
 - Tokens count against a key's limit whether or not the client asked for them: the gateway asks
-  the engine for the usage event and strips it when the client did not (``sse.UsageTap``).
+  the engine for usage when the client did not, and takes out only what its ask added
+  (``sse.UsageTap``); a request is settled at what every sequence used (``accounting.settlement``).
 - Its refusals are OpenAI error bodies (``gateway.openai_errors``); what it sends an engine is
   built in ``gateway.upstream``; what a request reserves and how it is counted, in
   ``gateway.accounting``.
@@ -27,6 +31,7 @@ children) is computed once.
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import time
@@ -42,19 +47,34 @@ from starlette.concurrency import run_in_threadpool
 from fleetserve.engines.routes import ApiRoute, ModelBy, RouteKind, UsageBy
 from fleetserve.engines.spec import EngineKind
 from fleetserve.errors import InternalError
-from fleetserve.gateway.accounting import Accounting, Exchange, held_reserved, reservation
+from fleetserve.gateway.accounting import (
+    Accounting,
+    Exchange,
+    answering_fields,
+    held_reserved,
+    reservation,
+    settlement,
+)
 from fleetserve.gateway.admission import Admission, AdmissionPolicy, GatewayRejection
 from fleetserve.gateway.endpoints import EndpointTable, Route
 from fleetserve.gateway.modelinfo import ModelInfo, merged
 from fleetserve.gateway.openai_errors import send_error
 from fleetserve.gateway.picker import Endpoint, Load, pick, prefix_key_for
 from fleetserve.gateway.ratelimit import Limits
-from fleetserve.gateway.sse import UsageTap, usage_of_body
-from fleetserve.gateway.upstream import UPSTREAM_TIMEOUT, Call, relay_stream, relayed, upstream_request
+from fleetserve.gateway.sse import UsageTap
+from fleetserve.gateway.upstream import (
+    BEFORE_ANY_ANSWER,
+    UPSTREAM_TIMEOUT,
+    Call,
+    answer_failed,
+    relay_answer,
+    relay_stream,
+    upstream_request,
+)
 from fleetserve.gateway.usage import UsageCounter
 from fleetserve.gateway.usage_flush import FLUSH_SECONDS, UsageFlusher
 from fleetserve.gateway.windows import Held, LocalWindows, Windows
-from fleetserve.httpclient import HttpClient, UpstreamError
+from fleetserve.httpclient import ConnectFailed, HttpClient, NoAnswer, UpstreamError
 from fleetserve.metrics.exposition import UNKNOWN_MODEL, FleetMetrics
 from fleetserve.rawasgi.answers import answer
 from fleetserve.rawasgi.body import Unread, read_body
@@ -63,6 +83,11 @@ from fleetserve.rawasgi.headers import bearer
 from fleetserve.rawasgi.types import Receive, Scope, Send
 from fleetserve.store.credentials import ApiKey
 from fleetserve.store.protocols import GatewayStore, UsageSink
+
+log = logging.getLogger("fleetserve.gateway")
+
+# Routes that only look (an engine's health, its settings): not demand, no admission slot.
+PROBES = frozenset({RouteKind.HEALTH, RouteKind.METADATA})
 
 EngineRoutes = Mapping[EngineKind, ApiRoute]
 """What one method and path is for each engine that serves it (``gateway.asgi.ApiIndex``)."""
@@ -142,6 +167,9 @@ class Gateway:
         self.http: HttpClient | None = None
         # What each replica's engine says about its model, for /v1/models.
         self.model_info = ModelInfo()
+        # How long a replica may take to start answering (its status line) before the try is
+        # given up as unanswered.
+        self.upstream_timeout = UPSTREAM_TIMEOUT
 
     async def start(self) -> None:
         """Open the upstream client and start following the replicas."""
@@ -373,15 +401,33 @@ class Gateway:
                 )
                 self.accounting.account(key, model, model, 429, started, None)
                 return
-        # Past the checks: from here the request is demand (activity for scale-to-zero).
-        self.last_request[model] = time.monotonic()
+        # May a try that got no answer go to another replica: every engine's row must say so.
+        retry = all(routes[e].retry for e in route.engine_kinds if e in routes)
+        probe = all(routes[e].kind in PROBES for e in route.engine_kinds if e in routes)
+        if probe:
+            # A probe (health, metadata) is not demand: it never wakes a deployment scaled to zero
+            # nor waits for a replica to start; with none Ready it is answered at once.
+            if not route.endpoints:
+                await send_error(
+                    send,
+                    503,
+                    f"No replica of `{model}` is ready.",
+                    "service_unavailable",
+                    "no_replica",
+                    retry_after=1,
+                )
+                self.accounting.account(key, model, model, 503, started, None)
+                return
+        else:
+            # Past the checks: from here the request is demand (activity for scale-to-zero).
+            self.last_request[model] = time.monotonic()
         stream = data.get("stream") is True
         strip = False
         if stream and all(r.usage is UsageBy.STREAM_OPTION for r in routes.values()):
             options = data.get("stream_options")
             if not (isinstance(options, dict) and options.get("include_usage") is True):
-                # Ask the engine for the usage event, so the stream's tokens are counted; the
-                # client, which did not ask for it, does not get it.
+                # Ask the engine for usage, so the stream's tokens are counted; the client, which
+                # did not ask for it, does not get what the ask added (``UsageTap``).
                 data["stream_options"] = {
                     **(options if isinstance(options, dict) else {}),
                     "include_usage": True,
@@ -396,9 +442,12 @@ class Gateway:
         exits = AsyncExitStack()
         try:
             try:
-                await exits.enter_async_context(
-                    self.admission.slot(model, self._policy(route), lambda: self._ready(model), HOLD_SECONDS)
-                )
+                if not probe:  # a probe takes no generation slot and waits in no queue
+                    await exits.enter_async_context(
+                        self.admission.slot(
+                            model, self._policy(route), lambda: self._ready(model), HOLD_SECONDS
+                        )
+                    )
             except GatewayRejection as exc:
                 exchange.usage_total = 0  # nothing was generated
                 if self.metrics is not None:
@@ -411,26 +460,50 @@ class Gateway:
                 return
             if stream:
                 exchange.tap = UsageTap(strip)
-            status = await unless_gone(receive, self._forward(send, model, call, body, prefix, exchange))
+            status = await unless_gone(
+                receive, self._forward(send, model, call, body, prefix, exchange, retry)
+            )
         except ClientGone:
             status = 499
         finally:
             await exits.aclose()
-            self.last_request[model] = time.monotonic()  # a request is activity until it is answered
+            if not probe:  # a request is activity until it is answered
+                self.last_request[model] = time.monotonic()
+            # What the request used (counted in ``exchange`` too where the engine reports usage
+            # per sequence); a key with limits is settled at it.
+            reserved = held_reserved(held) if held is not None else 0
+            used = settlement(reserved, exchange, answering_fields(route, exchange), data)
             if held is not None:
-                used = exchange.usage_total
-                await self.windows.settle(held, held_reserved(held) if used is None else used)
+                await self.windows.settle(held, used)
             self.accounting.account(key, model, model, status, started, exchange)
 
     async def _forward(
-        self, send: Send, model: str, path: Call | bytes, body: bytes, prefix: str | None, ex: Exchange
+        self,
+        send: Send,
+        model: str,
+        path: Call | bytes,
+        body: bytes,
+        prefix: str | None,
+        ex: Exchange,
+        retry: bool = True,
     ) -> int:
-        """Send to a replica (once more to another if it fails before any byte reached the client)."""
+        """Send to a replica; relay its answer, whatever its status.
+
+        A try that could not connect sent nothing and goes to another replica. A try that got no
+        answer at all (``BEFORE_ANY_ANSWER``: no status line in time, or the connection closed
+        before it) goes once more to another replica when the route may be retried (``retry``);
+        its connection is reset first (``HttpClient`` aborts it with a zero linger), so a request
+        given up on never reaches that engine later, after a partition heals. An engine that
+        answered is never tried again. 503 ``no_replica`` only when no replica was reached; one
+        reached that never answered is a 504 (no answer in time) or 502.
+        """
         http = self.http
         if http is None:
             raise InternalError("the gateway forwards requests only between start() and stop()")
         tried: set[str] = set()
         last_error = "no replica is ready"
+        # The last try that reached a replica and got no answer: the replica and what happened.
+        unanswered: tuple[str, UpstreamError] | None = None
         for _ in range(2):
             endpoint = self._pick(model, frozenset(tried), prefix)
             if endpoint is None:
@@ -442,37 +515,41 @@ class Gateway:
                 ex.sent_at = time.monotonic()
                 try:
                     origin, request = upstream_request(endpoint, path, body)
-                    response = await http.request(origin, request, UPSTREAM_TIMEOUT)
-                except UpstreamError as exc:
-                    self.table.failed(endpoint.replica, exc)  # a connect failure ejects it at once
+                except UpstreamError as exc:  # nothing was sent
                     last_error = f"replica {endpoint.replica}: {exc}"
                     continue
-                if response.status >= 500:
-                    response.close()
-                    last_error = f"replica {endpoint.replica} answered {response.status}"
-                    continue
-                if ex.tap is None:
-                    try:
-                        content = await response.read()
-                    except UpstreamError as exc:  # failed mid-body: nothing reached the client yet
+                try:
+                    response = await http.request(origin, request, self.upstream_timeout)
+                except UpstreamError as exc:
+                    # A connect failure ejects the replica at once; so does a request its host
+                    # never acknowledged (unreachable, as if no connection could be opened).
+                    unreachable = isinstance(exc, NoAnswer) and exc.unacknowledged
+                    self.table.failed(endpoint.replica, ConnectFailed(str(exc)) if unreachable else exc)
+                    log.warning("try on %s failed: %s (%s)", endpoint.replica, type(exc).__name__, exc)
+                    if isinstance(exc, ConnectFailed):
                         last_error = f"replica {endpoint.replica}: {exc}"
                         continue
-                    finally:
-                        response.close()
-                    usage = usage_of_body(content)
-                    if usage is not None:
-                        ex.usage_total, ex.prompt, ex.completion = usage.total, usage.prompt, usage.completion
-                    await answer(send, response.status, content, relayed(response))
-                    return response.status
+                    unanswered = (endpoint.replica, exc)
+                    if retry and isinstance(exc, BEFORE_ANY_ANSWER):
+                        continue
+                    break
+                # The engine answered: its status and body are the client's (an engine's 5xx is
+                # not a failure to reach it, so it neither ejects the replica nor is retried).
+                if ex.tap is None or response.status >= 400:
+                    return await relay_answer(send, response, ex)
                 await relay_stream(send, response, ex, ex.tap)
                 return response.status
             finally:
                 self.in_flight[endpoint.replica] -= 1
+        if unanswered is not None:
+            # Reached, never answered: what it generated (if anything) is not known, so the
+            # reservation stands.
+            return await answer_failed(send, *unanswered)
         ex.usage_total = 0  # nothing was generated
         await send_error(
             send,
             503,
-            f"No replica of `{model}` could serve the request ({last_error}).",
+            f"No replica of `{model}` could be reached ({last_error}).",
             "service_unavailable",
             "no_replica",
             retry_after=1,

@@ -1,12 +1,26 @@
-"""The usage event of a server-sent event stream: found as the stream passes, stripped when unasked.
+"""The usage events of a server-sent event stream: found as the stream passes, and taken out only
+where the gateway's own ask put them.
 
-The gateway always asks an engine for the usage event (``stream_options.include_usage``), so
-that a stream's tokens are counted against its key's limits whether or not the client asked for
-them. ``UsageTap`` sits on the relayed bytes: it passes whole events through untouched and
-unparsed, except the one carrying a non-null ``usage``, which it reads (with orjson) and, when
-the client did not ask for it, removes (an event with no choices left) or strips of its usage
-field. Bytes of an event not yet complete are held back until its end arrives, so an event split
-across reads is seen whole.
+The gateway asks an engine for usage (``stream_options.include_usage``) when the client did not,
+so that a stream's tokens are counted against its key's limits. What the client receives must not
+change for it: ``UsageTap`` sits on the relayed bytes and passes whole events through untouched and
+unparsed, except those carrying a non-null ``usage``, which it reads (with orjson). When the
+gateway asked on the client's behalf (``strip``), it takes out only what the ask added:
+
+- the usage-only event (empty ``choices``: vLLM's, llama.cpp's on chat) is removed, blank line
+  too, when it holds nothing but OpenAI's chunk envelope; where it carries the engine's own fields
+  (llama.cpp moves its ``timings`` into it when asked), only its ``usage`` is removed and the
+  event, with every other field, passes on;
+- usage on an event with choices is the engine's own (llama.cpp's ``/v1/completions`` final chunk
+  carries it whether asked or not): passed on untouched.
+
+A client that asked for usage gets it as OpenAI specifies: where the engine put it on chunks
+with choices only (llama.cpp's ``/v1/completions``), a usage-only event (empty ``choices``, the
+usage of every sequence) is added before ``[DONE]``; the engine's events pass as they came.
+
+An engine that reports usage per sequence (llama.cpp: one usage event per choice and per prompt)
+is counted from them all (``summed``, ``usage_events``). Bytes of an event not yet complete are
+held back until its end arrives, so an event split across reads is seen whole.
 """
 
 from __future__ import annotations
@@ -19,6 +33,13 @@ MAX_CARRY = 64 * 1024
 """An incomplete event held back longer than this is passed on as it is (no event is this big)."""
 
 _USAGE = b'"usage"'
+_DONE = b"[DONE]"
+
+
+_ENVELOPE = frozenset(
+    {"id", "object", "created", "model", "system_fingerprint", "service_tier", "obfuscation", "choices"}
+)
+"""The fields of OpenAI's chunk envelope: a usage-only event with nothing else is the ask's alone."""
 
 
 class Usage:
@@ -42,6 +63,12 @@ class Usage:
         self.completion = completion or (before.completion if before else 0)
         total = _count(data.get("total_tokens"))
         self.total = total if total and before is None else self.prompt + self.completion
+
+    def add(self, other: Usage) -> None:
+        """Count ``other`` in too."""
+        self.prompt += other.prompt
+        self.completion += other.completion
+        self.total += other.total
 
 
 def _count(value: object) -> int:
@@ -71,15 +98,22 @@ def _event_end(data: bytes) -> int:
 
 
 class UsageTap:
-    """Watches a relayed event stream for its usage; ``strip`` removes it from what passes on."""
+    """Watches a relayed event stream for its usage: the last usage event (``usage``), the sum of
+    them all (``summed``) and how many there were (``usage_events``). ``strip``: the gateway asked
+    for usage the client did not, and takes out what its ask added."""
 
-    __slots__ = ("_carry", "events", "strip", "usage")
+    __slots__ = ("_carry", "_owed", "events", "strip", "summed", "usage", "usage_events")
 
     def __init__(self, strip: bool) -> None:
         self.strip = strip
         self.usage: Usage | None = None
+        self.summed: Usage | None = None
+        self.usage_events = 0
         self.events = 0
         self._carry = b""
+        # OpenAI's usage-only event, owed to a client that asked for usage where the engine put it
+        # on a chunk with choices only; sent before [DONE].
+        self._owed: dict[str, Any] | None = None
 
     def feed(self, piece: bytes) -> bytes:
         """The bytes to pass on for this ``piece`` (whole events only; the rest is held back)."""
@@ -103,6 +137,18 @@ class UsageTap:
 
     def _events(self, data: bytes) -> bytes:
         self.events += data.count(b"data:")
+        data = self._usage_events(data)
+        if self._owed is not None:
+            done = data.find(_DONE)
+            if done >= 0:  # OpenAI's usage-only event, which the engine did not send, before [DONE]
+                start = data.rfind(b"data:", 0, done)
+                start = done if start < 0 else start
+                data = data[:start] + b"data: " + orjson.dumps(self._owed) + b"\n\n" + data[start:]
+                self._owed = None
+                self.events += 1
+        return data
+
+    def _usage_events(self, data: bytes) -> bytes:
         at = data.find(_USAGE)
         while at >= 0:
             value = data[at + len(_USAGE) : at + len(_USAGE) + 8].lstrip(b": ")
@@ -141,10 +187,36 @@ class UsageTap:
             self.usage = Usage(usage, self.usage)
             return b"data:" + payload  # never stripped: the engine sends it unasked
         self.usage = Usage(usage, self.usage)
+        self.usage_events += 1
+        if self.summed is None:
+            self.summed = Usage(usage)
+        else:
+            self.summed.add(Usage(usage))
         if not self.strip:
-            return b"data:" + payload  # passed on exactly as it came
-        if not event.get("choices"):
-            self.events -= 1
-            return b""  # the usage-only event the client did not ask for: gone, blank line too
+            # The client asked: as it came. Usage on a chunk with choices (llama.cpp's completions)
+            # is owed OpenAI's usage-only event too, of every sequence's usage, before [DONE].
+            if event.get("choices"):
+                self._owed = self._usage_only(event)
+            else:
+                self._owed = None
+            return b"data:" + payload
+        if event.get("choices"):
+            return b"data:" + payload  # the engine's own usage: exactly as it came
         del event["usage"]
-        return b"data: " + orjson.dumps(event)
+        if event.keys() <= _ENVELOPE:
+            self.events -= 1
+            return b""  # the usage-only event only the gateway's ask added: gone, blank line too
+        return b"data: " + orjson.dumps(event)  # the engine's own fields (timings) stay
+
+    def _usage_only(self, event: dict[str, Any]) -> dict[str, Any]:
+        """OpenAI's usage-only chunk for a stream whose last usage rode on ``event``: its envelope,
+        no choices, the usage of every sequence so far."""
+        summed = self.summed or Usage(None)
+        out = {k: v for k, v in event.items() if k in _ENVELOPE}
+        out["choices"] = []
+        out["usage"] = {
+            "prompt_tokens": summed.prompt,
+            "completion_tokens": summed.completion,
+            "total_tokens": summed.total,
+        }
+        return out

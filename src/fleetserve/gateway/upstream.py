@@ -6,7 +6,13 @@ engine requires. Everything a request does not change (an endpoint's origin and 
 header line) is computed once and cached. The answer's headers are relayed but for hop-by-hop
 ones and the engine's CORS (``relayed``); a streamed answer's events pass through as they come
 (``relay_stream``), and a stream that breaks off ends with an error event, never as if it were
-complete.
+complete. A whole answer (``relay_answer``) keeps the engine's status, an error's body put in
+OpenAI's shape where it is not; one that breaks off mid-body is a 502.
+
+Which failures may go to another replica is decided here too (``BEFORE_ANY_ANSWER``): only those
+where no byte of an answer came back (no connection, a reset before the status line, no status
+line in time). Once a status line arrived, the engine has answered, and a second try could run a
+generation twice.
 """
 
 from __future__ import annotations
@@ -19,10 +25,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from fleetserve.gateway.accounting import Exchange
-from fleetserve.gateway.openai_errors import broken_stream_event
+from fleetserve.gateway.openai_errors import broken_stream_event, engine_error_body, send_error
 from fleetserve.gateway.picker import Endpoint
-from fleetserve.gateway.sse import UsageTap
-from fleetserve.httpclient import Origin, Response, UpstreamError
+from fleetserve.gateway.sse import UsageTap, usage_of_body
+from fleetserve.httpclient import ConnectFailed, NoAnswer, Origin, Response, UpstreamError, UpstreamTimeout
+from fleetserve.rawasgi.answers import JSON, answer
 from fleetserve.rawasgi.types import Header, Send
 from fleetserve.routing import engine_auth
 
@@ -50,6 +57,12 @@ HOP_HEADERS = frozenset(
         b"access-control-max-age",
     }
 )
+
+# Failures where nothing came back from the engine: no connection, one closed (reset, or the
+# engine died) before the status line, or no status line within the timeout (an engine behind a
+# partition). The only ones retried on another replica; the request may have reached the engine,
+# so a route that must not run twice is not retried (``Gateway._forward``'s ``retry``).
+BEFORE_ANY_ANSWER = (ConnectFailed, NoAnswer, UpstreamTimeout)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -170,6 +183,54 @@ def upstream_request(endpoint: Endpoint, call: Call | bytes, body: bytes) -> tup
 def relayed(response: Response) -> list[Header]:
     """The engine's answer headers the client gets: all but ``HOP_HEADERS``."""
     return [(n, v) for n, v in response.headers if n.lower() not in HOP_HEADERS]
+
+
+async def answer_failed(send: Send, replica: str, error: UpstreamError) -> int:
+    """Tell the client that ``replica`` was reached but its answer never came whole (or, on its
+    last try, at all): 504 when it gave no answer in time, else 502; the status sent."""
+    if isinstance(error, UpstreamTimeout):
+        message = f"Replica {replica} did not answer in time ({error})."
+        status, code = 504, "upstream_timeout"
+    elif isinstance(error, NoAnswer):
+        message = f"Replica {replica} closed the connection without answering ({error})."
+        status, code = 502, "no_answer"
+    else:
+        message = f"The answer of replica {replica} broke off before it was complete ({error})."
+        status, code = 502, "answer_broken"
+    log.warning("%s", message)
+    await send_error(send, status, message, "upstream_error", code)
+    return status
+
+
+async def relay_answer(send: Send, response: Response, ex: Exchange) -> int:
+    """Read the engine's whole answer and relay it with its status; the status sent.
+
+    An error (4xx, 5xx) goes in OpenAI's shape where the engine's body is not
+    (``engine_error_body``) and counts no tokens unless the engine reported some.
+    """
+    replica = ex.endpoint.replica if ex.endpoint else "?"
+    try:
+        content = await response.read()
+    except UpstreamError as exc:  # the status line came: the engine answered, so no retry
+        return await answer_failed(send, replica, exc)
+    finally:
+        response.close()
+    status = response.status
+    headers = relayed(response)
+    if status >= 400:
+        kind = next((v for n, v in headers if n.lower() == b"content-type"), b"")
+        shaped = engine_error_body(status, content, kind)
+        if shaped is not None:
+            content = shaped
+            headers = [(n, v) for n, v in headers if n.lower() != b"content-type"]
+            headers.append(JSON)
+    usage = usage_of_body(content)
+    if usage is not None:
+        ex.usage_total, ex.prompt, ex.completion = usage.total, usage.prompt, usage.completion
+    elif status >= 400:
+        ex.usage_total = 0  # an error with no usage: the client got no tokens
+    await answer(send, status, content, headers)
+    return status
 
 
 async def relay_stream(send: Send, response: Response, ex: Exchange, tap: UsageTap) -> None:
