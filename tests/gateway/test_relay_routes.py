@@ -12,13 +12,14 @@ with the engine's state unchanged.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -358,3 +359,34 @@ def test_an_api_key_cannot_change_the_engines_state(llama):
     # had nothing left (what the first answer would have said had a key's erase gone through).
     erased = [httpx.post(f"{direct}/slots/{slot}?action=erase", timeout=10).json()["n_erased"] for _ in "12"]
     assert erased[0] > 0 and erased[1] == 0, erased
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_llamacpps_own_completion_is_counted_from_its_token_counts(llama, stream):
+    """/completion answers no usage object: its tokens_evaluated and tokens_predicted (each prompt's
+    final event in a stream) are what the key is counted for, every prompt's."""
+    gw, _ = llama
+    started = datetime.now(UTC)
+    made, token = gw.store.create_api_key(f"counted-{stream}", ["tiny"], None, None, started)
+    body = {"prompt": ["hello", "once upon"], "n_predict": 5, "stream": stream}
+    answered = httpx.post(f"{gw.url}/completion", json=body, headers={"X-Api-Key": token}, timeout=60)
+    assert answered.status_code == 200, answered.text
+    if stream:
+        events = [json.loads(line[5:]) for line in answered.text.splitlines() if line.startswith("data:")]
+        finals = [e for e in events if isinstance(e, dict) and e.get("stop") is True]
+    else:
+        finals = answered.json()
+    assert len(finals) == 2  # one per prompt
+    want = (sum(f["tokens_evaluated"] for f in finals), sum(f["tokens_predicted"] for f in finals))
+    assert want[1] > 0
+    flusher = gw.gateway.usage_flusher
+    assert flusher is not None
+
+    def counted() -> tuple[int, int] | None:
+        asyncio.run_coroutine_threadsafe(flusher.flush(), gw.loop).result(30)
+        until = datetime.now(UTC) + timedelta(minutes=1)
+        row = gw.store.usage_totals(started - timedelta(minutes=1), until, "key", key_id=made.id).get(made.id)
+        return (row.prompt_tokens, row.completion_tokens) if row else None
+
+    assert wait_for(counted, what="the request's usage") == want

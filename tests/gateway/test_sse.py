@@ -9,6 +9,7 @@ the usage-only event when usage is asked; on completions, the last chunk carries
 
 from __future__ import annotations
 
+import orjson
 import pytest
 
 from fleetserve.gateway.sse import UsageTap, usage_of_body
@@ -118,3 +119,33 @@ def test_a_stream_without_usage_passes_untouched() -> None:
 def test_the_usage_of_a_whole_answer(body: bytes, total: int | None) -> None:
     usage = usage_of_body(body)
     assert (usage.total if usage else None) == total
+
+
+def test_llamacpps_own_stream_is_counted_from_each_prompts_final_event_and_passed_unchanged():
+    events = [
+        {"index": 0, "content": "a", "stop": False, "tokens_predicted": 1, "tokens_evaluated": 3},
+        {"index": 1, "content": "b", "stop": False, "tokens_predicted": 1, "tokens_evaluated": 4},
+        {"index": 0, "content": "", "stop": True, "tokens_predicted": 5, "tokens_evaluated": 3},
+        {"index": 1, "content": '"stop":true', "stop": True, "tokens_predicted": 2, "tokens_evaluated": 4},
+    ]
+    stream = b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events)
+    tap = UsageTap(strip=False, counts=True)
+    out = b"".join(tap.feed(stream[i : i + 7]) for i in range(0, len(stream), 7)) + tap.flush()
+    assert out == stream
+    assert tap.usage is not None and (tap.usage.prompt, tap.usage.completion) == (7, 7)
+    assert tap.usage_events == 2
+
+
+def test_llamacpps_own_answer_counts_are_summed_over_its_prompts():
+    assert (
+        usage_of_body(b'{"content": "x", "tokens_predicted": 4, "tokens_evaluated": 2}', counts=True).total
+        == 6
+    )
+    listed = usage_of_body(
+        orjson.dumps(
+            [{"tokens_predicted": 4, "tokens_evaluated": 2}, {"tokens_predicted": 1, "tokens_evaluated": 3}]
+        ),
+        counts=True,
+    )
+    assert listed is not None and (listed.prompt, listed.completion) == (5, 5)
+    assert usage_of_body(b'[{"embedding": [0.1]}]', counts=True) is None

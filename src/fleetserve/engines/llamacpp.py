@@ -158,7 +158,7 @@ ROUTES = route_table(
         UsageBy.STREAM_OPTION,
     ),
     client("POST", ("/v1/completions",), RouteKind.GENERATION, _NATIVE, UsageBy.STREAM_OPTION),
-    client("POST", ("/completion", "/completions", "/infill"), RouteKind.GENERATION, _NATIVE, UsageBy.BODY),
+    client("POST", ("/completion", "/completions", "/infill"), RouteKind.GENERATION, _NATIVE, UsageBy.COUNTS),
     client(
         "POST", ("/v1/responses", "/responses", "/v1/messages"), RouteKind.GENERATION, _NATIVE, UsageBy.BODY
     ),

@@ -59,6 +59,11 @@ class UsageBy(StrEnum):
     # A usage object in the body, and in a stream's own events without being asked (Anthropic
     # ``message_start``/``message_delta``, Responses ``response.completed``): never asked for.
     BODY = "body"
+    # llama.cpp's own answers (/completion, /infill): no usage object, but ``tokens_evaluated``
+    # (the prompt) and ``tokens_predicted`` (generated) on the answer, on each object of a list (one
+    # per prompt), and in a stream on every event, the final one of each prompt (``"stop": true``)
+    # holding its totals. Read as they are; nothing is asked for.
+    COUNTS = "counts"
     # Nothing is generated: no tokens are reserved or counted (token counting, tokenization, health).
     NONE = "none"
 

@@ -174,7 +174,8 @@ class Exchange:
     """One request's bookkeeping across its tries: what was sent where, when, and what came back."""
 
     __slots__ = (
-        "broken", "completion", "endpoint", "first_at", "last_at", "prompt", "sent_at", "tap", "usage_total",
+        "broken", "completion", "counts", "endpoint", "first_at", "last_at", "prompt", "sent_at", "tap",
+        "usage_total",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -187,6 +188,8 @@ class Exchange:
         self.prompt = 0
         self.completion = 0
         self.broken = False  # a stream whose upstream broke off after its first byte
+        # The answer counts its tokens llama.cpp's own way (``UsageBy.COUNTS``), not in a usage object.
+        self.counts = False
 
 
 class Accounting:

@@ -438,6 +438,7 @@ class Gateway:
         if route.prefix_affinity:
             prefix = prefix_key_for(data.get("messages") or data.get("prompt") or data.get("input") or "")
         exchange = Exchange()
+        exchange.counts = all(routes[e].usage is UsageBy.COUNTS for e in route.engine_kinds if e in routes)
         status = 500
         exits = AsyncExitStack()
         try:
@@ -459,7 +460,7 @@ class Gateway:
                 )
                 return
             if stream:
-                exchange.tap = UsageTap(strip)
+                exchange.tap = UsageTap(strip, exchange.counts)
             status = await unless_gone(
                 receive, self._forward(send, model, call, body, prefix, exchange, retry)
             )

@@ -33,6 +33,9 @@ MAX_CARRY = 64 * 1024
 """An incomplete event held back longer than this is passed on as it is (no event is this big)."""
 
 _USAGE = b'"usage"'
+_COUNTED = b'"tokens_predicted"'
+# The final event of one prompt in a stream of llama.cpp's own routes (no spaces: as it writes JSON).
+_FINAL = b'"stop":true'
 _DONE = b"[DONE]"
 
 
@@ -75,14 +78,36 @@ def _count(value: object) -> int:
     return value if isinstance(value, int) and value >= 0 else 0
 
 
-def usage_of_body(body: bytes) -> Usage | None:
-    """The usage of a whole (non-streamed) JSON answer, if it has one."""
-    if _USAGE not in body:
+def counted(answer: object) -> Usage | None:
+    """The tokens llama.cpp's own answers count (``tokens_evaluated``: the prompt,
+    ``tokens_predicted``: generated), on one answer object or summed over a list of them (one per
+    prompt); None when none holds them."""
+    items = answer if isinstance(answer, list) else [answer]
+    total: Usage | None = None
+    for item in items:
+        if not isinstance(item, dict) or ("tokens_evaluated" not in item and "tokens_predicted" not in item):
+            continue
+        one = Usage(
+            {"prompt_tokens": item.get("tokens_evaluated"), "completion_tokens": item.get("tokens_predicted")}
+        )
+        if total is None:
+            total = one
+        else:
+            total.add(one)
+    return total
+
+
+def usage_of_body(body: bytes, counts: bool = False) -> Usage | None:
+    """The usage of a whole (non-streamed) JSON answer, if it has one: its usage object, or with
+    ``counts`` (``UsageBy.COUNTS``) llama.cpp's own token counts."""
+    if (_COUNTED if counts else _USAGE) not in body:
         return None
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
         return None
+    if counts:
+        return counted(data)
     if not isinstance(data, dict) or not isinstance(data.get("usage"), dict):
         return None
     return Usage(data["usage"])
@@ -102,10 +127,13 @@ class UsageTap:
     them all (``summed``) and how many there were (``usage_events``). ``strip``: the gateway asked
     for usage the client did not, and takes out what its ask added."""
 
-    __slots__ = ("_carry", "_owed", "events", "strip", "summed", "usage", "usage_events")
+    __slots__ = ("_carry", "_owed", "counts", "events", "strip", "summed", "usage", "usage_events")
 
-    def __init__(self, strip: bool) -> None:
+    def __init__(self, strip: bool, counts: bool = False) -> None:
         self.strip = strip
+        # The stream is of llama.cpp's own routes (``UsageBy.COUNTS``): each prompt's final event
+        # holds its token counts; they are summed, the events passed on as they came.
+        self.counts = counts
         self.usage: Usage | None = None
         self.summed: Usage | None = None
         self.usage_events = 0
@@ -149,6 +177,9 @@ class UsageTap:
         return data
 
     def _usage_events(self, data: bytes) -> bytes:
+        if self.counts:
+            self._counted_events(data)
+            return data
         at = data.find(_USAGE)
         while at >= 0:
             value = data[at + len(_USAGE) : at + len(_USAGE) + 8].lstrip(b": ")
@@ -169,6 +200,30 @@ class UsageTap:
                 data = data[:start] + data[stop:].lstrip(b"\r\n")
             at = data.find(_USAGE, start + len(replaced))
         return data
+
+    def _counted_events(self, data: bytes) -> None:
+        """Sum the counts of each prompt's final event in ``data`` (read, never changed)."""
+        at = data.find(_FINAL)
+        while at >= 0:
+            start = data.rfind(b"data:", 0, at)
+            stop = data.find(b"\n", at)
+            if start < 0:
+                return
+            stop = len(data) if stop < 0 else stop
+            try:
+                usage = counted(orjson.loads(data[start + 5 : stop]))
+            except orjson.JSONDecodeError:
+                usage = None
+            if usage is not None:
+                self.usage_events += 1
+                if self.summed is None:
+                    self.summed = usage
+                else:
+                    self.summed.add(usage)
+                self.usage = Usage(
+                    {"prompt_tokens": self.summed.prompt, "completion_tokens": self.summed.completion}
+                )
+            at = data.find(_FINAL, stop)
 
     def _usage_event(self, payload: bytes) -> bytes | None:
         """What replaces one event's ``data:`` line carrying usage: itself, stripped, or nothing."""

@@ -224,7 +224,7 @@ async def relay_answer(send: Send, response: Response, ex: Exchange) -> int:
             content = shaped
             headers = [(n, v) for n, v in headers if n.lower() != b"content-type"]
             headers.append(JSON)
-    usage = usage_of_body(content)
+    usage = usage_of_body(content, ex.counts)
     if usage is not None:
         ex.usage_total, ex.prompt, ex.completion = usage.total, usage.prompt, usage.completion
     elif status >= 400:
