@@ -31,6 +31,7 @@ from starlette.concurrency import run_in_threadpool
 
 from fleetserve.errors import ConfigError, Problem
 from fleetserve.gateway.cors import Cors
+from fleetserve.listener import ListenerLimits, uvicorn_config
 from fleetserve.reconcile.health import HeartbeatPolicy
 from fleetserve.secretfile import write_secret
 from fleetserve.server.admin.retention import RetentionPolicy, prune_forever
@@ -63,6 +64,8 @@ class Listen:
     sans: tuple[str, ...] = ()
     # On SIGTERM: how long in-flight requests may take to finish before the process exits.
     grace_seconds: float = 30.0
+    # What one connection may cost before it is answered (head size, timeouts, connection cap).
+    limits: ListenerLimits = field(default_factory=ListenerLimits)
 
     @property
     def url(self) -> str:
@@ -316,13 +319,13 @@ def serve(app: FastAPI, listen: Listen, access_log: bool) -> bool:
     finish for up to ``listen.grace_seconds``, then exits.
     """
     app.state.stopping = False
-    # uvloop and httptools: the gateway's data path is raw ASGI, and these keep uvicorn's share small.
-    config = uvicorn.Config(
+    # uvloop and httptools (bounded: ``listener``): the gateway's data path is raw ASGI, and these
+    # keep uvicorn's share small.
+    config = uvicorn_config(
         app,
-        loop="uvloop",
-        http="httptools",
-        host=listen.host,
-        port=listen.port,
+        listen.host,
+        listen.port,
+        listen.limits,
         log_level=listen.log_level.lower(),
         access_log=access_log,
         timeout_graceful_shutdown=max(1, math.ceil(listen.grace_seconds)),
