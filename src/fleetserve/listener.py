@@ -233,11 +233,10 @@ class BoundedHttpTools(HttpToolsProtocol):
         if not self.transport.is_closing():
             self.transport.abort()
 
-    def eof_received(self) -> bool | None:
+    def eof_received(self) -> None:
         # A refused client that finished sending: close now rather than after the linger.
         if self._refused:
             self.transport.close()
-        return None
 
 
 def bounded_protocol(limits: ListenerLimits) -> type[BoundedHttpTools]:
