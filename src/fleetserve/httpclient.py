@@ -18,7 +18,8 @@ keep-alive timeout) is retried once on a new connection. Failures raise:
     └── UpstreamError        a request to an upstream failed; nothing more is coming from it
         ├── ConnectFailed    no connection could be opened (nothing was sent)
         ├── UpstreamTimeout  no answer within the timeout
-        └── UpstreamBroke    the connection closed or sent malformed HTTP mid-answer
+        ├── UpstreamBroke    the connection closed or sent malformed HTTP mid-answer
+        └── AnswerTooLarge   a body read whole (``read(limit)``) was larger than its limit
 """
 
 from __future__ import annotations
@@ -65,6 +66,10 @@ class UpstreamTimeout(UpstreamError):
 
 class UpstreamBroke(UpstreamError):
     """The connection closed, or the upstream sent malformed HTTP, in the middle of an answer."""
+
+
+class AnswerTooLarge(UpstreamError):
+    """An answer's body was larger than the reader's limit: it was not read (close aborts it)."""
 
 
 class _NoAnswer(UpstreamBroke):
@@ -123,10 +128,21 @@ class Response:
         self._size = 0
         return piece
 
-    async def read(self) -> bytes:
-        """The whole body."""
+    async def read(self, limit: int | None = None) -> bytes:
+        """The whole body; past ``limit`` bytes (a Content-Length over it, or the bytes as they
+        come), ``AnswerTooLarge``: at most ``limit`` plus ``PAUSE_BYTES`` are ever held."""
+        too_large = f"the answer is larger than {limit} bytes, the gateway's limit (--max-answer-bytes)"
+        if limit is not None:
+            declared = next((v for n, v in self.headers if n.lower() == b"content-length"), None)
+            if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+                raise AnswerTooLarge(too_large)
         parts = []
+        size = 0
         while piece := await self.next_piece():
+            size += len(piece)
+            if limit is not None and size > limit:
+                parts.clear()
+                raise AnswerTooLarge(too_large)
             parts.append(piece)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
@@ -413,6 +429,7 @@ class HttpClient:
 
 
 __all__ = [
+    "AnswerTooLarge",
     "ConnectFailed",
     "HttpClient",
     "Origin",

@@ -36,6 +36,7 @@ from starlette.concurrency import run_in_threadpool
 from fleetserve.errors import InternalError
 from fleetserve.gateway.accounting import Accounting, Exchange, held_reserved, reservation
 from fleetserve.gateway.admission import Admission, AdmissionPolicy, GatewayRejection
+from fleetserve.gateway.bodylimits import DEFAULT_GATEWAY_LIMITS, GatewayLimits
 from fleetserve.gateway.endpoints import EndpointTable, Route
 from fleetserve.gateway.openai_errors import send_error
 from fleetserve.gateway.picker import Endpoint, Load, pick, prefix_key_for
@@ -55,8 +56,8 @@ from fleetserve.rawasgi.types import Receive, Scope, Send
 from fleetserve.store.credentials import ApiKey
 from fleetserve.store.protocols import GatewayStore, UsageSink
 
-# Requests larger than this are refused with 413 before they are parsed.
-BODY_LIMIT = 8 << 20
+# Requests larger than the largest route kind's limit are refused with 413 before they are parsed.
+BODY_LIMIT = DEFAULT_GATEWAY_LIMITS.read_cap
 # How long a request waits for a replica when none is Ready (starting, or scaled to zero).
 HOLD_SECONDS = 30.0
 # API-key lookups are cached this long, so the database is not hit on every request.
@@ -76,8 +77,11 @@ class Gateway:
         windows: Windows | None = None,
         usage: UsageSink | None = None,
         usage_flush_seconds: float = FLUSH_SECONDS,
+        limits: GatewayLimits = DEFAULT_GATEWAY_LIMITS,
     ) -> None:
         self.store = store
+        # What a client's body may hold, and how large an engine answer is held (``bodylimits``).
+        self.limits = limits
         # Usage per minute, key and model, written to ``usage`` every ``usage_flush_seconds``
         # (none counted without a sink).
         self.usage: UsageCounter | None = UsageCounter() if usage is not None else None
@@ -209,11 +213,11 @@ class Gateway:
                 "invalid_api_key",
             )
             return
-        too_large = f"Request body larger than {BODY_LIMIT} bytes."
-        if declared is not None and declared.isdigit() and int(declared) > BODY_LIMIT:
+        too_large = f"Request body larger than {self.limits.read_cap} bytes."
+        if declared is not None and declared.isdigit() and int(declared) > self.limits.read_cap:
             await send_error(send, 413, too_large, "invalid_request_error")
             return
-        body = await read_body(receive, BODY_LIMIT)
+        body = await read_body(receive, self.limits.read_cap)
         if isinstance(body, Unread):
             if body is Unread.OVER_LIMIT:
                 await send_error(send, 413, too_large, "invalid_request_error")
@@ -222,6 +226,11 @@ class Gateway:
             data = orjson.loads(body)
         except orjson.JSONDecodeError:  # invalid, or nested deeper than orjson's 1024 levels
             await send_error(send, 400, "The request body is not valid JSON.", "invalid_request_error")
+            return
+        # Size, nesting and keys, before any engine parses it (``bodylimits``).
+        refused = self.limits.check(data, len(body), path)
+        if refused is not None:
+            await send_error(send, refused.status, refused.message, "invalid_request_error", refused.code)
             return
         model = data.get("model") if isinstance(data, dict) else None
         if not isinstance(model, str) or not model:
@@ -344,7 +353,7 @@ class Gateway:
                     continue
                 if ex.tap is None:
                     try:
-                        content = await response.read()
+                        content = await response.read(self.limits.answer_bytes)
                     except UpstreamError as exc:  # failed mid-body: nothing reached the client yet
                         last_error = f"replica {endpoint.replica}: {exc}"
                         continue

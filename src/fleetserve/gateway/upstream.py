@@ -3,8 +3,9 @@
 An upstream request is written as raw HTTP/1.1 bytes for ``httpclient``'s pooled connections:
 built here, in one place, with the replica's engine key (``routing.engine_auth``), which the
 engine requires. Everything a request does not change (an endpoint's origin and Host, a key's
-header line) is computed once and cached. The answer's headers are relayed but for hop-by-hop
-ones and the engine's CORS (``relayed``); a streamed answer's events pass through as they come
+header line) is computed once and cached. Of the answer's headers only those an OpenAI client
+reads are relayed, never a cookie, and never a media type a browser would render (``relayed``);
+a streamed answer's events pass through as they come
 (``relay_stream``), and a stream that breaks off ends with an error event, never as if it were
 complete.
 """
@@ -27,26 +28,19 @@ log = logging.getLogger("fleetserve.gateway")
 
 # How long an engine may take to start answering (the head of its answer).
 UPSTREAM_TIMEOUT = 600.0
-# Upstream headers not relayed: hop-by-hop ones, those uvicorn sets itself (no duplicates), CORS.
-HOP_HEADERS = frozenset(
-    {
-        b"content-length",
-        b"transfer-encoding",
-        b"connection",
-        b"keep-alive",
-        b"content-encoding",
-        b"date",
-        b"server",
-        # The engine's own CORS (llama-server allows whatever Origin it is sent): the gateway's
-        # CORS, for its configured origins only, is the one a browser sees (``gateway.cors``).
-        b"access-control-allow-origin",
-        b"access-control-allow-credentials",
-        b"access-control-allow-methods",
-        b"access-control-allow-headers",
-        b"access-control-expose-headers",
-        b"access-control-max-age",
-    }
-)
+# The engine's answer headers a client gets, and only these (an allowlist: an engine's
+# Set-Cookie, CORS or anything else it sets never reaches the gateway's origin, which is also
+# the dashboard's): what an OpenAI (or Anthropic) client reads. Framing, Connection, Date and
+# Server are the gateway's own (uvicorn's); the gateway's CORS is ``gateway.cors``'s.
+RELAYED_HEADERS = frozenset({b"content-type", b"cache-control", b"retry-after", b"x-request-id", b"request-id"})
+# ... and those of these families: OpenAI's processing time and version, a hosted API's
+# rate-limit state (an ``Endpoint`` behind the gateway), Anthropic's.
+RELAYED_PREFIXES = (b"openai-", b"x-ratelimit-", b"anthropic-")
+# Media types relayed as the engine named them; any other (text/html ...) is relayed as plain
+# text, so a browser never renders an engine's answer as a page of the gateway's origin.
+SAFE_TYPES = (b"application/json", b"text/event-stream", b"text/plain", b"application/x-ndjson")
+PLAIN_TEXT = b"text/plain; charset=utf-8"
+NOSNIFF = (b"x-content-type-options", b"nosniff")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -82,8 +76,17 @@ def upstream_request(endpoint: Endpoint, path: bytes, body: bytes) -> tuple[Orig
 
 
 def relayed(response: Response) -> list[Header]:
-    """The engine's answer headers the client gets: all but ``HOP_HEADERS``."""
-    return [(n, v) for n, v in response.headers if n.lower() not in HOP_HEADERS]
+    """The engine's answer headers the client gets: ``RELAYED_HEADERS`` and ``RELAYED_PREFIXES``,
+    a content type outside ``SAFE_TYPES`` as plain text, and ``nosniff``."""
+    out: list[Header] = [NOSNIFF]
+    for name, value in response.headers:
+        lower = name.lower()
+        if lower == b"content-type":
+            media = value.partition(b";")[0].strip().lower()
+            out.append((lower, value if media in SAFE_TYPES else PLAIN_TEXT))
+        elif lower in RELAYED_HEADERS or lower.startswith(RELAYED_PREFIXES):
+            out.append((lower, value))
+    return out
 
 
 async def relay_stream(send: Send, response: Response, ex: Exchange, tap: UsageTap) -> None:
