@@ -136,7 +136,7 @@ class Response:
             declared = next((v for n, v in self.headers if n.lower() == b"content-length"), None)
             if declared is not None and declared.strip().isdigit() and int(declared) > limit:
                 raise AnswerTooLarge(too_large)
-        parts = []
+        parts: list[bytes] = []
         size = 0
         while piece := await self.next_piece():
             size += len(piece)

@@ -99,7 +99,15 @@ def test_body_limit_settings_override_one_limit_of_one_kind() -> None:
 
 
 @pytest.mark.parametrize(
-    "setting", ["keys=5", "chat.keys=5", "generation.colour=5", "generation.keys", "generation.keys=0", "generation.bytes=1GiB"]
+    "setting",
+    [
+        "keys=5",
+        "chat.keys=5",
+        "generation.colour=5",
+        "generation.keys",
+        "generation.keys=0",
+        "generation.bytes=1GiB",
+    ],
 )
 def test_a_bad_body_limit_setting_is_refused_saying_how_to_write_one(setting: str) -> None:
     with pytest.raises(ValueError):

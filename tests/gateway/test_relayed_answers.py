@@ -70,12 +70,13 @@ def hostile_headers() -> Iterator[int]:
         b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nSet-Cookie: session=evil; Path=/\r\n"
         b"Access-Control-Allow-Origin: *\r\nServer: llama.cpp\r\nX-Request-Id: r-1\r\n"
         b"OpenAI-Processing-Ms: 12\r\nX-Ratelimit-Remaining-Requests: 9\r\nRetry-After: 3\r\n"
-        b"X-Powered-By: hostile\r\nContent-Length: %d\r\n\r\n" % len(body)
-        + body
+        b"X-Powered-By: hostile\r\nContent-Length: %d\r\n\r\n" % len(body) + body
     )
 
 
-def test_only_the_headers_an_openai_client_reads_are_relayed_and_html_is_plain_text(hostile_headers: int) -> None:
+def test_only_the_headers_an_openai_client_reads_are_relayed_and_html_is_plain_text(
+    hostile_headers: int,
+) -> None:
     headers, body = exchange(hostile_headers, None)
     got = dict(headers)
     assert got == {

@@ -104,7 +104,9 @@ def exceeded(value: Any, size: int, kind: BodyKind, limits: BodyLimits) -> Excee
     return None
 
 
-def body_limits(settings: list[str], base: dict[BodyKind, BodyLimits] | None = None) -> dict[BodyKind, BodyLimits]:
+def body_limits(
+    settings: list[str], base: dict[BodyKind, BodyLimits] | None = None
+) -> dict[BodyKind, BodyLimits]:
     """The limits per kind with ``settings`` (``KIND.LIMIT=VALUE``, e.g. ``generation.keys=4096``,
     ``embeddings.bytes=16MiB``) applied over ``base`` (the defaults); ValueError on a bad one."""
     table = dict(base if base is not None else DEFAULT_BODY_LIMITS)

@@ -32,7 +32,9 @@ UPSTREAM_TIMEOUT = 600.0
 # Set-Cookie, CORS or anything else it sets never reaches the gateway's origin, which is also
 # the dashboard's): what an OpenAI (or Anthropic) client reads. Framing, Connection, Date and
 # Server are the gateway's own (uvicorn's); the gateway's CORS is ``gateway.cors``'s.
-RELAYED_HEADERS = frozenset({b"content-type", b"cache-control", b"retry-after", b"x-request-id", b"request-id"})
+RELAYED_HEADERS = frozenset(
+    {b"content-type", b"cache-control", b"retry-after", b"x-request-id", b"request-id"}
+)
 # ... and those of these families: OpenAI's processing time and version, a hosted API's
 # rate-limit state (an ``Endpoint`` behind the gateway), Anthropic's.
 RELAYED_PREFIXES = (b"openai-", b"x-ratelimit-", b"anthropic-")
