@@ -59,6 +59,16 @@ class ListenerLimits:
         if self.head_timeout <= 0 or self.keep_alive <= 0:
             raise ValueError("the head and keep-alive timeouts must be positive")
 
+    def flags(self) -> tuple[str, ...]:
+        """These limits as the flags of ``fleetserve server`` (``up`` passes them on)."""
+        return (
+            f"--max-head-bytes={self.head_bytes}",
+            f"--max-headers={self.header_count}",
+            f"--head-timeout={self.head_timeout:g}",
+            f"--keep-alive-timeout={self.keep_alive:g}",
+            f"--max-connections={self.max_connections}",
+        )
+
     def connection_cap(self, open_files: int | None = None) -> int:
         """``max_connections``, but at most half the process's open-file limit: the other half
         stays for what the requests open (engine connections, the database, model files)."""

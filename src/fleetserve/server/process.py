@@ -30,6 +30,7 @@ from rich.console import Console
 from starlette.concurrency import run_in_threadpool
 
 from fleetserve.errors import ConfigError, Problem
+from fleetserve.gateway.bodylimits import DEFAULT_GATEWAY_LIMITS, GatewayLimits
 from fleetserve.gateway.cors import Cors
 from fleetserve.listener import ListenerLimits, uvicorn_config
 from fleetserve.reconcile.health import HeartbeatPolicy
@@ -234,12 +235,15 @@ def server_app(
     windows: SharedWindows | None = None,
     process: ReconcilerConfig | None = None,
     cors: Cors | None = None,
+    limits: GatewayLimits = DEFAULT_GATEWAY_LIMITS,
 ) -> FastAPI:
     """The control plane's app: admin and agents' API, gateway, observer and reconciler (a thread,
     or with ``process`` a process of its own); it publishes ``ca_pem`` (a generated CA) for
     clients that pin it, and answers browsers of ``cors``'s origins on /v1."""
     windows = windows or SharedWindows()
-    serving = Serving.build(store, redis_url=windows.redis_url, redis_namespace=windows.namespace, cors=cors)
+    serving = Serving.build(
+        store, redis_url=windows.redis_url, redis_namespace=windows.namespace, cors=cors, limits=limits
+    )
     return create_app(
         store,
         lifespan=reconciling(store, control, serving, process),
@@ -255,10 +259,13 @@ def gateway_app(
     ca_pem: bytes | None = None,
     windows: SharedWindows | None = None,
     cors: Cors | None = None,
+    limits: GatewayLimits = DEFAULT_GATEWAY_LIMITS,
 ) -> FastAPI:
     """An extra gateway's app: the same gateway, observer and ``/metrics`` as the control plane's."""
     windows = windows or SharedWindows()
-    serving = Serving.build(store, redis_url=windows.redis_url, redis_namespace=windows.namespace, cors=cors)
+    serving = Serving.build(
+        store, redis_url=windows.redis_url, redis_namespace=windows.namespace, cors=cors, limits=limits
+    )
     return create_gateway_app(store, serving=serving, ca_pem=ca_pem)
 
 
@@ -344,6 +351,7 @@ def run_server(
     windows: SharedWindows | None = None,
     mode: ReconcilerMode = ReconcilerMode.AUTO,
     cors: Cors | None = None,
+    limits: GatewayLimits = DEFAULT_GATEWAY_LIMITS,
 ) -> None:
     """Open (and migrate) the store, then serve the API and run the reconciler until stopped;
     with ``cors``, /v1 answers browsers of its origins."""
@@ -358,7 +366,7 @@ def run_server(
     try:
         ensure_tokens(store, control.token_file, console)
         ca_pem = listen.tls.ca_pem if listen.tls else None
-        app = server_app(store, control, ca_pem, windows, process, cors)
+        app = server_app(store, control, ca_pem, windows, process, cors, limits)
         console.print(
             f"fleetserve server: {listen.url} (OpenAPI at /docs, dashboard at /ui), state in "
             f"{shown_url(database_url)}; reconciler in {'a process of its own' if process else 'a thread'}",
@@ -377,6 +385,7 @@ def run_gateway(
     windows: SharedWindows | None = None,
     access_log: bool = False,
     cors: Cors | None = None,
+    limits: GatewayLimits = DEFAULT_GATEWAY_LIMITS,
 ) -> None:
     """Open the control plane's store, then serve the gateway over it until stopped; with
     ``cors``, /v1 answers browsers of its origins."""
@@ -389,7 +398,7 @@ def run_gateway(
         console.print(f"fleetserve gateway: {listen.url}/v1", markup=False)
         print_tls(listen, console, "gateway")
         print_cors(cors, console)
-        app = gateway_app(store, listen.tls.ca_pem if listen.tls else None, windows, cors)
+        app = gateway_app(store, listen.tls.ca_pem if listen.tls else None, windows, cors, limits)
         if not serve(app, listen, access_log=access_log):
             raise SystemExit(STARTUP_FAILURE)
     finally:
