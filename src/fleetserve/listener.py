@@ -30,9 +30,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import httptools
-import orjson
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from fleetserve.gateway.openai_errors import error_body
 
 HEAD_BYTES = 64 * 1024
 HEADER_COUNT = 100
@@ -81,7 +82,7 @@ class ListenerLimits:
 def refusal(status: int, message: str, code: str) -> bytes:
     """A whole HTTP/1.1 answer that closes the connection: ``status``, OpenAI's error shape."""
     kind = "service_unavailable" if status == 503 else "invalid_request_error"
-    body = orjson.dumps({"error": {"message": message, "type": kind, "code": code}})
+    body = error_body(message, kind, code)
     return b"".join(
         (
             STATUS_LINE[status],
@@ -114,11 +115,15 @@ class BoundedHttpTools(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if len(self.connections) > self.cap:
-            self.connections.discard(self)  # refused: it no longer counts against the cap
+            # Refused at once and closed without lingering: under a flood a lingering refusal
+            # would hold the file descriptor the cap is there to keep free (a client that had
+            # already sent its request may see a reset instead of the 503).
+            self.connections.discard(self)
             self._refuse(
                 503,
                 f"The server holds {self.cap} connections, its limit (--max-connections); retry later.",
                 "too_many_connections",
+                linger=False,
             )
             return
         self._arm_head_timer()
@@ -222,7 +227,7 @@ class BoundedHttpTools(HttpToolsProtocol):
 
     # -- refusing --
 
-    def _refuse(self, status: int, message: str, code: str) -> None:
+    def _refuse(self, status: int, message: str, code: str, linger: bool = True) -> None:
         """Answer ``status`` and stop: no more parsing, the write side closed, the connection
         dropped once the client stops sending or after ``LINGER_SECONDS``."""
         self._refused = True
@@ -232,7 +237,7 @@ class BoundedHttpTools(HttpToolsProtocol):
         if transport.is_closing():
             return
         transport.write(refusal(status, message, code))
-        if transport.can_write_eof():
+        if linger and transport.can_write_eof():
             with contextlib.suppress(OSError, RuntimeError):
                 transport.write_eof()
             self.loop.call_later(LINGER_SECONDS, self._drop)
