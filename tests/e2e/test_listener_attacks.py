@@ -36,15 +36,18 @@ from typing import Any
 
 import httpx
 import orjson
+import psutil
 import pytest
 from e2e_support import (
     FLEETSERVE,
+    GROWING,
     AgentFactory,
     ServerFactory,
     clean_env,
     free_port,
     run_cli,
     short_deadline_args,
+    slow_chat,
     wait_for,
 )
 
@@ -124,12 +127,22 @@ def gateway_before(
 
     def limit() -> None:
         if open_files is not None:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+            resource.setrlimit(
+                resource.RLIMIT_NOFILE, (open_files, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+            )
 
     log = tmp_path / "gateway.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [str(FLEETSERVE), "gateway", "--database-url", f"sqlite:///{database}", "--port", str(port), *args],
+            [
+                str(FLEETSERVE),
+                "gateway",
+                "--database-url",
+                f"sqlite:///{database}",
+                "--port",
+                str(port),
+                *args,
+            ],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=clean_env(),
@@ -159,7 +172,7 @@ def gateway_before(
 
 # --- a hostile engine: a raw-socket script ----------------------------------------------------
 
-HOSTILE = r'''
+HOSTILE = r"""
 import socket, sys
 mode, port_file = sys.argv[1], sys.argv[2]
 listener = socket.create_server(("127.0.0.1", 0))
@@ -197,7 +210,7 @@ while True:
             print(f"sent all {sent} bytes", flush=True)
         except OSError as exc:
             print(f"aborted after {sent} bytes: {type(exc).__name__}", flush=True)
-'''
+"""
 
 
 @contextlib.contextmanager
@@ -207,7 +220,9 @@ def hostile_engine(tmp_path: Path, mode: str) -> Iterator[tuple[int, Path]]:
     port_file = tmp_path / f"{mode}.port"
     log = tmp_path / f"hostile-{mode}.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, str(script), mode, str(port_file)], stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, str(script), mode, str(port_file)], stdout=out, stderr=subprocess.STDOUT
+        )
     try:
         wait_for(lambda: port_file.exists() and port_file.read_text(), timeout=20, what="the hostile engine")
         yield int(port_file.read_text()), log
@@ -228,7 +243,9 @@ def test_a_a_112_mb_header_is_431_while_heartbeats_are_answered_and_no_node_leav
     # A second node whose heartbeats this test sends itself, timing each.
     with httpx.Client(base_url=server.url + AGENT_API, timeout=30) as http:
         doc = {"kind": "Node", "name": "hb", "address": "127.0.0.1", "cpu": {"cores": 2, "memory": "4GiB"}}
-        registered = http.post("/register", json=doc, headers={"Authorization": f"Bearer {server.join_token}"})
+        registered = http.post(
+            "/register", json=doc, headers={"Authorization": f"Bearer {server.join_token}"}
+        )
         assert registered.status_code == 200, registered.text
     credential, epoch = registered.json()["credential"], registered.json()["epoch"]
 
@@ -395,12 +412,24 @@ def test_b_slowloris_is_refused_past_the_cap_and_timed_out_under_it_and_the_gate
 
 
 @contextlib.contextmanager
-def llama_server(tmp_path: Path, model: Path) -> Iterator[subprocess.Popen[bytes]]:
+def llama_server(tmp_path: Path, model: Path, context: int = 256) -> Iterator[subprocess.Popen[bytes]]:
     port = free_port()
     binary = resolve(EngineKind.LLAMACPP, RuntimeVariant.CPU, {})
     with (tmp_path / "llama-server.log").open("wb") as out:
         proc = subprocess.Popen(
-            [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-c", "256", "-t", "1"],
+            [
+                binary,
+                "-m",
+                str(model),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "-c",
+                str(context),
+                "-t",
+                "1",
+            ],
             stdout=out,
             stderr=subprocess.STDOUT,
         )
@@ -428,7 +457,12 @@ def test_c_an_80k_key_body_is_400_before_llama_server_sees_it(tmp_path: Path, ti
         served = gateway.post({"model": "tiny", "prompt": "hi", "max_tokens": 2}, "/v1/completions")
         assert served.status_code == 200, served.text  # the engine is reachable through the gateway
         body = orjson.dumps(
-            {"model": "tiny", "prompt": "hi", "max_tokens": 2, "logit_bias": {str(i): 0 for i in range(80_000)}}
+            {
+                "model": "tiny",
+                "prompt": "hi",
+                "max_tokens": 2,
+                "logit_bias": {str(i): 0 for i in range(80_000)},
+            }
         )
         before = cpu_seconds(engine.pid)
         refused = gateway.post(body, "/v1/completions")
@@ -477,13 +511,17 @@ def test_d_a_1_gb_answer_is_not_held_and_the_client_gets_an_error_naming_the_lim
 # --- (e) ------------------------------------------------------------------------------------------
 
 
-def test_e_set_cookie_and_html_from_an_engine_never_reach_the_client(tmp_path: Path, tiny_model: Path) -> None:
+def test_e_set_cookie_and_html_from_an_engine_never_reach_the_client(
+    tmp_path: Path, tiny_model: Path
+) -> None:
     with (
         hostile_engine(tmp_path, "cookie") as (engine_port, _),
         gateway_before(tmp_path, engine_port, tiny_model) as gateway,
     ):
         plain = gateway.post({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
-        streamed = gateway.post({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True})
+        streamed = gateway.post(
+            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        )
     for name, response in (("answer", plain), ("stream", streamed)):
         print(f"\n(e) {name}: {response.status_code} {sorted(response.headers.items())}")
         assert response.status_code == 200
@@ -492,3 +530,65 @@ def test_e_set_cookie_and_html_from_an_engine_never_reach_the_client(tmp_path: P
         assert response.headers["content-type"] == "text/plain; charset=utf-8"
         assert response.headers["x-content-type-options"] == "nosniff"
         assert response.headers["x-request-id"] == "hostile-1"
+
+
+# --- a client that leaves ---------------------------------------------------------------------------
+
+
+def test_a_client_that_leaves_a_non_streamed_request_stops_the_engines_work(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    with (
+        llama_server(tmp_path, tiny_model) as engine,
+        gateway_before(tmp_path, engine.port, tiny_model) as gateway,  # type: ignore[attr-defined]
+    ):
+        slots_url = f"http://127.0.0.1:{engine.port}/slots"  # type: ignore[attr-defined]
+        decoded: list[int] = []
+
+        def upstream() -> list[Any]:
+            """The gateway's open connections to the engine."""
+            return [
+                c
+                for c in psutil.Process(gateway.proc.pid).net_connections("tcp")
+                if c.raddr and c.raddr.port == engine.port and c.status == "ESTABLISHED"  # type: ignore[attr-defined]
+            ]
+
+        def processing() -> int:
+            busy = [slot for slot in httpx.get(slots_url, timeout=5).json() if slot.get("is_processing")]
+            decoded.extend(t["n_decoded"] for slot in busy for t in slot.get("next_token") or ())
+            return len(busy)
+
+        # The tiny model's 233 tokens under a grammar whose parse stacks grow: ~11 s of work, the
+        # later tokens the slowest, unless cancelled.
+        body = orjson.dumps({**slow_chat("tiny", "hi", max_tokens=2000), **GROWING})
+        sock = socket.create_connection(("127.0.0.1", gateway.port))
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nAuthorization: Bearer %s\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+            % (gateway.key.encode(), len(body))
+            + body
+        )
+        wait_for(lambda: processing() == 1, timeout=30, what="the engine to work on the request")
+        time.sleep(1.5)
+        left = time.monotonic()
+        sock.close()  # the client leaves before any answer
+        wait_for(lambda: not upstream(), timeout=10, what="the gateway to abort its engine connection")
+        aborted_after = time.monotonic() - left
+        # Polled every 2 s: llama-server (b11434) checks a non-streamed request's connection only
+        # when no result of any task reached it for a whole second (server_response::
+        # recv_with_timeout restarts its wait on every other result), so polling /slots faster
+        # than that would itself keep the abandoned request running.
+        wait_for(lambda: processing() == 0, timeout=30, what="the engine to drop the request", interval=2.0)
+        stopped_after = time.monotonic() - left
+        idle_cpu = cpu_seconds(engine.pid)
+        time.sleep(2.0)
+        spent_idle = cpu_seconds(engine.pid) - idle_cpu
+    print(
+        f"\n(leave) non-streamed request: gateway's engine connection aborted {aborted_after:.2f} s and "
+        f"engine slot free {stopped_after:.2f} s after the client left, at "
+        f"{max(decoded)} of the 233 tokens it would have generated; engine CPU then {spent_idle:.2f} s in 2 s"
+    )
+    engine_log = (tmp_path / "llama-server.log").read_text(errors="replace")
+    assert "cancel task" in engine_log  # cancelled by llama-server, not run to its end
+    assert max(decoded) < 233
+    assert spent_idle < 0.5
