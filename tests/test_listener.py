@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -201,3 +202,46 @@ def test_limits_out_of_range_are_refused() -> None:
         ListenerLimits(head_bytes=10)
     with pytest.raises(ValueError):
         ListenerLimits(head_timeout=0)
+
+
+def test_over_tls_the_head_budget_and_the_head_timeout_hold_too(tmp_path: Path) -> None:
+    import ssl
+
+    from fleetserve.tls import ensure_generated
+
+    served = ensure_generated(tmp_path, "server", ["127.0.0.1"])
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = uvicorn_config(
+        echo_app,
+        "127.0.0.1",
+        port,
+        LIMITS,
+        log_level="warning",
+        ssl_certfile=str(served.cert_file),
+        ssl_keyfile=str(served.key_file),
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.02)
+        context = ssl.create_default_context(cafile=str(served.ca_file))
+
+        def tls() -> socket.socket:
+            return context.wrap_socket(connect(port), server_hostname="127.0.0.1")
+
+        with tls() as sock:
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
+            assert read_answer(sock)[0] == 200
+        with tls() as sock:
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: t\r\nX-Big: " + b"b" * 8192)
+            assert read_answer(sock)[0] == 431
+        with tls() as sock:
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: t\r\n")
+            assert read_answer(sock)[0] == 408
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
