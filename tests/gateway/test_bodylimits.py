@@ -112,3 +112,18 @@ def test_body_limit_settings_override_one_limit_of_one_kind() -> None:
 def test_a_bad_body_limit_setting_is_refused_saying_how_to_write_one(setting: str) -> None:
     with pytest.raises(ValueError):
         body_limits([setting])
+
+
+def test_a_million_empty_objects_are_refused_without_walking_them() -> None:
+    body = b"[" + b"{}," * 1_000_000 + b"{}]"
+    got = DEFAULT_GATEWAY_LIMITS.check(orjson.loads(body), len(body), b"/v1/chat/completions")
+    assert got is not None and "generation.total_keys" in got.message
+
+
+def test_large_arrays_of_numbers_and_many_inputs_pass() -> None:
+    inputs = {"model": "m", "input": [[1] * 1000] * 2048}  # 2,048 token arrays
+    assert DEFAULT_GATEWAY_LIMITS.check(inputs, 10, b"/v1/embeddings") is None
+    assert (
+        DEFAULT_GATEWAY_LIMITS.check({"model": "m", "prompt": [7] * 1_000_000}, 10, b"/v1/completions")
+        is None
+    )

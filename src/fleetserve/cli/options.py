@@ -144,8 +144,8 @@ BodyLimitOpt = Annotated[
         help="KIND.LIMIT=VALUE: a limit of the JSON bodies sent to /v1, per kind of route "
         "(generation: chat, completions, responses, messages, tokenize...; embeddings: embeddings, "
         "rerank). LIMIT is bytes (default 8MiB, at most 64MiB; 413 past it), depth (nesting; "
-        "generation 64, embeddings 16), keys (of one object; 1024, 256) or total_keys (of all "
-        "objects; 65536); past them, 400 before any engine sees the body. Repeatable, e.g. "
+        "generation 64, embeddings 16), keys (of one object; 1024, 256) or total_keys (keys, "
+        "objects and arrays in all; 65536); past them, 400 before any engine sees the body. Repeatable, e.g. "
         "--body-limit generation.keys=4096.",
     ),
 ]

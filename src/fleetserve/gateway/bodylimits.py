@@ -9,8 +9,9 @@ the first limit passed, checking:
 - ``bytes``: the body's size (413);
 - ``depth``: how deeply objects and arrays nest (400);
 - ``keys``: the keys of any one object (400);
-- ``total_keys``: the keys of all objects together (400) — with ``keys`` it bounds the engine's
-  quadratic cost, which grows with the sum of each object's keys squared.
+- ``total_keys``: the keys of all objects together, each object and array counting one more
+  (400) — with ``keys`` it bounds the engine's quadratic cost, which grows with the sum of each
+  object's keys squared, and the walk's own (a million empty objects are refused after 65,536).
 
 Limits are per kind of route (``BodyKind``): embeddings and rerank carry large arrays of inputs,
 shallow; every other route carries generation requests. Each refusal names the limit and the
@@ -19,6 +20,7 @@ shallow; every other route carries generation requests. Each refusal names the l
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
@@ -84,8 +86,9 @@ def exceeded(value: Any, size: int, kind: BodyKind, limits: BodyLimits) -> Excee
 
     if size > limits.bytes:
         return past("Request body larger than", "bytes", limits.bytes, 413)
-    total = 0
-    stack: list[tuple[Any, int]] = [(value, 1)] if type(value) is dict or type(value) is list else []
+    container = type(value) is dict or type(value) is list
+    total = 1 if container else 0  # each object and array counts one: a million empty ones are not free
+    stack: list[tuple[Any, int]] = [(value, 1)] if container else []
     while stack:
         node, depth = stack.pop()
         if depth > limits.depth:
@@ -95,12 +98,18 @@ def exceeded(value: Any, size: int, kind: BodyKind, limits: BodyLimits) -> Excee
             if count > limits.keys:
                 return past("A JSON object with more keys than", "keys", limits.keys)
             total += count
-            if total > limits.total_keys:
-                return past("More JSON object keys in all than", "total_keys", limits.total_keys)
             children = node.values()
         else:
             children = node
-        stack.extend((child, depth + 1) for child in children if type(child) is dict or type(child) is list)
+        # The children's types tallied in C (Counter over map): an array of a million numbers
+        # is not walked, and one of a million objects is refused before any is looked at.
+        kinds = Counter(map(type, children))
+        inner = kinds[dict] + kinds[list]
+        total += inner
+        if total > limits.total_keys:
+            return past("More JSON objects, arrays and keys in all than", "total_keys", limits.total_keys)
+        if inner:
+            stack.extend((c, depth + 1) for c in children if type(c) is dict or type(c) is list)
     return None
 
 
