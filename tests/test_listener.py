@@ -245,3 +245,18 @@ def test_over_tls_the_head_budget_and_the_head_timeout_hold_too(tmp_path: Path) 
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def test_a_body_that_stalls_is_408_after_the_head_timeout_and_a_slow_steady_one_is_served(port: int) -> None:
+    with connect(port) as sock:
+        sock.sendall(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\n" + b"x" * 10)
+        started = time.monotonic()
+        status, _, body = read_answer(sock)
+        assert status == 408 and "body stalled" in json.loads(body)["error"]["message"]
+        assert time.monotonic() - started >= LIMITS.head_timeout * 0.9
+    with connect(port) as sock:
+        sock.sendall(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 6\r\n\r\n")
+        for _ in range(6):  # 1.8 s in all, never pausing as long as the 0.6 s head timeout
+            time.sleep(0.3)
+            sock.sendall(b"y")
+        assert read_answer(sock)[0:3:2] == (200, b"6")

@@ -11,6 +11,7 @@ socket that never completes one is never refused. ``BoundedHttpTools`` adds, per
   Past ``header_count`` headers, 431 too;
 - a head timer, armed when the connection opens and when a new request's head begins, cancelled
   when the head is complete: a head not complete within ``head_timeout`` seconds is answered 408;
+  so is a request body that pauses that long (a slowloris on the body), while the app reads it;
 - a connection cap: a connection past ``max_connections`` open in this process is answered 503
   at once, before anything is read from it.
 
@@ -50,7 +51,7 @@ class ListenerLimits:
 
     head_bytes: int = HEAD_BYTES  # --max-head-bytes: request line and headers
     header_count: int = HEADER_COUNT  # --max-headers
-    head_timeout: float = HEAD_TIMEOUT  # --head-timeout: seconds to send a whole head
+    head_timeout: float = HEAD_TIMEOUT  # --head-timeout: seconds to send a head; longest body pause
     keep_alive: float = KEEP_ALIVE  # --keep-alive-timeout: seconds an idle connection stays open
     max_connections: int = MAX_CONNECTIONS  # --max-connections: open at once in this process
 
@@ -108,6 +109,9 @@ class BoundedHttpTools(HttpToolsProtocol):
         self._head_left: int | None = self.limits.head_bytes
         self._headers_seen = 0
         self._head_timer: asyncio.TimerHandle | None = None
+        # The body's stall timer, and when its last bytes came (one timer per body, not per piece).
+        self._body_timer: asyncio.TimerHandle | None = None
+        self._body_at = 0.0
         self._refused = False
 
     # -- asyncio.Protocol --
@@ -130,6 +134,9 @@ class BoundedHttpTools(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -195,8 +202,19 @@ class BoundedHttpTools(HttpToolsProtocol):
         self._head_left = None
         self._cancel_head_timer()
         super().on_headers_complete()
+        # Until the body is complete, a pause in it longer than the head timeout is a stall.
+        self._body_at = self.loop.time()
+        if self._body_timer is None:
+            self._body_timer = self.loop.call_later(self.limits.head_timeout, self._body_check)
+
+    def on_body(self, body: bytes) -> None:
+        self._body_at = self.loop.time()
+        super().on_body(body)
 
     def on_message_complete(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
         super().on_message_complete()
         self._head_left = self.limits.head_bytes  # what comes next is the next request's head
 
@@ -221,6 +239,30 @@ class BoundedHttpTools(HttpToolsProtocol):
         self._refuse(
             408,
             f"Request head not complete within {self.limits.head_timeout:g} s, the server's limit "
+            "(--head-timeout).",
+            "request_timeout",
+        )
+
+    def _body_check(self) -> None:
+        self._body_timer = None
+        if self.transport.is_closing():
+            return
+        quiet = self.loop.time() - self._body_at
+        if quiet < self.limits.head_timeout or self.flow.read_paused:
+            # Bytes came since, or the app is not reading (flow control paused the socket).
+            wait = (
+                max(self.limits.head_timeout - quiet, 0.05)
+                if not self.flow.read_paused
+                else self.limits.head_timeout
+            )
+            self._body_timer = self.loop.call_later(wait, self._body_check)
+            return
+        if self.cycle is not None and self.cycle.response_started:
+            self.transport.close()  # an answer is being written: a 408 would land inside it
+            return
+        self._refuse(
+            408,
+            f"Request body stalled: no bytes for {self.limits.head_timeout:g} s, the server's limit "
             "(--head-timeout).",
             "request_timeout",
         )

@@ -119,7 +119,8 @@ HeadTimeoutOpt = Annotated[
     typer.Option(
         "--head-timeout",
         help="Seconds a client has to send a whole request head (from connecting, or from the "
-        "first byte of the next request on a kept-alive connection); then 408 and the connection closes.",
+        "first byte of the next request on a kept-alive connection), and the longest pause inside "
+        "a request body; then 408 and the connection closes.",
         min=0.1,
     ),
 ]
