@@ -74,3 +74,11 @@ def test_up_passes_its_bounds_on_to_its_server_as_flags_its_server_reads_back() 
     assert parsed.answer_bytes == 1 << 20 and parsed.read_cap == 16 << 20
     with pytest.raises(typer.BadParameter):
         gateway_limits(None, "100")
+
+
+def test_up_options_put_the_bounds_on_the_servers_command_line() -> None:
+    from fleetserve.cli.local import UpOptions
+
+    bounds = (*ListenerLimits(header_count=50).flags(), "--body-limit=generation.keys=4096")
+    args = UpOptions(bounds=bounds).server_args()
+    assert "--max-headers=50" in args and "--body-limit=generation.keys=4096" in args
