@@ -24,8 +24,9 @@ so they cannot reach the server later, when the partition heals, and the request
     └── UpstreamError        a request to an upstream failed; nothing more is coming from it
         ├── ConnectFailed    no connection could be opened (nothing was sent)
         ├── UpstreamTimeout  no answer within the timeout
-        └── UpstreamBroke    the connection closed or sent malformed HTTP mid-answer
-            └── NoAnswer     it closed before any byte of the answer (the gateway may retry)
+        ├── UpstreamBroke    the connection closed or sent malformed HTTP mid-answer
+        │   └── NoAnswer     it closed before any byte of the answer (the gateway may retry)
+        └── AnswerTooLarge   a body read whole (``read(limit)``) was larger than its limit
 """
 
 from __future__ import annotations
@@ -77,6 +78,10 @@ class UpstreamTimeout(UpstreamError):
 
 class UpstreamBroke(UpstreamError):
     """The connection closed, or the upstream sent malformed HTTP, in the middle of an answer."""
+
+
+class AnswerTooLarge(UpstreamError):
+    """An answer's body was larger than the reader's limit: it was not read (close aborts it)."""
 
 
 class NoAnswer(UpstreamBroke):
@@ -141,10 +146,21 @@ class Response:
         self._size = 0
         return piece
 
-    async def read(self) -> bytes:
-        """The whole body."""
-        parts = []
+    async def read(self, limit: int | None = None) -> bytes:
+        """The whole body; past ``limit`` bytes (a Content-Length over it, or the bytes as they
+        come), ``AnswerTooLarge``: at most ``limit`` plus ``PAUSE_BYTES`` are ever held."""
+        too_large = f"the answer is larger than {limit} bytes, the gateway's limit (--max-answer-bytes)"
+        if limit is not None:
+            declared = next((v for n, v in self.headers if n.lower() == b"content-length"), None)
+            if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+                raise AnswerTooLarge(too_large)
+        parts: list[bytes] = []
+        size = 0
         while piece := await self.next_piece():
+            size += len(piece)
+            if limit is not None and size > limit:
+                parts.clear()
+                raise AnswerTooLarge(too_large)
             parts.append(piece)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
@@ -451,6 +467,7 @@ class HttpClient:
 
 
 __all__ = [
+    "AnswerTooLarge",
     "ConnectFailed",
     "HttpClient",
     "NoAnswer",

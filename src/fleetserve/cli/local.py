@@ -61,11 +61,14 @@ class UpOptions:
     audit_retention: str = "365d"
     # The origins whose web pages may call the gateway (--cors-origin; none: no CORS).
     cors_origins: tuple[str, ...] = ()
+    # The server's listener and gateway limits, as its flags (--max-head-bytes ... --body-limit).
+    bounds: tuple[str, ...] = ()
 
     def server_args(self) -> list[str]:
         args = ["--usage-retention", self.usage_retention, "--audit-retention", self.audit_retention]
         for origin in self.cors_origins:
             args += ["--cors-origin", origin]
+        args += self.bounds
         return args + (["--redis-url", self.redis_url] if self.redis_url else [])
 
     def agent_args(self) -> list[str]:

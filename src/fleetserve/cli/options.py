@@ -1,7 +1,9 @@
-"""The flags the process commands share (``server``, ``gateway``, ``agent``, ``up``): TLS of the
-listener, Redis for the rate-limit windows, the origins allowed CORS, shutdown grace, log level,
-retention of usage and audit rows, and where model files may come from; with the helpers that
-turn flags into values (``retention``, ``listen_tls``, ``cors``).
+"""The flags the process commands share (``server``, ``gateway``, ``agent``, ``up``): TLS and
+bounds of the listener, the gateway's body and answer limits, Redis for the rate-limit windows,
+the origins allowed CORS, shutdown grace, log level, retention of usage and audit rows, and
+where model files may come from; with the helpers that
+turn flags into values (``retention``, ``listen_tls``, ``cors``, ``listener_limits``,
+``gateway_limits``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 if TYPE_CHECKING:
+    from fleetserve.gateway.bodylimits import GatewayLimits
     from fleetserve.gateway.cors import Cors
+    from fleetserve.listener import ListenerLimits
     from fleetserve.server.admin.retention import RetentionPolicy
     from fleetserve.tls import ServerTls
 
@@ -98,6 +102,63 @@ AuditRetentionOpt = Annotated[
     ),
 ]
 
+# What one connection may cost the listener before it is answered (``fleetserve.listener``).
+MaxHeadBytesOpt = Annotated[
+    int,
+    typer.Option(
+        "--max-head-bytes",
+        help="Largest request head (request line and headers) in bytes; a larger one is answered 431.",
+        min=1024,
+    ),
+]
+MaxHeadersOpt = Annotated[
+    int, typer.Option("--max-headers", help="Most headers in one request; more are answered 431.", min=1)
+]
+HeadTimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        "--head-timeout",
+        help="Seconds a client has to send a whole request head (from connecting, or from the "
+        "first byte of the next request on a kept-alive connection), and the longest pause inside "
+        "a request body; then 408 and the connection closes.",
+        min=0.1,
+    ),
+]
+KeepAliveTimeoutOpt = Annotated[
+    float,
+    typer.Option("--keep-alive-timeout", help="Seconds an idle kept-alive connection stays open.", min=1),
+]
+MaxConnectionsOpt = Annotated[
+    int,
+    typer.Option(
+        "--max-connections",
+        help="Most client connections open at once in this process (at most half its open-file "
+        "limit); one more is answered 503 at once.",
+        min=1,
+    ),
+]
+# What the gateway takes from a client and holds from an engine (``gateway.bodylimits``).
+BodyLimitOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--body-limit",
+        help="KIND.LIMIT=VALUE: a limit of the JSON bodies sent to /v1, per kind of route "
+        "(generation: chat, completions, responses, messages, tokenize...; embeddings: embeddings, "
+        "rerank). LIMIT is bytes (default 8MiB, at most 64MiB; 413 past it), depth (nesting; "
+        "generation 64, embeddings 16), keys (of one object; 1024, 256) or total_keys (keys, "
+        "objects and arrays in all; 65536); past them, 400 before any engine sees the body. Repeatable, e.g. "
+        "--body-limit generation.keys=4096.",
+    ),
+]
+MaxAnswerBytesOpt = Annotated[
+    str,
+    typer.Option(
+        "--max-answer-bytes",
+        help="Largest non-streamed engine answer the gateway relays (it holds it whole), e.g. "
+        "64MiB; a larger one is cut off and answered 502. Streams are relayed as they come.",
+    ),
+]
+
 
 AllowPrivateSourcesOpt = Annotated[
     bool,
@@ -150,6 +211,37 @@ def cors(origins: list[str] | None) -> Cors | None:
         return Cors.of(origins or ())
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--cors-origin") from None
+
+
+def listener_limits(
+    head_bytes: int, headers: int, head_timeout: float, keep_alive: float, connections: int
+) -> ListenerLimits:
+    """The listener's limits from --max-head-bytes, --max-headers, --head-timeout,
+    --keep-alive-timeout and --max-connections."""
+    from fleetserve.listener import ListenerLimits
+
+    try:
+        return ListenerLimits(head_bytes, headers, head_timeout, keep_alive, connections)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+def gateway_limits(body_limit: list[str] | None, max_answer_bytes: str) -> GatewayLimits:
+    """The gateway's limits from --body-limit and --max-answer-bytes."""
+    from fleetserve.gateway.bodylimits import GatewayLimits, body_limits
+    from fleetserve.units import parse_bytes
+
+    try:
+        bodies = body_limits(body_limit or [])
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--body-limit") from None
+    try:
+        answer = parse_bytes(max_answer_bytes)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--max-answer-bytes") from None
+    if answer < 1024:
+        raise typer.BadParameter("at least 1KiB", param_hint="--max-answer-bytes")
+    return GatewayLimits(bodies, answer)
 
 
 def listen_tls(

@@ -14,13 +14,20 @@ from rich.console import Console
 from fleetserve.cli.options import (
     AllowPrivateSourcesOpt,
     AuditRetentionOpt,
+    BodyLimitOpt,
     CorsOriginOpt,
     GraceSecondsOpt,
+    HeadTimeoutOpt,
     HfMirrorOpt,
     HfTokenFileOpt,
     InsecureOpt,
+    KeepAliveTimeoutOpt,
     LlamaServerOpt,
     LogLevelOpt,
+    MaxAnswerBytesOpt,
+    MaxConnectionsOpt,
+    MaxHeadBytesOpt,
+    MaxHeadersOpt,
     RedisNamespaceOpt,
     RedisUrlOpt,
     TlsCertOpt,
@@ -30,11 +37,14 @@ from fleetserve.cli.options import (
     TlsSanOpt,
     UsageRetentionOpt,
     cors,
+    gateway_limits,
     listen_tls,
+    listener_limits,
     retention,
 )
 from fleetserve.cli.output import fail
 from fleetserve.errors import FleetserveError
+from fleetserve.listener import HEAD_BYTES, HEAD_TIMEOUT, HEADER_COUNT, KEEP_ALIVE, MAX_CONNECTIONS
 
 
 def server_command(
@@ -108,6 +118,13 @@ def server_command(
     tls_key: TlsKeyOpt = None,
     tls_dir: TlsDirOpt = Path("fleetserve-tls"),
     tls_san: TlsSanOpt = None,
+    max_head_bytes: MaxHeadBytesOpt = HEAD_BYTES,
+    max_headers: MaxHeadersOpt = HEADER_COUNT,
+    head_timeout: HeadTimeoutOpt = HEAD_TIMEOUT,
+    keep_alive_timeout: KeepAliveTimeoutOpt = KEEP_ALIVE,
+    max_connections: MaxConnectionsOpt = MAX_CONNECTIONS,
+    body_limit: BodyLimitOpt = None,
+    max_answer_bytes: MaxAnswerBytesOpt = "64MiB",
     tls: TlsForceOpt = False,
     insecure: InsecureOpt = False,
 ) -> None:
@@ -141,6 +158,8 @@ def server_command(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     allowed = cors(cors_origin)
+    bounds = listener_limits(max_head_bytes, max_headers, head_timeout, keep_alive_timeout, max_connections)
+    limits = gateway_limits(body_limit, max_answer_bytes)
     control = ControlPlane(
         models_dir,
         reconcile_interval,
@@ -151,7 +170,7 @@ def server_command(
     )
     try:
         served = listen_tls(host, tls_cert, tls_key, tls_dir, tls_san, tls, insecure, "server")
-        listen = Listen(host, port, log_level, served, tuple(tls_san or ()), grace_seconds)
+        listen = Listen(host, port, log_level, served, tuple(tls_san or ()), grace_seconds, bounds)
         run_server(
             database_url,
             listen,
@@ -159,6 +178,7 @@ def server_command(
             SharedWindows(redis_url, redis_namespace),
             ReconcilerMode(reconciler),
             allowed,
+            limits,
         )
     except FleetserveError as err:
         raise fail(err) from None
@@ -192,6 +212,13 @@ def up_command(
     cors_origin: CorsOriginOpt = None,
     usage_retention: UsageRetentionOpt = "30d",
     audit_retention: AuditRetentionOpt = "365d",
+    max_head_bytes: MaxHeadBytesOpt = HEAD_BYTES,
+    max_headers: MaxHeadersOpt = HEADER_COUNT,
+    head_timeout: HeadTimeoutOpt = HEAD_TIMEOUT,
+    keep_alive_timeout: KeepAliveTimeoutOpt = KEEP_ALIVE,
+    max_connections: MaxConnectionsOpt = MAX_CONNECTIONS,
+    body_limit: BodyLimitOpt = None,
+    max_answer_bytes: MaxAnswerBytesOpt = "64MiB",
 ) -> None:
     """Run the control plane and an agent on this machine over a SQLite file: the quickstart.
 
@@ -203,6 +230,9 @@ def up_command(
 
     retention(usage_retention, audit_retention)  # checked here, before anything starts
     cors(cors_origin)
+    bounds = listener_limits(max_head_bytes, max_headers, head_timeout, keep_alive_timeout, max_connections)
+    gateway_limits(body_limit, max_answer_bytes)
+    passed = [f"--body-limit={setting}" for setting in body_limit or ()]
     options = UpOptions(
         allow_private_sources,
         hf_mirror,
@@ -212,6 +242,7 @@ def up_command(
         usage_retention,
         audit_retention,
         tuple(cors_origin or ()),
+        (*bounds.flags(), *passed, f"--max-answer-bytes={max_answer_bytes}"),
     )
     try:
         up(data_dir, port, model, Console(soft_wrap=True), ready_timeout, options)
@@ -240,6 +271,13 @@ def gateway_command(
     tls_key: TlsKeyOpt = None,
     tls_dir: TlsDirOpt = Path("fleetserve-tls"),
     tls_san: TlsSanOpt = None,
+    max_head_bytes: MaxHeadBytesOpt = HEAD_BYTES,
+    max_headers: MaxHeadersOpt = HEADER_COUNT,
+    head_timeout: HeadTimeoutOpt = HEAD_TIMEOUT,
+    keep_alive_timeout: KeepAliveTimeoutOpt = KEEP_ALIVE,
+    max_connections: MaxConnectionsOpt = MAX_CONNECTIONS,
+    body_limit: BodyLimitOpt = None,
+    max_answer_bytes: MaxAnswerBytesOpt = "64MiB",
     tls: TlsForceOpt = False,
     insecure: InsecureOpt = False,
 ) -> None:
@@ -252,10 +290,12 @@ def gateway_command(
     from fleetserve.server.process import Listen, SharedWindows, run_gateway
 
     allowed = cors(cors_origin)
+    bounds = listener_limits(max_head_bytes, max_headers, head_timeout, keep_alive_timeout, max_connections)
+    limits = gateway_limits(body_limit, max_answer_bytes)
     try:
         served = listen_tls(host, tls_cert, tls_key, tls_dir, tls_san, tls, insecure, "gateway")
-        listen = Listen(host, port, log_level, served, tuple(tls_san or ()), grace_seconds)
+        listen = Listen(host, port, log_level, served, tuple(tls_san or ()), grace_seconds, bounds)
         windows = SharedWindows(redis_url, redis_namespace)
-        run_gateway(database_url, listen, windows, access_log, allowed)
+        run_gateway(database_url, listen, windows, access_log, allowed, limits)
     except FleetserveError as err:
         raise fail(err) from None

@@ -56,6 +56,7 @@ from fleetserve.gateway.accounting import (
     settlement,
 )
 from fleetserve.gateway.admission import Admission, AdmissionPolicy, GatewayRejection
+from fleetserve.gateway.bodylimits import DEFAULT_GATEWAY_LIMITS, GatewayLimits
 from fleetserve.gateway.endpoints import EndpointTable, Route
 from fleetserve.gateway.modelinfo import ModelInfo, merged
 from fleetserve.gateway.openai_errors import send_error
@@ -92,8 +93,8 @@ PROBES = frozenset({RouteKind.HEALTH, RouteKind.METADATA})
 EngineRoutes = Mapping[EngineKind, ApiRoute]
 """What one method and path is for each engine that serves it (``gateway.asgi.ApiIndex``)."""
 
-# Requests larger than this are refused with 413 before they are parsed.
-BODY_LIMIT = 8 << 20
+# Requests larger than the largest route kind's limit are refused with 413 before they are parsed.
+BODY_LIMIT = DEFAULT_GATEWAY_LIMITS.read_cap
 # How long a request waits for a replica when none is Ready (starting, or scaled to zero).
 HOLD_SECONDS = 30.0
 # API-key lookups are cached this long, so the database is not hit on every request.
@@ -142,8 +143,11 @@ class Gateway:
         windows: Windows | None = None,
         usage: UsageSink | None = None,
         usage_flush_seconds: float = FLUSH_SECONDS,
+        limits: GatewayLimits = DEFAULT_GATEWAY_LIMITS,
     ) -> None:
         self.store = store
+        # What a client's body may hold, and how large an engine answer is held (``bodylimits``).
+        self.limits = limits
         # Usage per minute, key and model, written to ``usage`` every ``usage_flush_seconds``
         # (none counted without a sink).
         self.usage: UsageCounter | None = UsageCounter() if usage is not None else None
@@ -326,11 +330,12 @@ class Gateway:
         data: dict[str, Any] = {}
         body = b""
         if has_body:
-            too_large = f"Request body larger than {BODY_LIMIT} bytes."
-            if declared is not None and declared.isdigit() and int(declared) > BODY_LIMIT:
+            cap = self.limits.read_cap
+            too_large = f"Request body larger than {cap} bytes."
+            if declared is not None and declared.isdigit() and int(declared) > cap:
                 await send_error(send, 413, too_large, "invalid_request_error")
                 return
-            read = await read_body(receive, BODY_LIMIT)
+            read = await read_body(receive, cap)
             if isinstance(read, Unread):
                 if read is Unread.OVER_LIMIT:
                     await send_error(send, 413, too_large, "invalid_request_error")
@@ -340,6 +345,11 @@ class Gateway:
                 parsed = orjson.loads(body)
             except orjson.JSONDecodeError:  # invalid, or nested deeper than orjson's 1024 levels
                 await send_error(send, 400, "The request body is not valid JSON.", "invalid_request_error")
+                return
+            # Size, nesting and keys, before any engine parses it (``bodylimits``).
+            refused = self.limits.check(parsed, len(body), lead.kind)
+            if refused is not None:
+                await send_error(send, refused.status, refused.message, "invalid_request_error", refused.code)
                 return
             if isinstance(parsed, dict):
                 data = parsed
@@ -537,7 +547,7 @@ class Gateway:
                 # The engine answered: its status and body are the client's (an engine's 5xx is
                 # not a failure to reach it, so it neither ejects the replica nor is retried).
                 if ex.tap is None or response.status >= 400:
-                    return await relay_answer(send, response, ex)
+                    return await relay_answer(send, response, ex, self.limits.answer_bytes)
                 await relay_stream(send, response, ex, ex.tap)
                 return response.status
             finally:

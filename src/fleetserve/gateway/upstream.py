@@ -3,8 +3,9 @@
 An upstream request is written as raw HTTP/1.1 bytes for ``httpclient``'s pooled connections:
 built here, in one place, with the replica's engine key (``routing.engine_auth``), which the
 engine requires. Everything a request does not change (an endpoint's origin and Host, a key's
-header line) is computed once and cached. The answer's headers are relayed but for hop-by-hop
-ones and the engine's CORS (``relayed``); a streamed answer's events pass through as they come
+header line) is computed once and cached. Of the answer's headers only those an OpenAI client
+reads are relayed, never a cookie, and never a media type a browser would render (``relayed``);
+a streamed answer's events pass through as they come
 (``relay_stream``), and a stream that breaks off ends with an error event, never as if it were
 complete. A whole answer (``relay_answer``) keeps the engine's status, an error's body put in
 OpenAI's shape where it is not; one that breaks off mid-body is a 502.
@@ -28,7 +29,15 @@ from fleetserve.gateway.accounting import Exchange
 from fleetserve.gateway.openai_errors import broken_stream_event, engine_error_body, send_error
 from fleetserve.gateway.picker import Endpoint
 from fleetserve.gateway.sse import UsageTap, usage_of_body
-from fleetserve.httpclient import ConnectFailed, NoAnswer, Origin, Response, UpstreamError, UpstreamTimeout
+from fleetserve.httpclient import (
+    AnswerTooLarge,
+    ConnectFailed,
+    NoAnswer,
+    Origin,
+    Response,
+    UpstreamError,
+    UpstreamTimeout,
+)
 from fleetserve.rawasgi.answers import JSON, answer
 from fleetserve.rawasgi.types import Header, Send
 from fleetserve.routing import engine_auth
@@ -37,26 +46,21 @@ log = logging.getLogger("fleetserve.gateway")
 
 # How long an engine may take to start answering (the head of its answer).
 UPSTREAM_TIMEOUT = 600.0
-# Upstream headers not relayed: hop-by-hop ones, those uvicorn sets itself (no duplicates), CORS.
-HOP_HEADERS = frozenset(
-    {
-        b"content-length",
-        b"transfer-encoding",
-        b"connection",
-        b"keep-alive",
-        b"content-encoding",
-        b"date",
-        b"server",
-        # The engine's own CORS (llama-server allows whatever Origin it is sent): the gateway's
-        # CORS, for its configured origins only, is the one a browser sees (``gateway.cors``).
-        b"access-control-allow-origin",
-        b"access-control-allow-credentials",
-        b"access-control-allow-methods",
-        b"access-control-allow-headers",
-        b"access-control-expose-headers",
-        b"access-control-max-age",
-    }
+# The engine's answer headers a client gets, and only these (an allowlist: an engine's
+# Set-Cookie, CORS or anything else it sets never reaches the gateway's origin, which is also
+# the dashboard's): what an OpenAI (or Anthropic) client reads. Framing, Connection, Date and
+# Server are the gateway's own (uvicorn's); the gateway's CORS is ``gateway.cors``'s.
+RELAYED_HEADERS = frozenset(
+    {b"content-type", b"cache-control", b"retry-after", b"x-request-id", b"request-id"}
 )
+# ... and those of these families: OpenAI's processing time and version, a hosted API's
+# rate-limit state (an ``Endpoint`` behind the gateway), Anthropic's.
+RELAYED_PREFIXES = (b"openai-", b"x-ratelimit-", b"anthropic-")
+# Media types relayed as the engine named them; any other (text/html ...) is relayed as plain
+# text, so a browser never renders an engine's answer as a page of the gateway's origin.
+SAFE_TYPES = (b"application/json", b"text/event-stream", b"text/plain", b"application/x-ndjson")
+PLAIN_TEXT = b"text/plain; charset=utf-8"
+NOSNIFF = (b"x-content-type-options", b"nosniff")
 
 # Failures where nothing came back from the engine: no connection, one closed (reset, or the
 # engine died) before the status line, or no status line within the timeout (an engine behind a
@@ -181,8 +185,17 @@ def upstream_request(endpoint: Endpoint, call: Call | bytes, body: bytes) -> tup
 
 
 def relayed(response: Response) -> list[Header]:
-    """The engine's answer headers the client gets: all but ``HOP_HEADERS``."""
-    return [(n, v) for n, v in response.headers if n.lower() not in HOP_HEADERS]
+    """The engine's answer headers the client gets: ``RELAYED_HEADERS`` and ``RELAYED_PREFIXES``,
+    a content type outside ``SAFE_TYPES`` as plain text, and ``nosniff``."""
+    out: list[Header] = [NOSNIFF]
+    for name, value in response.headers:
+        lower = name.lower()
+        if lower == b"content-type":
+            media = value.partition(b";")[0].strip().lower()
+            out.append((lower, value if media in SAFE_TYPES else PLAIN_TEXT))
+        elif lower in RELAYED_HEADERS or lower.startswith(RELAYED_PREFIXES):
+            out.append((lower, value))
+    return out
 
 
 async def answer_failed(send: Send, replica: str, error: UpstreamError) -> int:
@@ -191,6 +204,12 @@ async def answer_failed(send: Send, replica: str, error: UpstreamError) -> int:
     if isinstance(error, UpstreamTimeout):
         message = f"Replica {replica} did not answer in time ({error})."
         status, code = 504, "upstream_timeout"
+    elif isinstance(error, AnswerTooLarge):
+        message = (
+            f"The answer of replica {replica} is larger than the gateway holds ({error}); an operator "
+            "raises the limit with --max-answer-bytes, or the client asks for a stream."
+        )
+        status, code = 502, "answer_too_large"
     elif isinstance(error, NoAnswer):
         message = f"Replica {replica} closed the connection without answering ({error})."
         status, code = 502, "no_answer"
@@ -202,7 +221,7 @@ async def answer_failed(send: Send, replica: str, error: UpstreamError) -> int:
     return status
 
 
-async def relay_answer(send: Send, response: Response, ex: Exchange) -> int:
+async def relay_answer(send: Send, response: Response, ex: Exchange, limit: int) -> int:
     """Read the engine's whole answer and relay it with its status; the status sent.
 
     An error (4xx, 5xx) goes in OpenAI's shape where the engine's body is not
@@ -210,7 +229,7 @@ async def relay_answer(send: Send, response: Response, ex: Exchange) -> int:
     """
     replica = ex.endpoint.replica if ex.endpoint else "?"
     try:
-        content = await response.read()
+        content = await response.read(limit)
     except UpstreamError as exc:  # the status line came: the engine answered, so no retry
         return await answer_failed(send, replica, exc)
     finally:

@@ -23,6 +23,7 @@ from fastapi import APIRouter, FastAPI, Request, Response
 from fleetserve import __version__
 from fleetserve.gateway.app import Gateway
 from fleetserve.gateway.asgi import OpenAIApi, ServingApp
+from fleetserve.gateway.bodylimits import DEFAULT_GATEWAY_LIMITS, GatewayLimits
 from fleetserve.gateway.cors import Cors
 from fleetserve.gateway.windows import RedisWindows, Windows
 from fleetserve.metrics.exposition import FleetMetrics
@@ -62,10 +63,11 @@ class Serving:
         redis_url: str | None = None,
         redis_namespace: str = "fleetserve",
         cors: Cors | None = None,
+        limits: GatewayLimits = DEFAULT_GATEWAY_LIMITS,
     ) -> Serving:
         """Metrics, an observer over ``store`` and, unless told not, a gateway fed by the observer;
         with ``redis_url``, its rate-limit windows are shared in that Redis; with ``cors``, its
-        /v1 answers browsers of those origins."""
+        /v1 answers browsers of those origins; ``limits``: what its gateway takes and holds."""
         metrics = FleetMetrics()
         observer = Observer(store, metrics)
 
@@ -79,7 +81,14 @@ class Serving:
                 redis_url, namespace=redis_namespace, on_shared=metrics.set_ratelimit_shared
             )
         gw = (
-            Gateway(store, metrics=metrics, engine_waiting=engine_waiting, windows=windows, usage=store)
+            Gateway(
+                store,
+                metrics=metrics,
+                engine_waiting=engine_waiting,
+                windows=windows,
+                usage=store,
+                limits=limits,
+            )
             if gateway
             else None
         )

@@ -30,7 +30,9 @@ from rich.console import Console
 from starlette.concurrency import run_in_threadpool
 
 from fleetserve.errors import ConfigError, Problem
+from fleetserve.gateway.bodylimits import DEFAULT_GATEWAY_LIMITS, GatewayLimits
 from fleetserve.gateway.cors import Cors
+from fleetserve.listener import ListenerLimits, uvicorn_config
 from fleetserve.reconcile.health import HeartbeatPolicy
 from fleetserve.secretfile import write_secret
 from fleetserve.server.admin.retention import RetentionPolicy, prune_forever
@@ -63,6 +65,8 @@ class Listen:
     sans: tuple[str, ...] = ()
     # On SIGTERM: how long in-flight requests may take to finish before the process exits.
     grace_seconds: float = 30.0
+    # What one connection may cost before it is answered (head size, timeouts, connection cap).
+    limits: ListenerLimits = field(default_factory=ListenerLimits)
 
     @property
     def url(self) -> str:
@@ -231,12 +235,15 @@ def server_app(
     windows: SharedWindows | None = None,
     process: ReconcilerConfig | None = None,
     cors: Cors | None = None,
+    limits: GatewayLimits = DEFAULT_GATEWAY_LIMITS,
 ) -> FastAPI:
     """The control plane's app: admin and agents' API, gateway, observer and reconciler (a thread,
     or with ``process`` a process of its own); it publishes ``ca_pem`` (a generated CA) for
     clients that pin it, and answers browsers of ``cors``'s origins on /v1."""
     windows = windows or SharedWindows()
-    serving = Serving.build(store, redis_url=windows.redis_url, redis_namespace=windows.namespace, cors=cors)
+    serving = Serving.build(
+        store, redis_url=windows.redis_url, redis_namespace=windows.namespace, cors=cors, limits=limits
+    )
     return create_app(
         store,
         lifespan=reconciling(store, control, serving, process),
@@ -252,10 +259,13 @@ def gateway_app(
     ca_pem: bytes | None = None,
     windows: SharedWindows | None = None,
     cors: Cors | None = None,
+    limits: GatewayLimits = DEFAULT_GATEWAY_LIMITS,
 ) -> FastAPI:
     """An extra gateway's app: the same gateway, observer and ``/metrics`` as the control plane's."""
     windows = windows or SharedWindows()
-    serving = Serving.build(store, redis_url=windows.redis_url, redis_namespace=windows.namespace, cors=cors)
+    serving = Serving.build(
+        store, redis_url=windows.redis_url, redis_namespace=windows.namespace, cors=cors, limits=limits
+    )
     return create_gateway_app(store, serving=serving, ca_pem=ca_pem)
 
 
@@ -316,13 +326,13 @@ def serve(app: FastAPI, listen: Listen, access_log: bool) -> bool:
     finish for up to ``listen.grace_seconds``, then exits.
     """
     app.state.stopping = False
-    # uvloop and httptools: the gateway's data path is raw ASGI, and these keep uvicorn's share small.
-    config = uvicorn.Config(
+    # uvloop and httptools (bounded: ``listener``): the gateway's data path is raw ASGI, and these
+    # keep uvicorn's share small.
+    config = uvicorn_config(
         app,
-        loop="uvloop",
-        http="httptools",
-        host=listen.host,
-        port=listen.port,
+        listen.host,
+        listen.port,
+        listen.limits,
         log_level=listen.log_level.lower(),
         access_log=access_log,
         timeout_graceful_shutdown=max(1, math.ceil(listen.grace_seconds)),
@@ -341,6 +351,7 @@ def run_server(
     windows: SharedWindows | None = None,
     mode: ReconcilerMode = ReconcilerMode.AUTO,
     cors: Cors | None = None,
+    limits: GatewayLimits = DEFAULT_GATEWAY_LIMITS,
 ) -> None:
     """Open (and migrate) the store, then serve the API and run the reconciler until stopped;
     with ``cors``, /v1 answers browsers of its origins."""
@@ -355,7 +366,7 @@ def run_server(
     try:
         ensure_tokens(store, control.token_file, console)
         ca_pem = listen.tls.ca_pem if listen.tls else None
-        app = server_app(store, control, ca_pem, windows, process, cors)
+        app = server_app(store, control, ca_pem, windows, process, cors, limits)
         console.print(
             f"fleetserve server: {listen.url} (OpenAPI at /docs, dashboard at /ui), state in "
             f"{shown_url(database_url)}; reconciler in {'a process of its own' if process else 'a thread'}",
@@ -374,6 +385,7 @@ def run_gateway(
     windows: SharedWindows | None = None,
     access_log: bool = False,
     cors: Cors | None = None,
+    limits: GatewayLimits = DEFAULT_GATEWAY_LIMITS,
 ) -> None:
     """Open the control plane's store, then serve the gateway over it until stopped; with
     ``cors``, /v1 answers browsers of its origins."""
@@ -386,7 +398,7 @@ def run_gateway(
         console.print(f"fleetserve gateway: {listen.url}/v1", markup=False)
         print_tls(listen, console, "gateway")
         print_cors(cors, console)
-        app = gateway_app(store, listen.tls.ca_pem if listen.tls else None, windows, cors)
+        app = gateway_app(store, listen.tls.ca_pem if listen.tls else None, windows, cors, limits)
         if not serve(app, listen, access_log=access_log):
             raise SystemExit(STARTUP_FAILURE)
     finally:

@@ -1,0 +1,321 @@
+"""Bounds on every HTTP listener (``fleetserve server``, ``gateway``, ``up``): what one client may
+cost the process before it is answered, and the one uvicorn configuration that applies them.
+
+uvicorn's httptools protocol has no limit on a request's head (one 112 MB header held the event
+loop for 20 s: the parser's header buffers grow by concatenation), never times out a head that
+does not end (slowloris), and answers its ``limit_concurrency`` only once a head is complete — a
+socket that never completes one is never refused. ``BoundedHttpTools`` adds, per connection:
+
+- a head budget: the bytes of a request head fed to the parser are counted *before* they are
+  fed, and at most ``head_bytes`` of them reach it; past that, 431 and the connection closes.
+  Past ``header_count`` headers, 431 too;
+- a head timer, armed when the connection opens and when a new request's head begins, cancelled
+  when the head is complete: a head not complete within ``head_timeout`` seconds is answered 408;
+  so is a request body that pauses that long (a slowloris on the body), while the app reads it;
+- a connection cap: a connection past ``max_connections`` open in this process is answered 503
+  at once, before anything is read from it.
+
+Idle keep-alive connections close after ``keep_alive`` seconds (uvicorn's own timer). A refusal
+is a small JSON body in OpenAI's error shape naming the limit and the flag that raises it; the
+connection then stops being read and closes (half-closed first, so a client still sending
+reads the answer rather than a reset).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import resource
+from dataclasses import dataclass
+from typing import Any
+
+import httptools
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from fleetserve.gateway.openai_errors import error_body
+
+HEAD_BYTES = 64 * 1024
+HEADER_COUNT = 100
+HEAD_TIMEOUT = 10.0
+KEEP_ALIVE = 5.0
+MAX_CONNECTIONS = 4096
+# A refused client still sending may go on this long before its connection is dropped.
+LINGER_SECONDS = 2.0
+
+
+@dataclass(frozen=True)
+class ListenerLimits:
+    """What one connection may cost a listener before it is answered (the flags of the same names)."""
+
+    head_bytes: int = HEAD_BYTES  # --max-head-bytes: request line and headers
+    header_count: int = HEADER_COUNT  # --max-headers
+    head_timeout: float = HEAD_TIMEOUT  # --head-timeout: seconds to send a head; longest body pause
+    keep_alive: float = KEEP_ALIVE  # --keep-alive-timeout: seconds an idle connection stays open
+    max_connections: int = MAX_CONNECTIONS  # --max-connections: open at once in this process
+
+    def __post_init__(self) -> None:
+        if self.head_bytes < 1024 or self.header_count < 1 or self.max_connections < 1:
+            raise ValueError("head bytes must be at least 1024, headers and connections at least 1")
+        if self.head_timeout <= 0 or self.keep_alive <= 0:
+            raise ValueError("the head and keep-alive timeouts must be positive")
+
+    def flags(self) -> tuple[str, ...]:
+        """These limits as the flags of ``fleetserve server`` (``up`` passes them on)."""
+        return (
+            f"--max-head-bytes={self.head_bytes}",
+            f"--max-headers={self.header_count}",
+            f"--head-timeout={self.head_timeout:g}",
+            f"--keep-alive-timeout={self.keep_alive:g}",
+            f"--max-connections={self.max_connections}",
+        )
+
+    def connection_cap(self, open_files: int | None = None) -> int:
+        """``max_connections``, but at most half the process's open-file limit: the other half
+        stays for what the requests open (engine connections, the database, model files)."""
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0] if open_files is None else open_files
+        if soft == resource.RLIM_INFINITY:
+            return self.max_connections
+        return max(1, min(self.max_connections, soft // 2))
+
+
+def refusal(status: int, message: str, code: str) -> bytes:
+    """A whole HTTP/1.1 answer that closes the connection: ``status``, OpenAI's error shape."""
+    kind = "service_unavailable" if status == 503 else "invalid_request_error"
+    body = error_body(message, kind, code)
+    return b"".join(
+        (
+            STATUS_LINE[status],
+            b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body),
+            body,
+        )
+    )
+
+
+class _TooManyHeaders(Exception):
+    """Raised from the parser's header callback past ``header_count`` (the parser stops)."""
+
+
+class BoundedHttpTools(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a head budget, a head timer and a connection cap."""
+
+    limits: ListenerLimits = ListenerLimits()
+    cap: int = MAX_CONNECTIONS
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Bytes of the current head the parser may still get; None: past the head (a body).
+        self._head_left: int | None = self.limits.head_bytes
+        self._headers_seen = 0
+        self._head_timer: asyncio.TimerHandle | None = None
+        # The body's stall timer, and when its last bytes came (one timer per body, not per piece).
+        self._body_timer: asyncio.TimerHandle | None = None
+        self._body_at = 0.0
+        self._refused = False
+
+    # -- asyncio.Protocol --
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.cap:
+            # Refused at once and closed without lingering: under a flood a lingering refusal
+            # would hold the file descriptor the cap is there to keep free (a client that had
+            # already sent its request may see a reset instead of the 503).
+            self.connections.discard(self)
+            self._refuse(
+                503,
+                f"The server holds {self.cap} connections, its limit (--max-connections); retry later.",
+                "too_many_connections",
+                linger=False,
+            )
+            return
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # answered already: what still comes is read and dropped until the close
+        self._unset_keepalive_if_required()
+        # Never more than the head's budget reaches the parser while a head is being read.
+        while self._head_left is not None and len(data) > self._head_left:
+            piece, data = data[: self._head_left], data[self._head_left :]
+            self._head_left = 0
+            if piece and not self._feed(piece):
+                return
+            if self._head_left == 0:  # the head did not end within its budget
+                self._refuse(
+                    431,
+                    f"Request head larger than {self.limits.head_bytes} bytes, the server's limit "
+                    "(--max-head-bytes).",
+                    "request_header_fields_too_large",
+                )
+                return
+        if self._head_left is not None:
+            self._head_left -= len(data)
+        if data:
+            self._feed(data)
+
+    def _feed(self, data: bytes) -> bool:
+        """Feed the parser as uvicorn does; whether the connection is still being read."""
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+        except httptools.HttpParserError:
+            if self._headers_seen > self.limits.header_count:
+                self._refuse(
+                    431,
+                    f"More than {self.limits.header_count} request headers, the server's limit "
+                    "(--max-headers).",
+                    "request_header_fields_too_large",
+                )
+            else:
+                self.logger.warning("Invalid HTTP request received.")
+                self.send_400_response("Invalid HTTP request received.")
+            return False
+        return not self._refused and not self.transport.is_closing()
+
+    # -- parser callbacks --
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._headers_seen = 0
+        self._arm_head_timer()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers_seen += 1
+        if self._headers_seen > self.limits.header_count:
+            raise _TooManyHeaders
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._head_left = None
+        self._cancel_head_timer()
+        super().on_headers_complete()
+        # Until the body is complete, a pause in it longer than the head timeout is a stall.
+        self._body_at = self.loop.time()
+        if self._body_timer is None:
+            self._body_timer = self.loop.call_later(self.limits.head_timeout, self._body_check)
+
+    def on_body(self, body: bytes) -> None:
+        self._body_at = self.loop.time()
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+        super().on_message_complete()
+        self._head_left = self.limits.head_bytes  # what comes next is the next request's head
+
+    # -- the head timer --
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.limits.head_timeout, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing():
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.transport.close()  # an answer is being written: a 408 would land inside it
+            return
+        self._refuse(
+            408,
+            f"Request head not complete within {self.limits.head_timeout:g} s, the server's limit "
+            "(--head-timeout).",
+            "request_timeout",
+        )
+
+    def _body_check(self) -> None:
+        self._body_timer = None
+        if self.transport.is_closing():
+            return
+        quiet = self.loop.time() - self._body_at
+        if quiet < self.limits.head_timeout or self.flow.read_paused:
+            # Bytes came since, or the app is not reading (flow control paused the socket).
+            wait = (
+                max(self.limits.head_timeout - quiet, 0.05)
+                if not self.flow.read_paused
+                else self.limits.head_timeout
+            )
+            self._body_timer = self.loop.call_later(wait, self._body_check)
+            return
+        if self.cycle is not None and self.cycle.response_started:
+            self.transport.close()  # an answer is being written: a 408 would land inside it
+            return
+        self._refuse(
+            408,
+            f"Request body stalled: no bytes for {self.limits.head_timeout:g} s, the server's limit "
+            "(--head-timeout).",
+            "request_timeout",
+        )
+
+    # -- refusing --
+
+    def _refuse(self, status: int, message: str, code: str, linger: bool = True) -> None:
+        """Answer ``status`` and stop: no more parsing, the write side closed, the connection
+        dropped once the client stops sending or after ``LINGER_SECONDS``."""
+        self._refused = True
+        self._cancel_head_timer()
+        self._unset_keepalive_if_required()
+        transport = self.transport
+        if transport.is_closing():
+            return
+        transport.write(refusal(status, message, code))
+        if linger and transport.can_write_eof():
+            with contextlib.suppress(OSError, RuntimeError):
+                transport.write_eof()
+            self.loop.call_later(LINGER_SECONDS, self._drop)
+        else:
+            transport.close()
+
+    def _drop(self) -> None:
+        if not self.transport.is_closing():
+            self.transport.abort()
+
+    def eof_received(self) -> None:
+        # A refused client that finished sending: close now rather than after the linger.
+        if self._refused:
+            self.transport.close()
+
+
+def bounded_protocol(limits: ListenerLimits) -> type[BoundedHttpTools]:
+    """The protocol class uvicorn instantiates per connection, with ``limits`` applied."""
+
+    class Bounded(BoundedHttpTools):
+        pass
+
+    Bounded.limits = limits
+    Bounded.cap = limits.connection_cap()
+    return Bounded
+
+
+def uvicorn_config(app: Any, host: str, port: int, limits: ListenerLimits, **options: Any) -> uvicorn.Config:
+    """The uvicorn configuration of every fleetserve listener: uvloop, httptools bounded by
+    ``limits``; ``options`` are passed on (log level, TLS, graceful shutdown)."""
+    return uvicorn.Config(
+        app,
+        loop="uvloop",
+        http=bounded_protocol(limits),
+        host=host,
+        port=port,
+        timeout_keep_alive=max(1, math.ceil(limits.keep_alive)),
+        **options,
+    )
