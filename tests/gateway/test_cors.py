@@ -167,6 +167,7 @@ ASKED = [
     Asked("the SDKs' telemetry is allowed", b"x-stainless-os, X-Stainless-Lang", ["x-stainless-os", "x-stainless-lang"]),
     Asked("the SDKs' own headers are allowed", b"openai-organization,anthropic-version", ["openai-organization", "anthropic-version"]),
     Asked("Anthropic's browser opt-in is allowed", b"anthropic-dangerous-direct-browser-access", ["anthropic-dangerous-direct-browser-access"]),
+    Asked("the headers relayed to engines are allowed", b"X-Conversation-Id, traceparent", ["x-conversation-id", "traceparent"]),
     Asked("an unknown header is not", b"x-evil, cookie, x-forwarded-for", []),
     Asked("a name that is not a token is not", b"x-stainless-\x00os, x-stainless-a b", []),
     Asked("a name asked twice is allowed once", b"x-stainless-os, x-stainless-os", ["x-stainless-os"]),

@@ -1,6 +1,7 @@
-"""CORS for the gateway's ``/v1``: web pages of the origins an operator named (``--cors-origin``)
-may call the API from a browser; no other origin may, and with none named there is no CORS at all
-(``Cors.of`` gives None and ``/v1`` answers as it always did: ``OPTIONS`` gets 405).
+"""CORS for the gateway's API (``/v1`` and the engines' own paths it relays): web pages of the
+origins an operator named (``--cors-origin``) may call the API from a browser; no other origin
+may, and with none named there is no CORS at all (``Cors.of`` gives None and the API answers as
+it always did: ``OPTIONS`` gets 405).
 
 - A preflight (``OPTIONS`` with ``Origin`` and ``Access-Control-Request-Method``) needs no API
   key: browsers send none with it. From an allowed origin, for GET or POST, it is answered 204
@@ -31,6 +32,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
+from fleetserve.gateway.upstream import FORWARDED_HEADERS
 from fleetserve.rawasgi.types import Header
 
 ANY = "*"
@@ -56,9 +58,10 @@ SAFE_HEADERS = frozenset(
         "idempotency-key",
         "x-request-id",
     }
-)
+) | {name.decode() for name in FORWARDED_HEADERS}
 """Other request headers a preflight allows when the page asks for them: what the OpenAI and
-Anthropic SDKs send from a browser (``dangerouslyAllowBrowser``)."""
+Anthropic SDKs send from a browser (``dangerouslyAllowBrowser``), and every header the gateway
+forwards to an engine (``upstream.FORWARDED_HEADERS``: llama.cpp's conversation id, trace context)."""
 
 SAFE_PREFIXES = ("x-stainless-",)
 """Prefixes of request headers allowed when asked for (the SDKs' client and retry telemetry)."""
