@@ -12,7 +12,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from fleetserve.gateway.sse import UsageTap, usage_of_body
+from fleetserve.gateway.sse import BodyUsage, UsageTap, usage_of_body
 
 CHUNK = b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"hi"}}],"usage":null}\n\n'
 USAGE = (
@@ -149,3 +149,20 @@ def test_llamacpps_own_answer_counts_are_summed_over_its_prompts():
     )
     assert listed is not None and (listed.prompt, listed.completion) == (5, 5)
     assert usage_of_body(b'[{"embedding": [0.1]}]', counts=True) is None
+
+
+@pytest.mark.parametrize("size", [1, 7, 64, 4096])
+def test_a_body_passed_in_pieces_is_counted_as_if_whole(size: int) -> None:
+    answer = orjson.dumps(
+        {"data": [{"embedding": [0.5] * 50}] * 20, "usage": {"prompt_tokens": 12, "total_tokens": 12}}
+    )
+    native = orjson.dumps([{"content": "x" * 100, "tokens_predicted": 41, "tokens_evaluated": 7}] * 3)
+    for body, counts, want in [(answer, False, (12, 0)), (native, True, (21, 123))]:
+        meter = BodyUsage(counts)
+        for at in range(0, len(body), size):
+            meter.feed(body[at : at + size])
+        got = meter.usage()
+        assert got is not None and (got.prompt, got.completion) == want
+    meter = BodyUsage(False)
+    meter.feed(b'{"data": []}')
+    assert meter.usage() is None

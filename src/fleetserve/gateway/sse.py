@@ -25,6 +25,7 @@ held back until its end arrives, so an event split across reads is seen whole.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
@@ -111,6 +112,67 @@ def usage_of_body(body: bytes, counts: bool = False) -> Usage | None:
     if not isinstance(data, dict) or not isinstance(data.get("usage"), dict):
         return None
     return Usage(data["usage"])
+
+
+_COUNT_FIELD = re.compile(rb'"tokens_(evaluated|predicted)":\s*(\d{1,12})')
+TAIL_BYTES = 64 * 1024
+"""How much of the end of an answer passed on in pieces is kept to read its usage from."""
+
+
+class BodyUsage:
+    """The usage of a non-streamed answer passed on in pieces, never held whole: read from its
+    last ``TAIL_BYTES`` (OpenAI's usage object closes the answer: vLLM's, llama.cpp's), or with
+    ``counts`` llama.cpp's own ``tokens_evaluated``/``tokens_predicted`` summed as they pass (one
+    pair per prompt)."""
+
+    __slots__ = ("_carry", "_completion", "_prompt", "counts", "tail")
+
+    def __init__(self, counts: bool) -> None:
+        self.counts = counts
+        self.tail = b""
+        self._carry = b""
+        self._prompt = 0
+        self._completion = 0
+
+    def feed(self, piece: bytes) -> None:
+        if self.counts:
+            data = self._carry + piece
+            end = 0
+            for match in _COUNT_FIELD.finditer(data):
+                if match.end() == len(data):
+                    break  # the number may go on in the next piece
+                if match.group(1) == b"evaluated":
+                    self._prompt += int(match.group(2))
+                else:
+                    self._completion += int(match.group(2))
+                end = match.end()
+            self._carry = data[max(end, len(data) - 64) :]
+        else:
+            self.tail = (self.tail + piece)[-TAIL_BYTES:]
+
+    def usage(self) -> Usage | None:
+        """The answer's usage, once it has all passed; None where it cannot be read."""
+        if self.counts:
+            if not (self._prompt or self._completion):
+                return None
+            return Usage({"prompt_tokens": self._prompt, "completion_tokens": self._completion})
+        at = self.tail.rfind(_USAGE)
+        start = self.tail.find(b"{", at) if at >= 0 else -1
+        if start < 0:
+            return None
+        depth = 0
+        for i in range(start, len(self.tail)):  # a usage object holds numbers and objects only
+            c = self.tail[i]
+            if c == 0x7B:
+                depth += 1
+            elif c == 0x7D:
+                depth -= 1
+                if depth == 0:
+                    try:
+                        return Usage(orjson.loads(self.tail[start : i + 1]))
+                    except orjson.JSONDecodeError:
+                        return None
+        return None
 
 
 def _event_end(data: bytes) -> int:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from fleetserve.gateway.accounting import Exchange
 from fleetserve.gateway.openai_errors import broken_stream_event, engine_error_body, send_error
 from fleetserve.gateway.picker import Endpoint
-from fleetserve.gateway.sse import UsageTap, usage_of_body
+from fleetserve.gateway.sse import BodyUsage, UsageTap, usage_of_body
 from fleetserve.httpclient import (
     AnswerTooLarge,
     ConnectFailed,
@@ -206,8 +206,8 @@ async def answer_failed(send: Send, replica: str, error: UpstreamError) -> int:
         status, code = 504, "upstream_timeout"
     elif isinstance(error, AnswerTooLarge):
         message = (
-            f"The answer of replica {replica} is larger than the gateway holds ({error}); an operator "
-            "raises the limit with --max-answer-bytes, or the client asks for a stream."
+            f"The answer of replica {replica} was not relayed: {error}; an operator may raise "
+            "the limit, or the client may ask for a stream."
         )
         status, code = 502, "answer_too_large"
     elif isinstance(error, NoAnswer):
@@ -221,19 +221,52 @@ async def answer_failed(send: Send, replica: str, error: UpstreamError) -> int:
     return status
 
 
+HOLD_BYTES = 1 << 20
+"""A non-streamed answer up to this size is held whole before it is relayed (its usage read, an
+error put in OpenAI's shape); a larger one passes in pieces as it comes (``relay_answer``)."""
+
+
+def _declared_length(response: Response) -> int | None:
+    value = next((v for n, v in response.headers if n.lower() == b"content-length"), None)
+    return int(value) if value is not None and value.strip().isdigit() else None
+
+
 async def relay_answer(send: Send, response: Response, ex: Exchange, limit: int) -> int:
-    """Read the engine's whole answer and relay it with its status; the status sent.
+    """Relay the engine's non-streamed answer with its status, whatever it is; the status sent.
 
     An error (4xx, 5xx) goes in OpenAI's shape where the engine's body is not
-    (``engine_error_body``) and counts no tokens unless the engine reported some.
+    (``engine_error_body``) and counts no tokens unless the engine reported some. An answer is
+    held whole up to ``HOLD_BYTES``; a larger one passes in pieces as it comes, its usage read as
+    it passes (``BodyUsage``), so the gateway never holds more than that of it. None is relayed
+    past ``limit`` bytes (``--max-answer-bytes``): refused before its first byte when its length
+    says so (502), else cut off where it passes the limit (the client's connection closed before
+    the answer's end, never ended as if it were complete).
     """
     replica = ex.endpoint.replica if ex.endpoint else "?"
+    declared = _declared_length(response)
+    whole = response.status >= 400 or (declared is not None and declared <= HOLD_BYTES)
+    parts: list[bytes] = []
     try:
-        content = await response.read(limit)
+        if whole:
+            parts.append(await response.read(limit))
+        else:
+            if declared is not None and declared > limit:
+                await response.read(limit)  # raises AnswerTooLarge, naming the limit
+            held = 0
+            while held <= HOLD_BYTES:
+                piece = await response.next_piece()
+                if not piece:
+                    whole = True  # it all came: as small as one held whole
+                    break
+                parts.append(piece)
+                held += len(piece)
     except UpstreamError as exc:  # the status line came: the engine answered, so no retry
-        return await answer_failed(send, replica, exc)
-    finally:
         response.close()
+        return await answer_failed(send, replica, exc)
+    if not whole:
+        return await _relay_in_pieces(send, response, ex, limit, parts)
+    response.close()
+    content = parts[0] if len(parts) == 1 else b"".join(parts)
     status = response.status
     headers = relayed(response)
     if status >= 400:
@@ -250,6 +283,51 @@ async def relay_answer(send: Send, response: Response, ex: Exchange, limit: int)
         ex.usage_total = 0  # an error with no usage: the client got no tokens
     await answer(send, status, content, headers)
     return status
+
+
+async def _relay_in_pieces(
+    send: Send, response: Response, ex: Exchange, limit: int, held: list[bytes]
+) -> int:
+    """Relay a large answer in pieces: ``held`` first, then the rest as it comes."""
+    headers = relayed(response)
+    declared = _declared_length(response)
+    if declared is not None:
+        headers.append((b"content-length", b"%d" % declared))
+    meter = BodyUsage(ex.counts)
+    size = 0
+    await send({"type": "http.response.start", "status": response.status, "headers": headers})
+    try:
+        for piece in held:
+            meter.feed(piece)
+            size += len(piece)
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        while piece := await response.next_piece():
+            size += len(piece)
+            if size > limit:
+                raise AnswerTooLarge(
+                    f"the answer passed {limit} bytes, the gateway's limit (--max-answer-bytes)"
+                )
+            meter.feed(piece)
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+    except UpstreamError as exc:
+        # Part of the answer reached the client: it cannot be told in a status any more. Its
+        # connection is closed before the answer's end (uvicorn does so when an app returns with
+        # the answer unfinished), so no client takes what it got for the whole answer.
+        ex.broken = True
+        log.warning(
+            "answer from %s cut off after %d bytes: %s",
+            ex.endpoint.replica if ex.endpoint else "?",
+            size,
+            exc,
+        )
+        return response.status
+    finally:
+        response.close()
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+    usage = meter.usage()
+    if usage is not None:
+        ex.usage_total, ex.prompt, ex.completion = usage.total, usage.prompt, usage.completion
+    return response.status
 
 
 async def relay_stream(send: Send, response: Response, ex: Exchange, tap: UsageTap) -> None:
