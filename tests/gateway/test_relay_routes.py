@@ -194,6 +194,22 @@ def test_models_lists_what_the_engine_says_asked_once_per_replica(recorded):
     assert sum(1 for m, p, _, _ in engine.seen if p == "/v1/models") == 1
 
 
+def test_probes_are_not_demand_and_take_no_admission_slot(recorded):
+    """/health and /props never count as a deployment's demand (they must not wake one scaled to
+    zero) nor wait in its admission queue; /tokenize, which needs the engine's work, does count."""
+    gw, engine = recorded
+    gateway = gw.gateway
+    auth = {"Authorization": f"Bearer {key(gw, 'probes', ['tiny'])}"}
+    gateway.last_request.pop("tiny", None)
+    with httpx.Client(base_url=gw.url, timeout=30, headers=auth) as http:
+        for target in ("/health", "/v1/health", "/props"):
+            assert http.get(target).status_code == 200
+        assert "tiny" not in gateway.last_request
+        assert gateway.admission.depth("tiny").waiting == 0
+        assert http.post("/tokenize", json={"content": "hi"}).status_code == 200
+        assert "tiny" in gateway.last_request
+
+
 # --- what clients get: a real llama-server ---------------------------------------------------------
 
 
