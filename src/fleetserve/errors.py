@@ -40,13 +40,16 @@ Classes without a module are defined here.
     ├── UpstreamError            (fleetserve.httpclient) a request to an upstream (an engine) failed
     │   ├── ConnectFailed        no connection could be opened: nothing was sent
     │   ├── UpstreamTimeout      no answer within the timeout
-    │   └── UpstreamBroke        the connection closed or the answer was not HTTP, mid-answer
-    │       └── NoAnswer         closed before any byte of the answer (nothing came back)
+    │   ├── UpstreamBroke        the connection closed or the answer was not HTTP, mid-answer
+    │   │   └── NoAnswer         closed before any byte of the answer (nothing came back)
+    │   └── AnswerTooLarge       an answer read whole passed the reader's limit (not held)
     ├── GatewayRejection         (fleetserve.gateway.admission) the gateway refuses a request; carries
     │   │                        an HTTP status and a Retry-After
     │   ├── QueueFull            as many requests as the policy allows already wait
     │   ├── QueueTimeout         the request waited its longest in the queue without a slot
     │   └── NoReplica            no replica became Ready before the hold deadline
+    ├── _TooManyHeaders          (fleetserve.listener) a request head past the listener's header
+    │                            count; raised in the parser's callback, answered 431, never escapes
     ├── ClientGone               (fleetserve.rawasgi.disconnect) the client disconnected before its
     │                            answer; the work for it (an upstream request) was cancelled
     ├── Unauthorized             (fleetserve.server.problems) no valid credentials for this API

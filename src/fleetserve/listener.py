@@ -34,6 +34,7 @@ import httptools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+from fleetserve.errors import FleetserveError
 from fleetserve.gateway.openai_errors import error_body
 
 HEAD_BYTES = 64 * 1024
@@ -93,7 +94,7 @@ def refusal(status: int, message: str, code: str) -> bytes:
     )
 
 
-class _TooManyHeaders(Exception):
+class _TooManyHeaders(FleetserveError):
     """Raised from the parser's header callback past ``header_count`` (the parser stops)."""
 
 
