@@ -67,7 +67,7 @@ ALLOWED_ARGS = frozenset(
         # Harmless to the fleet (what llama.cpp's own server tests pass; tests/peer): the template
         # engine and a template file on the node, context shift, the host-memory prompt cache,
         # embeddings and reranking with their pooling, self-extend, unloading an idle model, the
-        # web UI off.
+        # web UI off, the model's tags in its model list.
         "--no-jinja",
         "--chat-template-file",
         "--context-shift",
@@ -84,6 +84,7 @@ ALLOWED_ARGS = frozenset(
         "--grp-attn-w",
         "--sleep-idle-seconds",
         "--no-ui",
+        "--tags",
     }
 )
 
