@@ -15,7 +15,8 @@ The test files run unchanged. This plugin does three things, and nothing else:
    ``Authorization: Bearer KEY`` on every request (llama-server then ignores any key, as the
    gateway must not); with ``--api-key K``, the test's K (``Authorization: Bearer K`` or
    ``X-Api-Key: K``) becomes KEY and any other key, or none, goes as the test sent it. Requests go
-   through ``requests`` (``HTTPAdapter.send``) and the ``openai`` client (``httpx`` transports).
+   through ``requests`` (``HTTPAdapter.send``) and the ``openai`` client (the transports of
+   ``httpx2``, which it sends with, and of ``httpx``).
 
 It writes each test's outcome to ``PEER_OUTCOMES`` (JSON lines). With ``PEER_ROUTES`` set, it
 also appends each request to the server under test (test id, method, path, the JSON body's
@@ -112,19 +113,33 @@ def _patch_clients() -> None:
 
     requests.adapters.HTTPAdapter.send = send  # type: ignore[method-assign]
 
-    sync_handle = httpx.HTTPTransport.handle_request
-    async_handle = httpx.AsyncHTTPTransport.handle_async_request
+    # The openai client sends with httpx2 (a fork of httpx); other code may use httpx.
+    for module in (httpx, *([sys.modules["httpx2"]] if _import("httpx2") else [])):
+        _patch_httpx_transports(module)
 
-    def handle(self: Any, request: httpx.Request) -> httpx.Response:
+
+def _import(name: str) -> bool:
+    try:
+        __import__(name)
+    except ImportError:
+        return False
+    return True
+
+
+def _patch_httpx_transports(module: Any) -> None:
+    sync_handle = module.HTTPTransport.handle_request
+    async_handle = module.AsyncHTTPTransport.handle_async_request
+
+    def handle(self: Any, request: Any) -> Any:
         _seen(request.method, str(request.url), request.headers, request.content)
         return sync_handle(self, request)
 
-    async def handle_async(self: Any, request: httpx.Request) -> httpx.Response:
+    async def handle_async(self: Any, request: Any) -> Any:
         _seen(request.method, str(request.url), request.headers, request.content)
         return await async_handle(self, request)
 
-    httpx.HTTPTransport.handle_request = handle  # type: ignore[method-assign]
-    httpx.AsyncHTTPTransport.handle_async_request = handle_async  # type: ignore[method-assign]
+    module.HTTPTransport.handle_request = handle
+    module.AsyncHTTPTransport.handle_async_request = handle_async
 
 
 def _patch_presets() -> None:
