@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
@@ -45,17 +44,13 @@ def _server_port() -> int:
 
 
 def _state() -> dict[str, Any] | None:
-    """The wrapper's key, waiting up to 20 s for a stack still starting."""
-    path = Path(os.environ["PEER_STATE"])
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            state: dict[str, Any] = json.loads(path.read_text())
-            return state
-        except (FileNotFoundError, json.JSONDecodeError):
-            if time.monotonic() > deadline:
-                return None
-            time.sleep(0.05)
+    """The wrapper's key; None while the stack of this start has none (the wrapper writes it before
+    it deploys the model, so no request the gateway could route goes without it)."""
+    try:
+        state: dict[str, Any] = json.loads(Path(os.environ["PEER_STATE"]).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return state
 
 
 def _to_server(url: str) -> bool:

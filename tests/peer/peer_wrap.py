@@ -29,7 +29,7 @@ How the test's argv maps (``split_argv``):
   A flag the engine row does not allow makes the apply fail: the wrapper exits 3 saying which,
   and the test sees its server die. The profile asks for one CPU core.
 
-Once up, the wrapper writes the key (and K) to ``PEER_STATE`` for the plugin. If the gateway then
+Before it deploys, the wrapper writes the key (and K) to ``PEER_STATE`` for the plugin. If the gateway then
 answers the tests' readiness probe ``GET /health`` with 404 (no such route), the test's wait could
 never end: the wrapper says so and exits 4 at once instead of letting it time out after 60 s.
 """
@@ -180,9 +180,14 @@ def serve(req: Request, admin: Admin, url: str, models: Path, state: Path | None
         profile["context"] = req.context
     if req.engine_args:
         profile["engineArgs"] = req.engine_args
+    # The key first: the plugin has it before the gateway can route any request of the test.
+    key = admin.key()
+    if state is not None:
+        tmp = state.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"key": key, "api_key_arg": req.api_key, "pid": os.getpid()}))
+        tmp.replace(state)
     admin.deploy(name, fetch_model(req, models), profile)
     t2 = time.monotonic()
-    key = admin.key()
 
     # The gateway routes to the replica once its table has it: /v1/models lists what it routes.
     def listed() -> bool:
@@ -190,10 +195,6 @@ def serve(req: Request, admin: Admin, url: str, models: Path, state: Path | None
         return any(m["id"] == name for m in models["data"])
 
     wait("the gateway's route to the replica", listed, 30)
-    if state is not None:
-        tmp = state.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"key": key, "api_key_arg": req.api_key, "pid": os.getpid()}))
-        tmp.replace(state)
     t3 = time.monotonic()
     probe = httpx.get(f"{url}/health", headers={"Authorization": f"Bearer {key}"}, timeout=10)
     if probe.status_code == 404:
