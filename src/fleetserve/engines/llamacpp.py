@@ -75,6 +75,27 @@ ALLOWED_ARGS = frozenset(
         "--cache-reuse",
         "--swa-full",
         "--no-warmup",
+        # Harmless to the fleet (what llama.cpp's own server tests pass; tests/peer): the template
+        # engine and a template file on the node, context shift, the host-memory prompt cache,
+        # embeddings and reranking with their pooling, self-extend, unloading an idle model, the
+        # web UI off, the model's tags in its model list.
+        "--no-jinja",
+        "--chat-template-file",
+        "--context-shift",
+        "--no-context-shift",
+        "--reasoning",
+        "--cache-ram",
+        "--no-cache-idle-slots",
+        "--embedding",
+        "--embeddings",
+        "--reranking",
+        "--rerank",
+        "--pooling",
+        "--grp-attn-n",
+        "--grp-attn-w",
+        "--sleep-idle-seconds",
+        "--no-ui",
+        "--tags",
     }
 )
 
