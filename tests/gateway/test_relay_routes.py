@@ -197,7 +197,7 @@ def test_models_lists_what_the_engine_says_asked_once_per_replica(recorded):
 def test_probes_are_not_demand_and_take_no_admission_slot(recorded):
     """/health and /props never count as a deployment's demand (they must not wake one scaled to
     zero) nor wait in its admission queue; /tokenize, which needs the engine's work, does count."""
-    gw, engine = recorded
+    gw, _ = recorded
     gateway = gw.gateway
     auth = {"Authorization": f"Bearer {key(gw, 'probes', ['tiny'])}"}
     gateway.last_request.pop("tiny", None)
