@@ -69,6 +69,17 @@ def check_documents(docs: Documents) -> list[Problem]:
                         f"{', '.join(sorted(fabrics)) or 'none defined'}",
                     )
                 )
+    defaults = sorted(d.name for d in docs.deployments if d.routing.default)
+    if len(defaults) > 1:
+        problems += [
+            Problem(
+                f"Deployment {name}",
+                "routing.default",
+                f"deployments {', '.join(defaults)} would each be the fleet's default (the one that "
+                "serves requests naming no model or an unknown one); set routing.default: true on one",
+            )
+            for name in defaults
+        ]
     for dep in docs.deployments:
         if dep.model not in models:
             problems.append(

@@ -356,6 +356,9 @@ class Gateway:
         model = data.get("model")
         if not isinstance(model, str) or not model:
             model = self._unnamed_model(key, routes, query)
+            fallback = self.table.default() if model is None else None
+            if fallback is not None and key.allows(fallback.deployment):
+                model = fallback.deployment
             if model is None:
                 await send_error(
                     send,
@@ -369,6 +372,11 @@ class Gateway:
         # A key's own models only: another key's miss must not cost the store a read.
         route = await self.table.lookup(model) if key.allows(model) else None
         if route is None:
+            # A name no deployment serves goes to the fleet's default deployment, if it has one.
+            fallback = self.table.default()
+            if fallback is not None and key.allows(fallback.deployment):
+                route = fallback
+        if route is None:
             # The same answer either way: a key must not learn which models exist beyond its own.
             await send_error(
                 send,
@@ -380,6 +388,7 @@ class Gateway:
             )
             self.accounting.account(key, UNKNOWN_MODEL, None, 404, started, None)
             return
+        model = route.deployment  # a name the default deployment took is counted as that deployment
         unserved = _unserved(routes, route, method, scope["path"])
         if unserved is not None:
             status, message, code = unserved

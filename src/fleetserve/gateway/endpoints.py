@@ -55,6 +55,9 @@ class Route:
     # (None when a profile leaves it to the model's own, which the gateway does not read).
     engine_kinds: frozenset[EngineKind] = frozenset()
     context: int | None = None
+    # The fleet's default deployment (``routing.default``): serves requests naming no model, or
+    # one no deployment serves.
+    default: bool = False
 
 
 def profile_context(profile: Profile) -> int | None:
@@ -179,6 +182,7 @@ class EndpointTable:
                 engines=engines.get(name, {}),
                 engine_kinds=frozenset(p.engine for p in dep.profiles),
                 context=deployment_context(dep.profiles),
+                default=dep.routing.default,
             )
             for name, dep in deployments.items()
         }
@@ -247,6 +251,11 @@ class EndpointTable:
         if self.on_change is not None:
             for name in changed:
                 self.on_change(name)
+
+    def default(self) -> Route | None:
+        """The fleet's default deployment's route (``routing.default``; of several, which apply
+        refuses, the first by name), or None."""
+        return next((r for _, r in sorted(self.routes.items()) if r.default), None)
 
     def ejected(self, model: str) -> frozenset[str]:
         """The replicas of ``model``'s route this gateway keeps out of its picks right now."""

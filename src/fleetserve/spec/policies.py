@@ -31,6 +31,11 @@ class RoutingPolicy(Spec):
     """How the gateway picks a replica for a request."""
 
     prefix_affinity: bool = False
+    # The fleet's default deployment: it serves requests that name no model, or a model no
+    # deployment serves, as a lone llama-server serves whatever name it is sent (clients with a
+    # model name built in). At most one deployment of a fleet; none by default, where such a
+    # request gets 400 (no model) or 404 (an unknown one).
+    default: bool = False
 
 
 class AdmissionPolicy(Spec):
