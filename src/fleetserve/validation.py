@@ -13,6 +13,7 @@ Two kinds of outcome, kept apart on purpose:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -50,6 +51,10 @@ class ResolvedProfile:
         if self.cpu is None:
             raise InternalError(f"profile {self.name}: a resolved CPU profile has no CPU request")
         return self.cpu
+
+
+# A negative number is a flag's value ("--n-predict -1"), not a flag.
+_NUMBER = re.compile(r"-\d+(\.\d+)?")
 
 
 def _needs_accelerator(driver: Driver | None) -> bool:
@@ -95,7 +100,7 @@ def profile_problems(profile: Profile, classes: Mapping[str, DeviceClass], locat
         )
     for arg in profile.engine_args:
         flag = arg.split("=", 1)[0]
-        if flag.startswith("-") and flag not in caps.allowed_args:
+        if flag.startswith("-") and not _NUMBER.fullmatch(flag) and flag not in caps.allowed_args:
             out.append(
                 Problem(
                     location,

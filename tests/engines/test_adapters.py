@@ -301,6 +301,13 @@ def test_validation_refuses_engine_args_that_would_change_host_port_model_name_o
     assert problems[0].message.startswith(f"{flag} is not an allowed {engine.value} argument"), problems[0]
 
 
+def test_a_negative_number_is_a_flags_value_not_a_flag():
+    args = ("--n-predict", "-1", "--rope-freq-scale", "-0.5")
+    assert validate_deployment(deployment(EngineKind.LLAMACPP, args), CLASSES) == []
+    problems = validate_deployment(deployment(EngineKind.LLAMACPP, ("--n-predict", "-1x")), CLASSES)
+    assert [p.field for p in problems] == ["profiles.p.engineArgs"]
+
+
 @pytest.mark.parametrize(
     ("engine", "args"),
     [

@@ -144,8 +144,10 @@ class Admin:
         """Apply the model and a one-replica deployment; wait until its replica runs."""
         documents = [
             {"kind": "Model", "name": name, "source": str(model), "format": "gguf"},
+            # The fleet's default deployment: a lone llama-server serves whatever model name it
+            # is sent, and the tests send several ("gpt-3.5-turbo-instruct", "test", none).
             {"kind": "Deployment", "name": name, "model": name, "replicas": 1, "drainSeconds": 0,
-             "profiles": [profile]},
+             "profiles": [profile], "routing": {"default": True}},
         ]  # fmt: skip
         applied = self.client.post("/api/v1/apply", json={"documents": documents})
         if applied.status_code != 200:
