@@ -197,7 +197,7 @@ def test_models_lists_what_the_engine_says_asked_once_per_replica(recorded):
 def test_probes_are_not_demand_and_take_no_admission_slot(recorded):
     """/health and /props never count as a deployment's demand (they must not wake one scaled to
     zero) nor wait in its admission queue; /tokenize, which needs the engine's work, does count."""
-    gw, _ = recorded
+    gw, engine = recorded
     gateway = gw.gateway
     auth = {"Authorization": f"Bearer {key(gw, 'probes', ['tiny'])}"}
     gateway.last_request.pop("tiny", None)
@@ -208,6 +208,15 @@ def test_probes_are_not_demand_and_take_no_admission_slot(recorded):
         assert gateway.admission.depth("tiny").waiting == 0
         assert http.post("/tokenize", json={"content": "hi"}).status_code == 200
         assert "tiny" in gateway.last_request
+    # Without credentials, /health is the gateway's own readiness, naming no model (as llama-server's
+    # needs no key); a wrong key is still refused, as Anthropic's and llama.cpp's clients expect.
+    seen = len(engine.seen)
+    keyless = httpx.get(f"{gw.url}/health?model=tiny", timeout=10)
+    assert keyless.status_code == 200 and keyless.json() == {"status": "ok"}
+    assert len(engine.seen) == seen  # answered by the gateway
+    wrong = httpx.get(f"{gw.url}/health", headers={"Authorization": "Bearer fs-wrong"}, timeout=10)
+    assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"{gw.url}/props", timeout=10).status_code == 401  # only health is keyless
 
 
 # --- what clients get: a real llama-server ---------------------------------------------------------

@@ -96,6 +96,9 @@ ALLOWED_ARGS = frozenset(
         "--sleep-idle-seconds",
         "--no-ui",
         "--tags",
+        # An operator's debugging: every prompt in the engine's log (which only operators read,
+        # `fleetserve logs`) and a `__verbose` object, the request's own, in each answer.
+        "--verbose",
     }
 )
 

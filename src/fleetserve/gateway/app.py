@@ -274,7 +274,7 @@ class Gateway:
         key = await self.authenticate(credential(scope))
         if key is None:
             await send_error(
-                send, 401, "Incorrect or missing API key.", "invalid_request_error", "invalid_api_key"
+                send, 401, "Incorrect or missing API key.", "authentication_error", "invalid_api_key"
             )
             return
         listed = [
@@ -304,13 +304,23 @@ class Gateway:
                 declared = value
             elif name == b"x-api-key" and authorization is None:
                 authorization = b"Bearer " + value  # Anthropic clients send their key so
+        if authorization is None and all(r.kind is RouteKind.HEALTH for r in routes.values()):
+            # A probe without credentials (a load balancer's, a client's readiness wait), as
+            # llama-server's /health needs no key: the gateway's own readiness, naming no model.
+            if any(route.endpoints for route in self.table.routes.values()):
+                await answer(send, 200, b'{"status":"ok"}')
+            else:
+                await send_error(
+                    send, 503, "No deployment has a Ready replica.", "service_unavailable", "no_replica"
+                )
+            return
         key = await self.authenticate(authorization)
         if key is None:
             await send_error(
                 send,
                 401,
                 "Incorrect or missing API key: send 'Authorization: Bearer <key>' or 'X-Api-Key: <key>'.",
-                "invalid_request_error",
+                "authentication_error",
                 "invalid_api_key",
             )
             return
