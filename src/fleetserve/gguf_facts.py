@@ -106,4 +106,8 @@ def model_facts(model: Model, base_dir: Path | None = None) -> ModelFacts:
         chosen = weights_for(model, engine)
         if chosen is None or chosen.name != model.name:
             engines[engine] = None if chosen is None else measured[chosen.name]
-    return replace(primary, engines=MappingProxyType(engines)) if engines else primary
+    return replace(
+        primary,
+        engines=MappingProxyType(engines) if engines else primary.engines,
+        weights=model.weights_digest(),
+    )

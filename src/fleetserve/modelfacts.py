@@ -41,6 +41,9 @@ class ModelFacts:
     kv_bytes_per_token: int
     context_length: int
     engines: Mapping[EngineKind, ModelFacts | None] = field(default_factory=_no_engines)
+    # The document's ``Model.weights_digest`` (set at the edge; "" when unknown): what the revision
+    # of a deployment serving the model includes (``ClusterSnapshot.revision_of``).
+    weights: str = ""
 
     def for_engine(self, engine: EngineKind) -> ModelFacts | None:
         """The facts of the weights a replica of ``engine`` serves; None when it can serve none."""

@@ -10,7 +10,7 @@ from types import MappingProxyType
 
 from fleetserve.drivers import Driver, host_driver, parse_driver
 from fleetserve.modelfacts import ModelFacts
-from fleetserve.spec.resources import DeviceClass, Fabric, Node, NodeState, Replica
+from fleetserve.spec.resources import Deployment, DeviceClass, Fabric, Node, NodeState, Replica
 
 
 def _empty() -> Mapping[str, object]:
@@ -78,6 +78,12 @@ class ClusterSnapshot:
         """Whether a shard of ``replica`` is on a Lost node, or on a node no longer known."""
         lost, states = self._lost_nodes, self.node_states
         return any(s.node in lost or s.node not in states for s in replica.shards)
+
+    def revision_of(self, deployment: Deployment) -> str:
+        """The revision a replica of ``deployment`` is placed for: its template and the weights its
+        model names now (``Deployment.template_revision``); computed from the snapshot alone."""
+        facts = self.models.get(deployment.model)
+        return deployment.template_revision(facts.weights if facts is not None else "")
 
     def facts_of(self, replica: str) -> ReplicaFacts:
         """What is known of a replica beyond its document (empty facts when nothing is)."""

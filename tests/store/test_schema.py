@@ -16,14 +16,15 @@ from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, text
 
-from fleetserve.spec.resources import Fabric
+from fleetserve.spec.resources import Fabric, Model
 from fleetserve.store import SqlStore, make_engine, migrate
 from fleetserve.store.schema import MIGRATIONS, RENUMBERED
 from fleetserve.store.tables import Base
 
 # The same migrations in chain order: under the old ids, and under the ids they have now.
-OLD_IDS = ("0001", "0003", "0005", "0002", "0006", "0007", "0008")
-NEW_IDS = ("0001", "0002", "0003", "0004", "0005", "0006", "0007")
+# (None: a migration newer than the old numbering, which no database stamped under it is at.)
+OLD_IDS = ("0001", "0003", "0005", "0002", "0006", "0007", "0008", None)
+NEW_IDS = ("0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008")
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -76,6 +77,8 @@ def test_the_migration_ids_follow_the_chain_in_order() -> None:
 def test_a_database_at_any_step_under_either_numbering_is_migrated_to_the_head(
     bare: Engine, numbering: str, position: int
 ) -> None:
+    if numbering == "old" and OLD_IDS[position] is None:
+        pytest.skip("no database under the old numbering is at this step")
     upgrade_to(bare, NEW_IDS[position])
     if numbering == "old":
         with bare.begin() as conn:
@@ -86,10 +89,13 @@ def test_a_database_at_any_step_under_either_numbering_is_migrated_to_the_head(
     assert stamped(bare) == [NEW_IDS[-1]]
     with bare.connect() as conn:
         assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
-    # The last migration adds only triggers: fabrics move the change counter.
+    # Fabrics move the change counter (0007); models still do after 0008 added their column.
     store = SqlStore(bare)
     before = store.fleet_changes()
     store.put_fabric(Fabric(name="ib0"))
+    assert store.fleet_changes() > before
+    before = store.fleet_changes()
+    store.put_model(Model(name="m", source="/m.gguf", size="1GB"))
     assert store.fleet_changes() > before
 
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from fleetserve.adminapi.values import IsoTime, View
 from fleetserve.protocol import AgentStatus, ReplicaStatus
 from fleetserve.spec.base import LINE_PATTERN
-from fleetserve.spec.resources import Deployment, Node, Replica, ReplicaState
+from fleetserve.spec.resources import Deployment, Model, Node, Replica, ReplicaState
 from fleetserve.spec.status import DecisionRecord, DeploymentStatus
 
 
@@ -94,6 +94,13 @@ class UndoneDeployment(Deployment):
 
     generation: int
     revision: str
+
+
+class UndoneModel(Model):
+    """A model after ``rollout undo model/NAME``: its previous spec, applied again; ``weights_revision``
+    is its ``weights_digest``, the weights part of the revision its deployments roll to."""
+
+    weights_revision: str
 
 
 class Explanation(View):

@@ -1,5 +1,6 @@
-"""The rollout commands: follow a deployment's rolling update (``rollout status``) or undo its last
-change (``rollout undo``), reading the admin API's answers as ``adminapi``'s models."""
+"""The rollout commands: follow a deployment's rolling update (``rollout status``) or undo the last
+change of a deployment or of a model (``rollout undo [deployment/|model/]NAME``), reading the admin
+API's answers as ``adminapi``'s models."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from fleetserve.adminapi.fleet import DeploymentDetail, UndoneDeployment
+from fleetserve.adminapi.fleet import DeploymentDetail, UndoneDeployment, UndoneModel
 from fleetserve.cli import views
 from fleetserve.cli.admin import ServerOpt, TokenOpt, call_as
 
@@ -17,7 +18,9 @@ from fleetserve.cli.admin import ServerOpt, TokenOpt, call_as
 def register(app: typer.Typer) -> None:
     """Add ``rollout status`` and ``rollout undo`` to ``app``."""
     rollout = typer.Typer(
-        help="Rolling updates of a deployment: follow one, or undo the last.", no_args_is_help=True
+        help="Rolling updates of a deployment (a change of it, or of its model's weights): follow one, "
+        "or undo the last change of a deployment or a model.",
+        no_args_is_help=True,
     )
     app.add_typer(rollout, name="rollout")
 
@@ -49,13 +52,27 @@ def register(app: typer.Typer) -> None:
 
     @rollout.command("undo")
     def rollout_undo(
-        deployment: Annotated[str, typer.Argument(help="The deployment's name.")],
+        target: Annotated[
+            str,
+            typer.Argument(
+                help="NAME or deployment/NAME: a deployment; model/NAME: a model.", metavar="[KIND/]NAME"
+            ),
+        ],
         server: ServerOpt = None,
         token: TokenOpt = None,
     ) -> None:
-        """Apply the deployment's previous spec again: a rollout back to its previous revision."""
-        data = call_as(UndoneDeployment, server, token, "POST", f"/deployments/{deployment}/undo")
-        Console(soft_wrap=True).print(
-            f"deployment/{deployment} rolled back to revision {data.revision} (generation {data.generation})",
+        """Apply a deployment's previous spec again (a rollout back to its previous revision), or a
+        model's (model/NAME: every deployment serving it rolls back to its previous weights)."""
+        kind, _, name = target.rpartition("/")
+        console = Console(soft_wrap=True)
+        if kind == "model":
+            model = call_as(UndoneModel, server, token, "POST", f"/models/{name}/undo")
+            console.print(f"model/{name} rolled back to weights {model.weights_revision}", markup=False)
+            return
+        if kind not in ("", "deployment"):
+            raise typer.BadParameter(f"{kind!r}: give NAME, deployment/NAME or model/NAME")
+        data = call_as(UndoneDeployment, server, token, "POST", f"/deployments/{name}/undo")
+        console.print(
+            f"deployment/{name} rolled back to revision {data.revision} (generation {data.generation})",
             markup=False,
         )

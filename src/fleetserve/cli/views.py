@@ -210,7 +210,12 @@ def rollout_line(data: DeploymentDetail) -> tuple[str, bool]:
     if progress.complete and not progress.draining:
         return f"deployment/{name} rolled out: revision {progress.revision}, {counts}", True
     extra = f" ({failure.message})" if failure else ""
-    return f"deployment/{name}: rolling out revision {progress.revision}: {counts}{extra}", False
+    because = {
+        "model": f" (the weights of model {data.model} changed)",
+        "deployment": " (the deployment changed)",
+        "deployment and model": f" (the deployment and the weights of model {data.model} changed)",
+    }.get(progress.cause, "")
+    return f"deployment/{name}: rolling out revision {progress.revision}{because}: {counts}{extra}", False
 
 
 def print_decision(data: Explanation, console: Console) -> None:

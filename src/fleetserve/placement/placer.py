@@ -329,7 +329,7 @@ class Placer:
                     # (at a large fleet, thousands of searches a cycle saved).
                     unplaced.append(Unplaced(name, failed.reports))
                     continue
-                outcome = self.place_one(name, dep.name, demands, dep.template_revision())
+                outcome = self.place_one(name, dep.name, demands, self.snapshot.revision_of(dep))
                 if isinstance(outcome, Placement):
                     placed.append(outcome)
                 else:

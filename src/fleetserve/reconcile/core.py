@@ -40,8 +40,17 @@ class ReconcilePlan:
     lifecycles: Mapping[str, Lifecycle] = field(default_factory=_no_lifecycles)
 
     @property
+    def stamps(self) -> dict[str, tuple[str, ...]]:
+        """Per revision, the kept replicas to stamp with it (placed before it counted the weights)."""
+        return {
+            life.progress.revision: life.stamp
+            for life in self.lifecycles.values()
+            if life.stamp and life.progress is not None
+        }
+
+    @property
     def changes(self) -> bool:
-        return bool(self.allocate or self.release or self.drain)
+        return bool(self.allocate or self.release or self.drain or self.stamps)
 
 
 def reconcile(

@@ -9,10 +9,16 @@
   released — and its engine stopped by its agent — once its agent reports no request in flight
   after every gateway refreshed its routes, or when ``drainSeconds`` have passed. A replica that
   is not Running serves nothing and is released at once.
-- **Rollouts surge.** Replicas placed for another template revision (model, profiles) are old:
+- **Rollouts surge.** Replicas placed for another revision (``TEMPLATE.WEIGHTS``: the deployment's
+  model name and profiles, then the weights its Model names, ``Model.weights_digest``) are old:
   new ones are placed up to ``desired + maxSurge``, and old Running ones drain only while at least
   ``desired - maxUnavailable`` replicas stay Running — so each new replica is Ready before an old
-  one drains.
+  one drains. A Model's new source, digest, format or alternate is thus a rollout of every
+  deployment serving it; its size or architecture is not.
+- **Upgrades roll nothing.** A replica whose revision has no weights part (placed by a server that
+  did not count the weights), or none at all (placed before rollouts), is current when its template
+  part matches: it is kept and stamped (``stamp``) with the full revision, so the next change of
+  its model rolls it like any other.
 
 No I/O, no clock: ``now`` is passed in; without it nothing time-based (drain deadlines, failure
 backoff) is decided.
@@ -23,12 +29,19 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from enum import StrEnum
 from typing import Any
 
 from fleetserve.conditions import Condition, ConditionReason, ConditionType
 from fleetserve.routing import ROUTE_REFRESH_SECONDS
 from fleetserve.snapshot import ClusterSnapshot, ReplicaFacts, replica_ordinal
-from fleetserve.spec.resources import DEFAULT_DRAIN_SECONDS, Deployment, Replica, ReplicaState
+from fleetserve.spec.resources import (
+    DEFAULT_DRAIN_SECONDS,
+    Deployment,
+    Replica,
+    ReplicaState,
+    revision_parts,
+)
 
 # A Draining replica's in-flight count is trusted only when read this long after it started to
 # drain: by then every gateway has refreshed its routes (twice the refresh period, for slack).
@@ -83,6 +96,41 @@ class FailureHistory:
             return cls()
 
 
+class RolloutCause(StrEnum):
+    """What changed between the old replicas' revision and the current one."""
+
+    NONE = ""  # no replica of another revision
+    DEPLOYMENT = "deployment"  # the deployment's model name or profiles
+    MODEL = "model"  # the weights its Model names (source, sha256, format, alternates)
+    BOTH = "deployment and model"
+
+
+def same_revision(stored: str | None, current: str) -> bool:
+    """Whether a replica placed for revision ``stored`` runs ``current``: the same template part,
+    and the same weights part where both have one (a revision without, placed before the weights
+    counted or while they were unknown, is taken as current rather than rolled)."""
+    if stored is None:
+        return True
+    template, weights = revision_parts(stored)
+    now_template, now_weights = revision_parts(current)
+    return template == now_template and (not weights or not now_weights or weights == now_weights)
+
+
+def rollout_cause(old: Sequence[str | None], current: str) -> RolloutCause:
+    """Why replicas of revisions ``old`` are replaced by ``current``."""
+    now_template, now_weights = revision_parts(current)
+    template = weights = False
+    for revision in old:
+        t, w = revision_parts(revision or "")
+        template = template or t != now_template
+        weights = weights or bool(w and now_weights and w != now_weights)
+    if template and weights:
+        return RolloutCause.BOTH
+    if weights:
+        return RolloutCause.MODEL
+    return RolloutCause.DEPLOYMENT if template else RolloutCause.NONE
+
+
 @dataclass(frozen=True)
 class RolloutProgress:
     """Where a deployment's replicas stand against its current template revision."""
@@ -93,6 +141,7 @@ class RolloutProgress:
     ready: int  # of those, Running
     old: int  # replicas at another revision, not yet draining
     draining: int
+    cause: RolloutCause = RolloutCause.NONE  # what changed, while replicas of another revision live
 
     @property
     def complete(self) -> bool:
@@ -107,6 +156,7 @@ class RolloutProgress:
             "old": self.old,
             "draining": self.draining,
             "complete": self.complete,
+            "cause": self.cause.value,
         }
 
 
@@ -123,6 +173,9 @@ class Lifecycle:
     failures: FailureHistory = field(default_factory=FailureHistory)
     progress: RolloutProgress | None = None
     conditions: tuple[Condition, ...] = ()
+    # Kept replicas whose stored revision predates the weights part: to be stamped with the
+    # current revision (``progress.revision``), so that a later model change rolls them.
+    stamp: tuple[str, ...] = ()
 
 
 def drained(facts: ReplicaFacts, drain_seconds: float, now: datetime | None) -> bool:
@@ -195,7 +248,7 @@ def _failure_condition(history: FailureHistory, failed: int) -> Condition:
     )
 
 
-def _progress_condition(progress: RolloutProgress, replacing: bool) -> Condition:
+def _progress_condition(progress: RolloutProgress, replacing: bool, model: str) -> Condition:
     # Counts stay out of the message (they are in status.rollout): a condition that changes every
     # cycle would record a decision every cycle.
     if not replacing:
@@ -205,11 +258,16 @@ def _progress_condition(progress: RolloutProgress, replacing: bool) -> Condition
             ConditionReason.COMPLETE,
             f"no replica of another revision: every replica is placed for revision {progress.revision}",
         )
+    because = {
+        RolloutCause.MODEL: f": the weights of model {model} changed",
+        RolloutCause.DEPLOYMENT: ": the deployment's model or profiles changed",
+        RolloutCause.BOTH: f": the deployment's profiles and the weights of model {model} changed",
+    }.get(progress.cause, "")
     return Condition(
         ConditionType.PROGRESSING,
         True,
         ConditionReason.ROLLING_OUT,
-        f"replacing the replicas of other revisions with revision {progress.revision}",
+        f"replacing the replicas of other revisions with revision {progress.revision}{because}",
     )
 
 
@@ -229,15 +287,16 @@ def plan_lifecycle(
     live = [r for r in mine if r.name not in lost and r.state is not ReplicaState.DRAINING]
 
     desired = dep.desired_replicas
-    revision = dep.template_revision()
+    revision = snapshot.revision_of(dep)
     failed = [r for r in live if r.state is ReplicaState.FAILED]
     whole = len(live) == desired and all(_serving(r) for r in live)
     failures, replace = _failures(failed, snapshot, history, now, whole)
     release += replace
     live = [r for r in live if r.name not in replace]
 
-    current = [r for r in live if r.revision in (None, revision)]
-    old = [r for r in live if r.revision not in (None, revision)]
+    current = [r for r in live if same_revision(r.revision, revision)]
+    old = [r for r in live if not same_revision(r.revision, revision)]
+    stamp = tuple(r.name for r in current if r.revision != revision) if revision_parts(revision)[1] else ()
     drain: list[str] = []
     surplus: list[str] = []
     # Scale-down: beyond the desired count, what serves nothing goes first, then the newest.
@@ -268,6 +327,7 @@ def plan_lifecycle(
         ready=sum(_serving(r) for r in current),
         old=len(old_left),
         draining=len(draining) - sum(r.name in release for r in draining) + len(drain),
+        cause=rollout_cause([r.revision for r in old], revision),
     )
     return Lifecycle(
         kept=tuple(r.name for r in (*current, *old_left)),
@@ -280,8 +340,9 @@ def plan_lifecycle(
         progress=progress,
         conditions=(
             _failure_condition(failures, len(failed)),
-            _progress_condition(progress, bool(old)),
+            _progress_condition(progress, bool(old), dep.model),
         ),
+        stamp=stamp,
     )
 
 

@@ -168,6 +168,12 @@ def _check_sha256(v: str | None) -> str | None:
 Sha256 = Annotated[str | None, AfterValidator(_check_sha256)]
 # Alternate weights a model may carry beside its primary ones (one per other format).
 MAX_ALTERNATES = 4
+# The fields of a Model, and of each of its alternates, that say which bytes a replica loads: a
+# change of one is a new revision of every deployment serving the model (a rollout). ``size`` and
+# ``architecture`` are declared facts about those bytes (placement's estimate), not other bytes.
+# A source's revision (``hf://REPO/FILE@REV``) is part of ``source``.
+WEIGHT_FIELDS: tuple[str, ...] = ("source", "format", "sha256", "alternates")
+ALTERNATE_WEIGHT_FIELDS: tuple[str, ...] = ("source", "format", "sha256")
 
 
 class Weights(Spec):
@@ -219,6 +225,13 @@ class Model(Spec):
                     f"its alternate weights are cached and placed as NAME.FORMAT"
                 )
         return self
+
+    def weights_digest(self) -> str:
+        """A short digest of the weights the model names (``WEIGHT_FIELDS``): part of the revision
+        of every deployment serving it, so that new weights roll its replicas and nothing else does."""
+        spec = {f: getattr(self, f) for f in WEIGHT_FIELDS if f != "alternates"}
+        spec["alternates"] = [{f: getattr(a, f) for f in ALTERNATE_WEIGHT_FIELDS} for a in self.alternates]
+        return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
     def weights_name(self, fmt: ModelFormat) -> str:
         """The name the weights of format ``fmt`` are cached and placed under: the model's own for
@@ -313,16 +326,26 @@ class Deployment(Spec):
         """Replicas to place now: the fixed count, or the autoscaler's minimum."""
         return self.replicas if isinstance(self.replicas, int) else self.replicas.min
 
-    def template_revision(self) -> str:
-        """A short digest of what a replica runs (the model and the profiles): it changes exactly
-        when a change must replace the replicas (a rollout), not with the replica count or policy."""
+    def template_revision(self, weights: str = "") -> str:
+        """What a replica runs, as ``TEMPLATE.WEIGHTS``: a digest of the deployment's model name
+        and profiles, then the model's ``weights_digest`` (omitted when unknown). It changes
+        exactly when a change must replace the replicas (a rollout), not with the replica count or
+        policy; ``revision_parts`` splits it. A revision without the weights part is also what
+        replicas placed before the weights counted carry (``reconcile.lifecycle`` stamps them)."""
         spec = self.model_dump(mode="json", by_alias=True, include={"model", "profiles"})
-        return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
+        template = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
+        return f"{template}.{weights}" if weights else template
 
     def profiles_by_priority(self) -> tuple[Profile, ...]:
         """Profiles in the order placement tries them: higher priority first, then as written."""
         order = sorted(enumerate(self.profiles), key=lambda ip: (-ip[1].priority, ip[0]))
         return tuple(p for _, p in order)
+
+
+def revision_parts(revision: str) -> tuple[str, str]:
+    """A revision's (template, weights) digests; weights is "" for a revision without it."""
+    template, _, weights = revision.partition(".")
+    return template, weights
 
 
 class Shard(Spec):

@@ -78,6 +78,9 @@ class RolloutStatus(StoredJson):
     old: int = 0
     draining: int = 0
     complete: bool = False
+    # What changed while replicas of another revision live: "deployment", "model" (the weights its
+    # Model names), "deployment and model"; "" when none (``reconcile.lifecycle.RolloutCause``).
+    cause: str = ""
 
 
 class AutoscalerEntry(StoredJson):

@@ -63,7 +63,32 @@ class SqlDeployments(SqlBase):
 
     def put_model(self, model: Model) -> None:
         with self._write(f"storing model {model.name}") as s:
-            self._put(s, ModelRow, model.name, doc(model))
+            self._put_model(s, model)
+
+    def _put_model(self, s: Session, model: Model) -> str:
+        """Create or replace a model, keeping the spec it replaces (``undo_model``); created,
+        configured or unchanged."""
+        spec = doc(model)
+        if self._insert_new(s, ModelRow, name=model.name, spec=spec):
+            return "created"
+        row = s.scalars(select(ModelRow).where(ModelRow.name == model.name).with_for_update()).one()
+        if row.spec == spec:
+            return "unchanged"
+        row.previous_spec, row.spec = row.spec, spec
+        return "configured"
+
+    def undo_model(self, name: str) -> Model:
+        """Apply a model's previous spec again (the current one becomes the previous, so a second
+        undo redoes): new weights roll the deployments serving it back; raises NotFound for a
+        model with no previous spec."""
+        with self._write(f"undoing the last change of model {name}") as s:
+            row = s.scalars(select(ModelRow).where(ModelRow.name == name).with_for_update()).one_or_none()
+            if row is None:
+                raise NotFound(f"no model named {name!r} is stored")
+            if not row.previous_spec:
+                raise NotFound(f"model {name!r} has no previous spec to go back to")
+            row.spec, row.previous_spec = row.previous_spec, row.spec
+            return Model.model_validate(row.spec)
 
     def get_model(self, name: str) -> Model:
         with self._read(f"reading model {name}") as s:

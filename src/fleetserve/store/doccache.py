@@ -104,5 +104,11 @@ class ReplicaDocs:
             self._kept = fresh
         return out
 
+    def forget(self, names: Iterable[str]) -> None:
+        """Drop the kept documents of ``names`` (their spec was rewritten): the next read fetches them."""
+        with self._lock:
+            gone = set(names)
+            self._kept = {n: hit for n, hit in self._kept.items() if n not in gone}
+
     def __len__(self) -> int:
         return len(self._kept)

@@ -139,6 +139,12 @@ class Drains(Protocol):
     def start_draining(self, names: Sequence[str], now: datetime) -> list[str]: ...
 
 
+class Stamps(Protocol):
+    """Recording the current revision on replicas placed before the revision counted the weights."""
+
+    def stamp_revision(self, names: Sequence[str], revision: str) -> list[str]: ...
+
+
 class AssignmentSource(Protocol):
     """What wakes held assignment polls: the inputs of every node's assignments, in one read."""
 
@@ -188,7 +194,7 @@ class AgentDoorStore(NodeCredentials, AgentCalls, AssignmentReads, Protocol):
     """Everything the agents' door reads and writes."""
 
 
-class ReconcilerStore(Inventory, Deployments, Heartbeats, Lease, Drains, Protocol):
+class ReconcilerStore(Inventory, Deployments, Heartbeats, Lease, Drains, Stamps, Protocol):
     """Everything the reconciler reads and writes."""
 
     def fleet_changes(self) -> int: ...

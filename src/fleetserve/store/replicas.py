@@ -56,6 +56,19 @@ class SqlReplicas(SqlBase):
             )
             return {node: epoch for node, epoch in rows}
 
+    def stamp_revision(self, names: Sequence[str], revision: str) -> list[str]:
+        """Record ``revision`` as the one replicas ``names`` were placed for (replicas placed before
+        the revision counted the weights, taken as current: ``reconcile.lifecycle``); the names
+        that were allocated. Nothing else of a replica's document changes."""
+        with self._write("stamping replica revisions") as s:
+            query = select(ReplicaRow).where(ReplicaRow.name.in_(list(names))).with_for_update()
+            rows = s.scalars(query).all()
+            for row in rows:
+                row.spec = {**row.spec, "revision": revision}
+            done = sorted(row.name for row in rows)
+        self._replica_docs.forget(done)
+        return done
+
     def start_draining(self, names: Sequence[str], now: datetime) -> list[str]:
         """Turn replicas Draining (out of every route) from ``now``, in one transaction; the names
         that were allocated and not already draining."""

@@ -72,7 +72,8 @@ RENUMBERED: dict[str, Renumbered] = {
     "0005": Renumbered("0003", _has_table("usage_minutes")),  # old lifecycle; new usage and audit
     "0006": Renumbered("0005", _has_table("fleet_changes")),  # old usage and audit; new fleet changes
     "0007": Renumbered("0006", _has_fabric_trigger),  # old fleet changes; new fabric changes
-    "0008": Renumbered("0007", None),  # old fabric changes: the old head
+    # old fabric changes (the old head); new model previous spec
+    "0008": Renumbered("0007", _has_column("models", "previous_spec")),
 }
 
 

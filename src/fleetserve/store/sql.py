@@ -38,7 +38,6 @@ from fleetserve.store.sessions import SqlSessions
 from fleetserve.store.tables import (
     DeviceClassRow,
     FabricRow,
-    ModelRow,
 )
 from fleetserve.store.usage import SqlUsage
 
@@ -98,7 +97,7 @@ class SqlStore(
                 reg = self._register(s, node)
                 out.append(("Node", node.name, "created" if reg.created else "configured"))
             for model in docs.models:
-                out.append(("Model", model.name, self._put_spec(s, ModelRow, model.name, doc(model))))
+                out.append(("Model", model.name, self._put_model(s, model)))
             for dep in docs.deployments:
                 out.append(("Deployment", dep.name, self._put_deployment(s, dep)[1]))
         return out

@@ -102,6 +102,9 @@ class ModelRow(Base):
 
     name: Mapped[str] = mapped_column(NAME, primary_key=True)
     spec: Mapped[dict[str, Any]]
+    # The spec before the last change of its weights (``rollout undo model/NAME`` applies it
+    # again); None before any.
+    previous_spec: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
 
 class DeploymentRow(Base):

@@ -69,6 +69,15 @@ class FakeStore(InMemoryInventory):
                 out.append(replica.name)
         return out
 
+    def stamp_revision(self, names: Sequence[str], revision: str) -> list[str]:
+        out = []
+        for replica in self.replicas():
+            if replica.name in names:
+                self.release(replica.name)
+                self.allocate(replica.model_copy(update={"revision": revision}))
+                out.append(replica.name)
+        return out
+
     def try_acquire_leadership(self, name: str, holder: str, now: datetime, ttl: timedelta) -> bool:
         if self.lease_holder in (None, holder):
             self.lease_holder = holder

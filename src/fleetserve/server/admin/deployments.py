@@ -15,10 +15,22 @@ from fleetserve.adminapi.fleet import (
     UndoneDeployment,
 )
 from fleetserve.adminapi.values import Deleted, extend
+from fleetserve.errors import NotFound
 from fleetserve.server.admin import audit
 from fleetserve.server.params import NameParam, NameQuery
+from fleetserve.spec.resources import Deployment
 from fleetserve.store.audit import AuditAction
 from fleetserve.store.sql import SqlStore
+
+
+def revision(store: SqlStore, deployment: Deployment) -> str:
+    """The revision the reconciler rolls ``deployment``'s replicas to: its template and the weights
+    its model names now (``ClusterSnapshot.revision_of``, from the stored documents)."""
+    try:
+        weights = store.get_model(deployment.model).weights_digest()
+    except NotFound:
+        weights = ""
+    return deployment.template_revision(weights)
 
 
 def build_deployments_router(store: SqlStore) -> APIRouter:
@@ -42,7 +54,7 @@ def build_deployments_router(store: SqlStore) -> APIRouter:
             d.deployment,
             replicas=replicas,
             generation=d.generation,
-            revision=d.deployment.template_revision(),
+            revision=revision(store, d.deployment),
             status=d.status,
         )
 
@@ -53,13 +65,12 @@ def build_deployments_router(store: SqlStore) -> APIRouter:
     )
     def undo_deployment(name: NameParam, request: Request) -> UndoneDeployment:
         d = store.undo_deployment(name)
+        now = revision(store, d.deployment)
         audit.record(
             store, request, AuditAction.ROLLOUT_UNDO, f"Deployment/{name}",
-            {"generation": d.generation, "revision": d.deployment.template_revision()},
+            {"generation": d.generation, "revision": now},
         )  # fmt: skip
-        return UndoneDeployment(
-            **dict(d.deployment), generation=d.generation, revision=d.deployment.template_revision()
-        )
+        return UndoneDeployment(**dict(d.deployment), generation=d.generation, revision=now)
 
     @api.delete("/deployments/{name}", tags=["deployments"], summary="Delete; its replicas are stopped")
     def delete_deployment(name: NameParam, request: Request) -> Deleted:

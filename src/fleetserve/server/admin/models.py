@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
-from fleetserve.adminapi.fleet import UploadedFile
+from fleetserve.adminapi.fleet import UndoneModel, UploadedFile
 from fleetserve.adminapi.values import Deleted
 from fleetserve.server.admin import audit
 from fleetserve.server.agents.modelfiles import ModelFiles
@@ -27,6 +27,17 @@ def build_models_router(store: SqlStore, files: ModelFiles) -> APIRouter:
     @api.get("/models/{name}", tags=["models"])
     def get_model(name: NameParam) -> Model:
         return store.get_model(name)
+
+    @api.post(
+        "/models/{name}/undo",
+        tags=["models"],
+        summary="Apply the model's previous spec again (its deployments roll back to its previous weights)",
+    )
+    def undo_model(name: NameParam, request: Request) -> UndoneModel:
+        model = store.undo_model(name)
+        weights = model.weights_digest()
+        audit.record(store, request, AuditAction.ROLLOUT_UNDO, f"Model/{name}", {"weights": weights})
+        return UndoneModel(**dict(model), weights_revision=weights)
 
     @api.delete("/models/{name}", tags=["models"])
     def delete_model(name: NameParam, request: Request) -> Deleted:

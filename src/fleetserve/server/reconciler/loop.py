@@ -242,6 +242,9 @@ class Reconciler:
             except UnknownReplica:
                 pass  # released by someone else meanwhile: the goal is reached
         self._allocate(plan.allocate, result)
+        for revision, names in plan.stamps.items():
+            for name in self.store.stamp_revision(names, revision):
+                log.info("replica %s: stamped with revision %s (weights uncounted)", name, revision)
         allocated = set(result.allocated)
         generations = {d.deployment.name: d.generation for d in stored}
         previous = {d.deployment.name: d.previous for d in stored}
@@ -257,7 +260,7 @@ class Reconciler:
                 rollout=RolloutStatus.model_validate(
                     life.progress.to_dict() if life is not None and life.progress else {}
                 ),
-                previous_revision=before.template_revision() if before is not None else None,
+                previous_revision=snapshot.revision_of(before) if before is not None else None,
                 autoscaler=self._autoscaler_log(decision.deployment),
                 observed_generation=generations.get(decision.deployment),
                 conditions=[StatusCondition.model_validate(c) for c in conditions],
