@@ -48,6 +48,13 @@ def view(generation: int = 2, seen: int = 2, revision: str = "b", **progress: An
         ("old replicas still draining", view(draining=1), "1 draining", False),
         ("a new replica failing", view(ready=1, old=1, failing=True), "chat-5 failed: 404", False),
         ("every replica at the new revision", view(), "rolled out: revision b", True),
+        (
+            "a model's new weights being rolled",
+            view(ready=1, old=1, cause="model"),
+            "rolling out revision b (the weights of model m changed): 2/2 updated",
+            False,
+        ),
+        ("the deployment's own change", view(old=1, cause="deployment"), "b (the deployment changed)", False),
     ],
 )
 def test_the_rollout_line_says(case: str, data: DeploymentDetail, words: str, done: bool) -> None:

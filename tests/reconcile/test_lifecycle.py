@@ -4,6 +4,7 @@ replicas replaced in place with backoff, drains that wait for in-flight requests
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from types import MappingProxyType
@@ -20,11 +21,13 @@ from fleetserve.reconcile.lifecycle import (
     FAILURE_BACKOFF_MAX,
     ROUTES_SETTLE,
     FailureHistory,
+    RolloutCause,
     drained,
     failure_backoff,
 )
 from fleetserve.snapshot import ClusterSnapshot, ReplicaFacts
-from fleetserve.spec.resources import Deployment, DeviceClass, Node, Replica, ReplicaState
+from fleetserve.gguf_facts import model_facts
+from fleetserve.spec.resources import Deployment, DeviceClass, Model, Node, Replica, ReplicaState
 
 GiB = 1 << 30
 FACTS = MappingProxyType({"m": ModelFacts("m", 2 * GiB, 0, 4096), "m2": ModelFacts("m2", 2 * GiB, 0, 4096)})
@@ -43,13 +46,14 @@ class Cluster:
     failures: dict[str, FailureHistory] = field(default_factory=dict)
     next_ordinal: dict[str, int] = field(default_factory=dict)
     now: datetime = T0
+    models: Mapping[str, ModelFacts] = field(default_factory=lambda: FACTS)
 
     def snapshot(self) -> ClusterSnapshot:
         return ClusterSnapshot(
             classes=CLASSES,
             nodes=tuple(self.nodes),
             replicas=tuple(self.replicas[n] for n in sorted(self.replicas)),
-            models=FACTS,
+            models=self.models,
             next_ordinals=MappingProxyType(dict(self.next_ordinal)),
             replica_facts=MappingProxyType(dict(self.facts)),
         )
@@ -68,6 +72,9 @@ class Cluster:
             self.next_ordinal[replica.deployment] = max(
                 self.next_ordinal.get(replica.deployment, 0), ordinal + 1
             )
+        for revision, names in plan.stamps.items():
+            for name in names:
+                self.replicas[name] = self.replicas[name].model_copy(update={"revision": revision})
         self.failures = {name: life.failures for name, life in plan.lifecycles.items()}
         return plan
 
@@ -294,3 +301,76 @@ def test_a_gpu_rollout_surges_on_free_devices():
     new = deployment("d", 1, model="m2")
     plan = cluster.cycle([new])
     assert [r.shards[0].devices for r in plan.allocate] == [(1,)]
+
+
+# --- a model's change ----------------------------------------------------------------------------
+
+MODEL = Model(name="m", source="/models/m.gguf", size=2 * GiB, sha256="a" * 64)
+
+
+def serving(model: Model) -> Mapping[str, ModelFacts]:
+    """The snapshot's model facts with ``model`` as the edge reads it (its weights digest too)."""
+    return MappingProxyType({**FACTS, model.name: model_facts(model)})
+
+
+@pytest.mark.parametrize(
+    ("change", "rolls"),
+    [({"sha256": "b" * 64}, True), ({"source": "/models/m-v2.gguf"}, True), ({"size": 3 * GiB}, False)],
+    ids=["a new sha256", "a new source", "a new size"],
+)
+def test_a_models_new_weights_roll_its_replicas_within_the_surge_and_its_other_facts_roll_nothing(
+    change: dict[str, Any], rolls: bool
+):
+    cluster = Cluster([cpu_8c_32g("c1"), cpu_8c_32g("c2"), cpu_8c_32g("c3")], models=serving(MODEL))
+    dep = deployment("d", 2, CPU, rollout={"maxSurge": 1, "maxUnavailable": 0})
+    roll(cluster, dep, 3)
+    old_names = set(cluster.replicas)
+    assert len(old_names) == 2
+
+    cluster.models = serving(MODEL.model_copy(update=change))
+    first = cluster.cycle([dep])
+    if not rolls:
+        assert (first.allocate, first.drain, first.release) == ((), (), ())
+        assert condition(first, ConditionType.PROGRESSING).reason is ConditionReason.COMPLETE
+        return
+    assert len(first.allocate) == 1 and first.drain == (), "one surge replica, nothing drained yet"
+    progress = first.lifecycles["d"].progress
+    assert progress is not None and progress.cause is RolloutCause.MODEL
+    assert "the weights of model m changed" in condition(first, ConditionType.PROGRESSING).message
+    for states in roll(cluster, dep):
+        assert sum(s is ReplicaState.RUNNING for s in states.values()) >= 2, states
+        assert sum(s is not ReplicaState.DRAINING for s in states.values()) <= 3, states
+    assert not old_names & set(cluster.replicas), "every old replica is gone"
+    revision = cluster.snapshot().revision_of(dep)
+    assert all(r.revision == revision for r in cluster.replicas.values())
+
+
+def test_replicas_placed_before_the_weights_counted_are_kept_and_stamped_then_rolled_by_a_model_change():
+    """An upgraded server rolls nothing: the replicas an older server placed (revision without the
+    weights part) are current, stamped with the full revision; the model's next change rolls them."""
+    cluster = Cluster([cpu_8c_32g("c1"), cpu_8c_32g("c2"), cpu_8c_32g("c3")])
+    dep = deployment("d", 2, CPU)
+    roll(cluster, dep, 3)
+    legacy = dict(cluster.replicas)
+    assert all(r.revision == dep.template_revision() for r in legacy.values())
+
+    cluster.models = serving(MODEL)  # the upgraded server's snapshot knows the weights
+    plan = cluster.cycle([dep])
+    revision = cluster.snapshot().revision_of(dep)
+    assert (plan.allocate, plan.drain, plan.release) == ((), (), ())
+    assert plan.stamps == {revision: tuple(sorted(legacy))}
+    assert condition(plan, ConditionType.PROGRESSING).reason is ConditionReason.COMPLETE
+    assert all(r.revision == revision for r in cluster.replicas.values())
+    assert cluster.cycle([dep]).stamps == {}, "stamped once"
+
+    cluster.models = serving(MODEL.model_copy(update={"sha256": "c" * 64}))
+    assert len(cluster.cycle([dep]).allocate) == 1, "the stamped replicas are old now"
+
+
+def test_a_deployment_change_and_a_model_change_together_say_both():
+    cluster = Cluster([cpu_8c_32g("c1"), cpu_8c_32g("c2")], models=serving(MODEL))
+    roll(cluster, deployment("d", 1, CPU), 2)
+    cluster.models = serving(MODEL.model_copy(update={"sha256": "d" * 64}))
+    plan = cluster.cycle([deployment("d", 1, dict(CPU, engineArgs=["--temp", "0.5"]))])
+    progress = plan.lifecycles["d"].progress
+    assert progress is not None and progress.cause is RolloutCause.BOTH

@@ -20,6 +20,7 @@ from builders import deployment as build_deployment
 from fleetserve.errors import ConfigError, NotFound, StoreError, UnknownNode, UnknownReplica
 from fleetserve.protocol import ReplicaStatus
 from fleetserve.spec.resources import Deployment, Model, NodeState, Replica, ReplicaState
+from fleetserve.spec.loader import Documents
 from fleetserve.spec.status import DecisionRecord, DeploymentStatus
 from fleetserve.store import SqlStore, TokenKind, make_engine, migrate
 from fleetserve.store.schema import MIGRATIONS
@@ -463,3 +464,29 @@ def test_a_batch_of_status_reports_is_judged_report_by_report(store: SqlStore, w
         assert store.agent_status("n1").problems == ["n1 at epoch 1"]
         assert store.agent_status("n2").problems == store.agent_status("n3").problems == []
     assert store.reports([], t1) == []
+
+
+def test_a_models_previous_spec_is_kept_and_undo_swaps_it_back(store: SqlStore) -> None:
+    first = Model(name="m", source="/models/m.gguf", size="1GB", sha256="a" * 64)
+    second = first.model_copy(update={"sha256": "b" * 64})
+    store.put_model(first)
+    with pytest.raises(NotFound, match="no previous spec"):
+        store.undo_model("m")
+    store.put_model(second)
+    store.apply_documents(Documents(models=[second]))  # re-applied unchanged: the previous stays
+    assert store.undo_model("m") == first
+    assert store.get_model("m") == first
+    assert store.undo_model("m") == second, "a second undo redoes"
+    with pytest.raises(NotFound, match="no model"):
+        store.undo_model("ghost")
+
+
+def test_stamping_a_revision_rewrites_only_the_replicas_revision(store: SqlStore) -> None:
+    store.register(node("n1"))
+    replica = Replica.model_validate(
+        {"name": "chat-0", "deployment": "chat", "profile": "cpu", "shards": [{"node": "n1", "cpuCores": 2}]}
+    )
+    store.allocate(replica)
+    assert store.snapshot().replicas[0].revision is None  # read once: kept in the parse cache
+    assert store.stamp_revision(["chat-0", "ghost"], "abc.def") == ["chat-0"]
+    assert store.snapshot().replicas == (replica.model_copy(update={"revision": "abc.def"}),)
