@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from builders import cpu_8c_32g, deployment, gpu_host_8c_64g
 from fleetserve.conditions import ConditionReason, ConditionType
+from fleetserve.gguf_facts import model_facts
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.reconcile.core import ReconcilePlan, reconcile
 from fleetserve.reconcile.lifecycle import (
@@ -26,7 +27,6 @@ from fleetserve.reconcile.lifecycle import (
     failure_backoff,
 )
 from fleetserve.snapshot import ClusterSnapshot, ReplicaFacts
-from fleetserve.gguf_facts import model_facts
 from fleetserve.spec.resources import Deployment, DeviceClass, Model, Node, Replica, ReplicaState
 
 GiB = 1 << 30

@@ -19,8 +19,8 @@ from builders import cpu_8c_16g as node
 from builders import deployment as build_deployment
 from fleetserve.errors import ConfigError, NotFound, StoreError, UnknownNode, UnknownReplica
 from fleetserve.protocol import ReplicaStatus
-from fleetserve.spec.resources import Deployment, Model, NodeState, Replica, ReplicaState
 from fleetserve.spec.loader import Documents
+from fleetserve.spec.resources import Deployment, Model, NodeState, Replica, ReplicaState
 from fleetserve.spec.status import DecisionRecord, DeploymentStatus
 from fleetserve.store import SqlStore, TokenKind, make_engine, migrate
 from fleetserve.store.schema import MIGRATIONS
