@@ -34,7 +34,8 @@ def register(app: typer.Typer) -> None:
         server: ServerOpt = None,
         token: TokenOpt = None,
     ) -> None:
-        """Print a deployment's rollout progress; wait until every replica runs its current revision."""
+        """Print a deployment's rollout progress and its cause (the deployment changed, or the
+        weights of its model); wait until every replica runs its current revision."""
         console = Console(soft_wrap=True)
         deadline = time.monotonic() + timeout
         last = ""

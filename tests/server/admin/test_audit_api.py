@@ -74,6 +74,8 @@ def test_every_admin_action_leaves_one_event_with_its_actor_target_and_source(ad
           ("apply", "Deployment/tiny")]),
         ("POST", "/apply", {"json": {"documents": [deployment(2)]}}, [("apply", "Deployment/tiny")]),
         ("POST", "/deployments/tiny/undo", {}, [("rollout.undo", "Deployment/tiny")]),
+        ("POST", "/apply", {"json": {"documents": [{**MODEL, "sha256": "a" * 64}]}}, [("apply", "Model/tiny")]),
+        ("POST", "/models/tiny/undo", {}, [("rollout.undo", "Model/tiny")]),
         ("POST", "/nodes/n1/cordon", {"json": {"reason": "fan noise"}}, [("cordon", "Node/n1")]),
         ("POST", "/nodes/n1/uncordon", {}, [("uncordon", "Node/n1")]),
         ("POST", "/nodes/n1/drain", {"json": {"reason": "new disk"}}, [("drain", "Node/n1")]),
@@ -100,7 +102,7 @@ def test_every_admin_action_leaves_one_event_with_its_actor_target_and_source(ad
         )
         assert {(e["actor"], e["source"]) for e in new} == {(me, "testclient")}, f"{method} {path}"
     applied = [e for e in events(admin) if e["action"] == "apply"]
-    assert [e["detail"]["result"] for e in applied] == ["created"] * 5 + ["configured"]
+    assert [e["detail"]["result"] for e in applied] == ["created"] * 5 + ["configured"] * 2
     assert next(e for e in events(admin) if e["action"] == "cordon")["detail"] == {"reason": "fan noise"}
 
 
@@ -150,6 +152,25 @@ def test_usage_and_events_need_an_admin_token(admin: Admin, path: str, who: str)
     response = admin.client.get(path, headers=headers)
     assert response.status_code == 401, response.text
     assert response.json()["error"]["type"] == "unauthorized"
+
+
+@pytest.mark.parametrize("who", ["nobody", "join token", "revoked admin token"])
+def test_undoing_a_models_change_needs_an_admin_token_and_changes_nothing_without(
+    admin: Admin, who: str
+) -> None:
+    admin.call("POST", "/apply", json={"documents": [MODEL]})
+    admin.call("POST", "/apply", json={"documents": [{**MODEL, "sha256": "a" * 64}]})
+    headers: dict[str, str] = {}
+    if who == "join token":
+        headers = {"Authorization": f"Bearer {admin.store.create_token(TokenKind.JOIN, T0).plaintext}"}
+    elif who == "revoked admin token":
+        issued = admin.store.create_token(TokenKind.ADMIN, T0)
+        admin.store.revoke_token(issued.id)
+        headers = {"Authorization": f"Bearer {issued.plaintext}"}
+    response = admin.client.post("/api/v1/models/tiny/undo", headers=headers)
+    assert response.status_code == 401, response.text
+    assert admin.store.get_model("tiny").sha256 == "a" * 64, "the change stands"
+    assert admin.call("POST", "/models/tiny/undo")["sha256"] is None
 
 
 def test_usage_has_rows_per_step_and_totals_per_key_with_names_and_per_model(admin: Admin) -> None:
