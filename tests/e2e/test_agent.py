@@ -180,6 +180,9 @@ def test_a_node_without_the_engine_build_is_filtered_counted_and_placed_on_once_
     binary.write_text(broken, encoding="utf-8")
     wait_for(lambda: api_replicas(server, "tiny") == [], timeout=90, what="the replica to be released")
     assert "1 without the llama.cpp/cpu engine build" in explain(server, tmp_path, "tiny")
+    # Unchanged binaries are not a change: two registrations again, one per change, no more.
+    time.sleep(4.0)  # 8 reports, more than one engine check
+    assert agent.log().count("engine binaries changed; registering again") == 2, agent.log()
     assert agent.stop() == 0, agent.log()
 
 
