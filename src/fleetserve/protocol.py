@@ -40,7 +40,10 @@ Epoch = Annotated[int, Field(ge=1, le=2**31 - 1)]
 
 
 class NodeReport(Node):
-    """A node as its agent describes it (register): a ``Node`` with every list capped."""
+    """A node as its agent describes it (register): a ``Node`` with every list capped.
+
+    Its ``engines`` (the builds the agent found) are capped in their own types
+    (``spec/nodeparts.py``: MAX_ENGINES, MAX_ENGINE_DEVICES, lengths, no NUL)."""
 
     labels: dict[
         Annotated[str, Field(min_length=1, max_length=317, pattern=TEXT_PATTERN)],

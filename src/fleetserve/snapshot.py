@@ -8,7 +8,8 @@ from datetime import datetime
 from functools import cached_property
 from types import MappingProxyType
 
-from fleetserve.drivers import Driver, host_driver, parse_driver
+from fleetserve.drivers import Driver, RuntimeVariant, host_driver, parse_driver
+from fleetserve.engines.spec import EngineKind
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.spec.resources import Deployment, DeviceClass, Fabric, Node, NodeState, Replica
 
@@ -84,6 +85,15 @@ class ClusterSnapshot:
         model names now (``Deployment.template_revision``); computed from the snapshot alone."""
         facts = self.models.get(deployment.model)
         return deployment.template_revision(facts.weights if facts is not None else "")
+    @cached_property
+    def _engine_nodes(self) -> Mapping[str, Node]:
+        return MappingProxyType({n.name: n for n in self.nodes if n.engines is not None})
+
+    def without_build(self, replica: Replica, engine: EngineKind, variant: RuntimeVariant) -> bool:
+        """Whether a node under ``replica`` reported its engines without ``engine``'s ``variant``
+        (its binary removed or replaced by another build): the replica cannot run there."""
+        nodes = self._engine_nodes
+        return any(not nodes[s.node].runs(engine, variant) for s in replica.shards if s.node in nodes)
 
     def facts_of(self, replica: str) -> ReplicaFacts:
         """What is known of a replica beyond its document (empty facts when nothing is)."""

@@ -13,8 +13,9 @@ from rich.console import Console
 from fleetserve.adminapi.credentials import EnrolmentView
 from fleetserve.adminapi.fleet import Explanation
 from fleetserve.agent.runtime import STALL_SECONDS, download_message
-from fleetserve.cli.views import downloads, print_waiting_enrolments, waiting_enrolments
+from fleetserve.cli.views import downloads, engines, print_waiting_enrolments, waiting_enrolments
 from fleetserve.protocol import AgentStatus
+from fleetserve.spec.resources import Node
 
 
 def explained(deployment: str, generation: int, decision: dict[str, Any]) -> Explanation:
@@ -144,3 +145,25 @@ def test_get_nodes_names_a_waiting_enrolment_and_the_command_that_approves_it() 
         "node b: an enrolment from 10.0.0.7 at 2026-12-06T04:45:00+00:00 waits for approval: "
         "fleetserve nodes approve b\n"
     )
+
+
+@pytest.mark.parametrize(
+    ("reported", "shown"),
+    [
+        pytest.param(None, "?", id="never-reported-is-a-question-mark"),
+        pytest.param([], "none", id="an-agent-that-found-no-engine-says-none"),
+        pytest.param(
+            [
+                {"engine": "llama.cpp", "version": "b1", "variants": ["cpu", "cuda"]},
+                {"engine": "vllm", "version": "0.32.0", "variants": []},
+            ],
+            "llama.cpp cpu,cuda; vllm -",
+            id="each-build-with-the-variants-it-runs",
+        ),
+    ],
+)
+def test_the_engines_column_shows_what_the_nodes_agent_found(reported: Any, shown: str) -> None:
+    doc: dict[str, Any] = {"name": "n", "cpu": {"cores": 1, "memory": "1GiB"}}
+    if reported is not None:
+        doc["engines"] = reported
+    assert engines(Node.model_validate(doc)) == shown

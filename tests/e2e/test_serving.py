@@ -255,7 +255,12 @@ def test_an_engine_that_exits_at_once_reaches_crash_loop_with_its_stderr_shown(
     servers: ServerFactory, agents: AgentFactory, tmp_path: Path, tiny_model: Path
 ) -> None:
     script = tmp_path / "broken-llama-server"
-    script.write_text('#!/bin/sh\necho "boom: cannot load model" >&2\nexit 1\n', encoding="utf-8")
+    # It answers the agent's fingerprint as a llama-server CPU build does, then fails every start.
+    script.write_text(
+        '#!/bin/sh\ncase "$1" in --version) echo "version: 1 (broken)" >&2; exit 0 ;; --list-devices) exit 0 ;; esac\n'
+        'echo "boom: cannot load model" >&2\nexit 1\n',
+        encoding="utf-8",
+    )
     script.chmod(0o755)
     server, agent = serve_tiny(
         servers, agents, tmp_path, tiny_model, agent_args=("--engine-binary", f"llama.cpp/cpu={script}")

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 from builders import cpu_32c_128g, deployment, gpu_server_64c_512g
 from builders import node as build_node
+from fleetserve.engines.registry import ENGINES
 from fleetserve.engines.spec import EngineKind
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.placement.choose import Found
@@ -42,7 +43,7 @@ from fleetserve.placement.placer import (
 )
 from fleetserve.placement.report import ProfileReport, Reason, render_report
 from fleetserve.snapshot import ClusterSnapshot
-from fleetserve.spec.nodeparts import Cordon, CpuCapacity, Device, DeviceHealth, Hca
+from fleetserve.spec.nodeparts import Cordon, CpuCapacity, Device, DeviceHealth, EngineFingerprint, Hca
 from fleetserve.spec.policies import ReplicaRange
 from fleetserve.spec.resources import (
     CpuRequest,
@@ -118,6 +119,23 @@ def unique_lists(elements: st.SearchStrategy[Any], low: int, high: int) -> st.Se
 
 
 @st.composite
+def engine_fingerprints(draw: st.DrawFn) -> tuple[EngineFingerprint, ...] | None:
+    """What a node's agent found: never reported (None), every build, some builds, or none."""
+    kind = draw(pick(("unknown", "unknown", "all", "all", "some", "none")))
+    if kind == "unknown":
+        return None
+    if kind == "none":
+        return ()
+    out = []
+    for engine, spec in ENGINES.items():
+        variants = tuple(spec.variants)
+        if kind == "some":
+            variants = tuple(draw(unique_lists(pick(variants), 0, len(variants))))
+        out.append(EngineFingerprint(engine=engine, version="test", variants=variants))
+    return tuple(out)
+
+
+@st.composite
 def nodes(
     draw: st.DrawFn,
     name: str,
@@ -185,6 +203,7 @@ def nodes(
     cordon = Cordon(reason="ecc storm") if draw(ints(0, 11)) == 0 else None
     cache = draw(unique_lists(pick(tuple(models)), 0, 2)) if models else []
     return Node(
+        engines=draw(engine_fingerprints()),
         name=name,
         state=state,
         cordon=cordon,
@@ -471,6 +490,8 @@ def first_failure(ledger: Ledger, node: Node, demand: Demand) -> tuple[Reason, i
         return (Reason.NO_DEVICE_OF_CLASS, None)
     if not tolerated(node, demand):
         return (Reason.TAINT_NOT_TOLERATED, None)
+    if not node.runs(demand.engine, demand.variant):
+        return (Reason.ENGINE_NOT_INSTALLED, None)
     if demand.device_class is not None and demand.device_memory > CLASSES[demand.device_class].memory:
         return (Reason.DEVICE_MEMORY_TOO_SMALL, None)
     if demand.nodes > 1 and not node.hcas:
@@ -489,6 +510,8 @@ def first_failure(ledger: Ledger, node: Node, demand: Demand) -> tuple[Reason, i
 def shard_choices(ledger: Ledger, node: Node, demand: Demand) -> Iterable[tuple[int, ...]]:
     """Brute force: every device subset of the node that could be this replica's shard."""
     if node.state is not NodeState.READY or node.cordon is not None or not tolerated(node, demand):
+        return
+    if not node.runs(demand.engine, demand.variant):
         return
     if node.cpu.cores - ledger.cores[node.name] < demand.cpu_cores:
         return
@@ -558,6 +581,7 @@ def check_replica(ledger: Ledger, demand: Demand, replica: Replica) -> None:
         node = ledger.node(shard.node)
         assert node.state is NodeState.READY, f"{node.name} is {node.state}"
         assert node.cordon is None, f"{node.name} is cordoned"
+        assert node.runs(demand.engine, demand.variant), f"{node.name} lacks {demand.engine}/{demand.variant}"
         drivers = pool_drivers(node)
         if demand.device_class is None:
             assert not drivers, f"CPU replica on {node.name}, a {drivers} node"

@@ -18,13 +18,18 @@ from builders import (
     nvidia_h100_80gb_x8,
 )
 from builders import deployment as build_deployment
+from fleetserve.drivers import RuntimeVariant
+from fleetserve.engines.spec import EngineKind
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.placement.demand import demand_for
+from fleetserve.placement.filters import runs_engine
 from fleetserve.placement.placer import DeploymentDecision, Placer, SearchKind, Unplaced, plan
 from fleetserve.placement.report import Reason, render_report
+from fleetserve.placement.state import WorkingState
 from fleetserve.snapshot import ClusterSnapshot
-from fleetserve.spec.resources import Deployment, DeviceClass, Fabric, Node, Replica, Shard
-from fleetserve.validation import gate
+from fleetserve.spec.nodeparts import EngineFingerprint
+from fleetserve.spec.resources import Deployment, DeviceClass, Fabric, Node, Profile, Replica, Shard
+from fleetserve.validation import gate, resolve_profile
 
 GiB = 1 << 30
 CLASSES = {
@@ -334,3 +339,79 @@ def test_replicas_beyond_what_fits_are_all_unplaced_with_the_explanation_one_by_
     assert [[r.to_dict() for r in u.reports] for u in d.unplaced] == [
         [r.to_dict() for r in u.reports] for u in expected
     ]
+
+
+def engines(*builds: str) -> tuple[EngineFingerprint, ...]:
+    """What an agent reports having: ``llama.cpp/cpu``, ``vllm/cuda``…, one fingerprint each."""
+    out = []
+    for build in builds:
+        engine, _, variant = build.partition("/")
+        out.append(
+            EngineFingerprint(engine=EngineKind(engine), version="test", variants=(RuntimeVariant(variant),))
+        )
+    return tuple(out)
+
+
+@pytest.mark.parametrize(
+    ("reported", "filtered"),
+    [
+        pytest.param(None, False, id="a-node-that-never-reported-engines-is-not-filtered"),
+        pytest.param((), True, id="a-node-that-reported-no-engine-is-filtered"),
+        pytest.param(("llama.cpp/cuda",), False, id="a-node-with-the-build-passes"),
+        pytest.param(
+            ("llama.cpp/cpu", "vllm/cuda"), True, id="other-builds-of-the-engine-or-variant-do-not-count"
+        ),
+    ],
+)
+def test_the_engine_filter_passes_a_node_only_with_the_profiles_build_or_unknown_engines(reported, filtered):
+    fingerprints = None if reported is None else engines(*reported)
+    snap = ClusterSnapshot(
+        classes=MappingProxyType(CLASSES),
+        nodes=(nvidia_h100_80gb_x8("n", engines=fingerprints),),
+        models=MappingProxyType({"small": SMALL}),
+    )
+    work = WorkingState(snap).nodes[0]
+    prof = {"name": "p", "engine": "llama.cpp", "deviceClass": "h100"}
+    demand = demand_for(resolve_profile(Profile.model_validate(prof), CLASSES), SMALL, CLASSES["h100"])
+    expected = (Reason.ENGINE_NOT_INSTALLED, None) if filtered else None
+    assert runs_engine(work, demand) == expected
+
+
+@both
+def test_nodes_without_the_profiles_engine_build_are_counted_before_any_capacity_check(kind):
+    nodes = [
+        # Busy and without the build: counted as lacking the engine, not as full.
+        nvidia_h100_80gb_x8("busy-no-cuda", ecc=(0, 1, 2, 3, 4, 5, 6, 7), engines=engines("llama.cpp/cpu")),
+        nvidia_h100_80gb_x8("no-engines", engines=()),
+        nvidia_h100_80gb_x8("vllm-only", engines=engines("vllm/cuda")),
+        nvidia_h100_80gb_x8("busy", ecc=(0, 1, 2, 3, 4, 5, 6, 7), engines=engines("llama.cpp/cuda")),
+        cpu_32c_128g("cpu", engines=engines("llama.cpp/cpu")),
+    ]
+    prof = {"name": "gpu", "engine": "llama.cpp", "deviceClass": "h100"}
+    [d] = decide(nodes, [deployment("d", 1, prof)], kind)
+    [report] = d.unplaced[0].reports
+    assert report.counts() == {
+        (Reason.ENGINE_NOT_INSTALLED, None): 3,
+        (Reason.INSUFFICIENT_FREE_DEVICES, 0): 1,
+        (Reason.NO_DEVICE_OF_CLASS, None): 1,
+    }
+    assert render_report(report) == (
+        "profile gpu: 0/5 nodes fit: 3 without the llama.cpp/cuda engine build (not installed), "
+        "1 have 0 of 1 devices free, 1 no device of class h100"
+    )
+    assert report.to_dict()["engine"] == "llama.cpp/cuda"
+
+
+@both
+def test_a_replica_goes_to_the_node_with_the_build_not_the_emptier_one_without(kind):
+    nodes = [
+        nvidia_h100_80gb_x8("empty-no-cuda", engines=engines("llama.cpp/cpu")),
+        nvidia_h100_80gb_x8("half-used", ecc=(0, 1, 2, 3), engines=engines("llama.cpp/cuda")),
+        cpu_32c_128g("cpu-no-engine", engines=()),
+        cpu_32c_128g("cpu-unknown"),
+    ]
+    gpu = {"name": "gpu", "engine": "llama.cpp", "deviceClass": "h100"}
+    cpu = {"name": "cpu", "engine": "llama.cpp", "cpu": {"cores": 4}}
+    [g, c] = decide(nodes, [deployment("g", 1, gpu), deployment("c", 2, cpu)], kind)
+    assert [s[0][0] for s in where(g)] == ["half-used"]
+    assert [s[0][0] for s in where(c)] == ["cpu-unknown", "cpu-unknown"]

@@ -5,10 +5,15 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from types import MappingProxyType
 
+import pytest
+
 from builders import deployment, gpu_host_8c_64g
+from fleetserve.drivers import RuntimeVariant
+from fleetserve.engines.spec import EngineKind
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.reconcile.core import reconcile
 from fleetserve.snapshot import ClusterSnapshot, ReplicaFacts
+from fleetserve.spec.nodeparts import EngineFingerprint
 from fleetserve.spec.resources import DeviceClass, Node, Replica, ReplicaState, Shard
 
 GiB = 1 << 30
@@ -61,6 +66,42 @@ def test_a_replica_on_a_lost_node_is_released_and_replaced_under_a_new_name():
     )
     assert plan.release == ("d-0",)
     assert [(r.name, r.shards[0].node) for r in plan.allocate] == [("d-1", "b")]
+
+
+def fingerprints(*variants: str) -> tuple[EngineFingerprint, ...]:
+    """An agent's report of one vLLM build running ``variants`` on its node."""
+    return (
+        EngineFingerprint(
+            engine=EngineKind.VLLM, version="0.32.0", variants=tuple(map(RuntimeVariant, variants))
+        ),
+    )
+
+
+@pytest.mark.parametrize(
+    ("engines", "replaced"),
+    [
+        pytest.param((), True, id="a-node-whose-agent-now-finds-no-engine"),
+        pytest.param(fingerprints("cpu"), True, id="a-node-upgraded-to-another-build-of-the-engine"),
+        pytest.param(fingerprints("cuda"), False, id="a-node-that-still-has-the-build"),
+        pytest.param(None, False, id="a-node-that-never-reported-engines"),
+    ],
+)
+def test_a_replica_on_a_node_that_lost_its_engine_build_is_released_and_replaced_elsewhere(engines, replaced):
+    plan = reconcile(
+        [deployment("d", 1)],
+        snapshot(
+            [
+                gpu_host_8c_64g("a", "h100", engines=engines),
+                gpu_host_8c_64g("b", "h100", engines=fingerprints("cuda")),
+            ],
+            [replica("d-0", "d", "a", 0)],
+        ),
+    )
+    if replaced:
+        assert plan.release == ("d-0",)
+        assert [(r.name, r.shards[0].node) for r in plan.allocate] == [("d-1", "b")]
+    else:
+        assert not plan.changes
 
 
 def test_a_not_ready_node_keeps_its_replicas_until_it_is_lost():

@@ -39,6 +39,7 @@ from fleetserve.metrics.mapping import MetricMapping
 from fleetserve.metrics.promtext import ExpositionError
 from fleetserve.protocol import Assignment, AssignmentSet, Download, GpuSample, ReplicaReport, StatusReport
 from fleetserve.routing import engine_auth
+from fleetserve.spec.nodeparts import EngineFingerprint
 from fleetserve.spec.resources import DeviceClass, Node, Replica, ReplicaState
 from fleetserve.units import format_bytes
 
@@ -46,6 +47,10 @@ log = logging.getLogger("fleetserve.agent")
 
 # Describes this machine as a Node: (classes, pids fleetserve started, cached models) → node, problems.
 Describe = Callable[[list[DeviceClass], frozenset[int], tuple[str, ...]], tuple[Node, list[str]]]
+# This node's engine fingerprints (``agent/fingerprint.py``), asked at registration and every
+# ``ENGINE_CHECK_REPORTS`` reports; a change registers the node again with the new facts.
+Fingerprints = Callable[[], tuple[EngineFingerprint, ...]]
+ENGINE_CHECK_REPORTS = 6
 
 
 def free_port(host: str) -> int:
@@ -75,8 +80,12 @@ class Agent:
         cache: ModelCache,
         settings: AgentSettings,
         gpu_reader: Callable[[Node], list[GpuSample]] | None = None,
+        engines: Fingerprints | None = None,
     ) -> None:
         self.gpu_reader = gpu_reader
+        # None: the node reports no engines (placement then does not filter it on engines).
+        self.engines = engines
+        self._reports = 0
         self.client = client
         self.describe = describe
         self.supervisor = supervisor
@@ -105,6 +114,8 @@ class Agent:
         classes = self.client.classes()
         cached = tuple(m.name for m in self.cache.contents())
         node, problems = self.describe(classes, self.supervisor.own_pids(), cached)
+        if self.engines is not None:
+            node = node.model_copy(update={"engines": self.engines()})
         registered, assignments = self.client.register(node)
         with self._lock:
             self.node, self.epoch, self.problems = registered, assignments.epoch, problems
@@ -316,10 +327,20 @@ class Agent:
 
     # --- loops ------------------------------------------------------------------------------------
 
+    def engines_changed(self) -> bool:
+        """Whether this node's engine fingerprints differ from those it registered with."""
+        if self.engines is None:
+            return False
+        return self.engines() != self._registered().engines
+
     def _report_loop(self, stop: threading.Event) -> None:
         while not stop.wait(self.settings.interval):
             try:
                 self.report()
+                self._reports += 1
+                if self._reports % ENGINE_CHECK_REPORTS == 0 and self.engines_changed():
+                    log.warning("engines: the engine binaries changed; registering again")
+                    self.register()
             except FleetserveError as exc:
                 log.warning("status report failed: %s", exc)
 

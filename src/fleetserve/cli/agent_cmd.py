@@ -19,6 +19,7 @@ from fleetserve.agent.cache import HubAccess, ModelCache
 from fleetserve.agent.client import AgentClient
 from fleetserve.agent.credential import CredentialFile
 from fleetserve.agent.describe import make_describe
+from fleetserve.agent.fingerprint import EngineProbe
 from fleetserve.agent.gpustats import make_reader
 from fleetserve.agent.runtime import Agent, AgentSettings
 from fleetserve.agent.supervisor import Supervisor
@@ -189,7 +190,16 @@ def run_agent(
         hub_access=HubAccess.from_environment(sources.hf_token_file),
         policy=SourcePolicy.strict(sources.model_dirs, sources.allow_private),
     )
-    agent = Agent(client, describe, supervisor, cache, settings, gpu_reader=make_reader(root))
+    engines = EngineProbe(binaries)
+    agent = Agent(
+        client,
+        describe,
+        supervisor,
+        cache,
+        settings,
+        gpu_reader=make_reader(root),
+        engines=engines.fingerprints,
+    )
     try:
         agent.run(stop)
     finally:

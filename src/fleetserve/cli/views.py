@@ -20,7 +20,7 @@ from fleetserve.cli.output import Column, Format, emit
 from fleetserve.conditions import ConditionType
 from fleetserve.errors import ConfigError, Problem
 from fleetserve.protocol import AgentStatus
-from fleetserve.spec.resources import DeviceClass, Fabric, Model, Replica, Shard
+from fleetserve.spec.resources import DeviceClass, Fabric, Model, Node, Replica, Shard
 from fleetserve.units import format_bytes
 
 
@@ -65,6 +65,15 @@ def _devices(node: NodeView) -> str:
     return ", ".join(f"{n}x {c}" for c, n in counts.items()) or "-"
 
 
+def engines(node: Node) -> str:
+    """A node's engine builds, ``llama.cpp cpu,cuda; vllm cuda``: ``none`` where its agent found
+    none, ``?`` where it never reported (placement does not filter it on engines)."""
+    if node.engines is None:
+        return "?"
+    parts = [f"{f.engine.value} {','.join(v.value for v in f.variants) or '-'}" for f in node.engines]
+    return "; ".join(parts) or "none"
+
+
 def downloads(agent: AgentStatus) -> str:
     """A node's models in its agent's cache (``node.status.agent``): ready ones counted, downloads
     with their progress, failed ones with the start of their error (``describe node`` shows it
@@ -104,6 +113,7 @@ COLUMNS: dict[Kind, Sequence[Column]] = {
         ("cordon", lambda n: n.cordon.reason if n.cordon else ""),
         ("devices", _devices),
         ("cpu", lambda n: f"{n.cpu.cores}c/{format_bytes(n.cpu.memory)}"),
+        ("engines", engines),
         ("epoch", lambda n: n.status.epoch),
         (
             "heartbeat",

@@ -14,6 +14,7 @@ resolved through the import.
 from __future__ import annotations
 
 import os
+import re
 from types import MappingProxyType
 
 from fleetserve.drivers import DRIVERS, Driver, RuntimeVariant
@@ -29,10 +30,11 @@ from fleetserve.engines.routes import (
     route_table,
     unrelayed,
 )
-from fleetserve.engines.spec import CapFields, EngineKind, EngineSpec, PodFacts
+from fleetserve.engines.spec import CapFields, EngineKind, EngineSpec, PodFacts, Probe
 from fleetserve.errors import SourceError
 from fleetserve.metrics.mapping import MetricMapping
 from fleetserve.sources import HfRepo, HttpSource
+from fleetserve.spec.nodeparts import MAX_ENGINE_DEVICES, EngineDevice, EngineFingerprint
 from fleetserve.spec.resources import ModelFormat
 
 # Parallel slots: as many as the gateway sends a replica at once (engineArgs cannot change it).
@@ -266,6 +268,65 @@ def bundled_binary(variant: RuntimeVariant) -> str | None:
     return path if os.access(path, os.X_OK) else None
 
 
+# ggml's backend names, as the device names of ``--list-devices`` start (CUDA0, Vulkan0, ROCm0;
+# HIP builds name their devices ROCm, ggml-cuda's GGML_CUDA_NAME), → the variant computing on them.
+# A backend missing here (Metal's MTL0, RPC[host:port], SYCL0) is listed as a device with no variant.
+BACKEND_VARIANTS = MappingProxyType(
+    {"CUDA": RuntimeVariant.CUDA, "Vulkan": RuntimeVariant.VULKAN, "ROCm": RuntimeVariant.ROCM}
+)
+_VERSION = re.compile(r"^version: (\S.*)$", re.MULTILINE)
+_DEVICE = re.compile(r"^\s+([^\s:]+(?:\[[^\]]*\])?): (.*)$")
+
+
+def _queries(_variant: RuntimeVariant, _binary: str) -> tuple[tuple[str, ...], ...]:
+    return (("--version",), ("--list-devices",))
+
+
+def backend_of(device: str) -> str:
+    """The ggml backend a ``--list-devices`` name belongs to: ``CUDA1`` → ``CUDA``."""
+    return re.sub(r"(\d+|\[.*\])$", "", device)
+
+
+def read_devices(text: str) -> tuple[EngineDevice, ...]:
+    """The devices under ``Available devices:`` in ``llama-server --list-devices`` (the lines
+    before it are backends' logs; ``(none)`` is no device)."""
+    _, found, rest = text.partition("Available devices:")
+    if not found:
+        return ()
+    devices: list[EngineDevice] = []
+    for line in rest.splitlines():
+        match = _DEVICE.match(line)
+        if match is None:
+            if line.strip() and not line.startswith((" ", "\t")):
+                break  # a backend's log after the list
+            continue
+        name, description = match.group(1)[:64], match.group(2).strip()[:253]
+        variant = BACKEND_VARIANTS.get(backend_of(name))
+        devices.append(EngineDevice(name=name, variant=variant, description=description))
+    return tuple(devices[:MAX_ENGINE_DEVICES])
+
+
+def read_fingerprint(
+    resolved: frozenset[RuntimeVariant], answers: tuple[str | None, ...]
+) -> EngineFingerprint | None:
+    """llama-server's answers to ``--version`` and ``--list-devices`` as a fingerprint: the CPU
+    variant where it answered its version (every build has ggml's CPU backend), a GPU variant
+    where it lists a device of that variant's backend (a CUDA build that sees no GPU cannot run
+    a CUDA replica here); None where it did not say its version (not a llama-server that works)."""
+    version_text, devices_text = (*answers, None, None)[:2]
+    match = _VERSION.search(version_text or "")
+    if match is None:
+        return None
+    devices = read_devices(devices_text or "")
+    has = {RuntimeVariant.CPU} | {d.variant for d in devices if d.variant is not None}
+    return EngineFingerprint(
+        engine=EngineKind.LLAMACPP,
+        version=match.group(1).strip()[:128],
+        variants=tuple(v for v in RuntimeVariant if v in has and v in resolved),
+        devices=devices,
+    )
+
+
 LLAMACPP = EngineSpec(
     kind=EngineKind.LLAMACPP,
     variants=MappingProxyType(
@@ -330,4 +391,5 @@ LLAMACPP = EngineSpec(
     ),
     bundled_binary=bundled_binary,
     routes=ROUTES,
+    probe=Probe(queries=_queries, read=read_fingerprint),
 )

@@ -21,6 +21,7 @@ from fleetserve.metrics.mapping import MetricMapping
 if TYPE_CHECKING:
     from fleetserve.engines.launch import EngineAdapter
     from fleetserve.engines.routes import ApiRoute
+    from fleetserve.spec.nodeparts import EngineFingerprint
     from fleetserve.spec.resources import ModelFormat
 
 
@@ -63,6 +64,21 @@ class CapFields:
     choices: tuple[tuple[str, ...], ...]
     strings: bool
     usage_per_sequence: bool = False
+
+
+@dataclass(frozen=True)
+class Probe:
+    """How an agent asks an engine binary what it is (its fingerprint): the commands it runs and
+    how their answers are read. Nothing is guessed: a variant is listed only where the binary's
+    own answer shows it."""
+
+    # The arguments after the binary, per query, for a binary (its path) resolved for a variant.
+    queries: Callable[[RuntimeVariant, str], tuple[tuple[str, ...], ...]]
+    # (the variants this binary was resolved for, each query's output or None where it failed or
+    # timed out) → the fingerprint (version, variants it runs here, devices), or None: no answer.
+    read: Callable[[frozenset[RuntimeVariant], tuple[str | None, ...]], EngineFingerprint | None]
+    # How long one query may take (importing vLLM takes long).
+    timeout: float = 10.0
 
 
 def _none_bundled(_variant: RuntimeVariant) -> str | None:
@@ -122,6 +138,8 @@ class EngineSpec:
     # Every HTTP route its server registers, by (method, path): what it is, how the gateway relays
     # it or why it refuses it (``engines/routes.py``).
     routes: Mapping[tuple[str, str], ApiRoute] = field(default_factory=dict)
+    # How an agent fingerprints a binary of this engine (None: it is never probed).
+    probe: Probe | None = None
 
     def drivers(self) -> frozenset[Driver]:
         """Every driver this engine has a variant for."""

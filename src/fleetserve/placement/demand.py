@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fleetserve.drivers import Driver, host_driver
+from fleetserve.drivers import Driver, RuntimeVariant, host_driver
+from fleetserve.engines.spec import EngineKind
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.spec.resources import DeviceClass
 from fleetserve.validation import ResolvedProfile
@@ -33,6 +34,9 @@ class Demand:
     cpu_cores: int  # per node
     host_memory: int  # per node
     model: str
+    # The engine and its runtime variant: a node must run them (its agent found that build).
+    engine: EngineKind
+    variant: RuntimeVariant
 
     @property
     def on_cpu(self) -> bool:
@@ -72,6 +76,8 @@ def demand_for(profile: ResolvedProfile, facts: ModelFacts, cls: DeviceClass | N
             cpu_cores=cpu.cores,
             host_memory=host,
             model=facts.name,
+            engine=profile.engine,
+            variant=profile.variant,
         )
     n = profile.devices_per_node * profile.nodes
     per_device = -(-total // n) + GPU_RUNTIME_OVERHEAD
@@ -88,4 +94,6 @@ def demand_for(profile: ResolvedProfile, facts: ModelFacts, cls: DeviceClass | N
         cpu_cores=explicit_cpu.cores if explicit_cpu else 0,
         host_memory=(explicit_cpu.memory or 0) if explicit_cpu else 0,
         model=facts.name,
+        engine=profile.engine,
+        variant=profile.variant,
     )

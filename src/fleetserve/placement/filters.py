@@ -39,6 +39,12 @@ def tolerates_taint(node: NodeWork, demand: Demand) -> Rejection | None:
     return None if node.tolerates(demand.driver) else (Reason.TAINT_NOT_TOLERATED, None)
 
 
+def runs_engine(node: NodeWork, demand: Demand) -> Rejection | None:
+    """The node's agent found the profile's engine build for its variant (a node that never
+    reported engines, a YAML fleet's or a Kubernetes one, is not filtered)."""
+    return (Reason.ENGINE_NOT_INSTALLED, None) if node.lacks(demand.engine, demand.variant) else None
+
+
 def device_memory(node: NodeWork, demand: Demand) -> Rejection | None:
     """Each device must hold its share of weights and KV cache."""
     if demand.device_class is None or demand.device_memory <= demand.class_memory:
@@ -78,6 +84,7 @@ CHAIN: tuple[tuple[str, Check], ...] = (
     ("cordon", not_cordoned),  # the operator's word beats any fit
     ("class", has_class),  # only the profile's class is ever considered
     ("taint", tolerates_taint),  # pools are separated by driver taints
+    ("engine", runs_engine),  # no such build on the node: filtered until its agent finds one
     ("device-memory", device_memory),  # a class too small stays too small: filtered
     ("fabric", on_a_fabric),  # multi-node shards need a fabric attachment
     ("free-devices", free_devices),  # exhausted: may free up later

@@ -19,15 +19,38 @@ from collections.abc import Iterable, Iterator
 
 from sortedcontainers import SortedList
 
-from fleetserve.drivers import host_driver, parse_driver
+from fleetserve.drivers import RuntimeVariant, host_driver, parse_driver
+from fleetserve.engines.spec import EngineKind
 from fleetserve.placement.choose import Found, found_group, found_single, group_score
 from fleetserve.placement.demand import Demand
 from fleetserve.placement.filters import free_cores, free_memory
 from fleetserve.placement.report import ProfileReport, Reason, report_for
-from fleetserve.placement.state import NodeWork, WorkingState
+from fleetserve.placement.state import ENGINE_VARIANTS, NodeWork, WorkingState
 from fleetserve.spec.resources import Replica
 
 Counts = dict[tuple[Reason, int | None], int]
+Build = tuple[EngineKind, RuntimeVariant]
+# (engine, variant) → names of indexed nodes that reported their engines without that build.
+Lacking = dict[Build, set[str]]
+
+
+def _lack(lacking: Lacking, node: NodeWork, add: bool) -> None:
+    """Count ``node`` in (or out of) the lacking set of every build it reported it has not."""
+    if node.runs is None:
+        return
+    for build in ENGINE_VARIANTS:
+        if build not in node.runs:
+            members = lacking.setdefault(build, set())
+            if add:
+                members.add(node.name)
+            else:
+                members.discard(node.name)
+
+
+def _build(demand: Demand) -> Build:
+    return (demand.engine, demand.variant)
+
+
 Buckets = list[SortedList]  # index j: names of nodes with j free devices of the class, sorted
 
 
@@ -47,6 +70,8 @@ class _ClassIndex:
         self.present = 0  # Ready, uncordoned nodes with this class, before the taint check
         self.eligible = 0
         self.no_fabric = 0
+        # Eligible nodes without a build (filtered before any capacity check): skipped in searches.
+        self.lacking: Lacking = {}
         # Bumped whenever a member node's free devices, cores or memory may have changed: a
         # memoised report for this class is current while the version it was made at is.
         self.version = 0
@@ -84,6 +109,7 @@ class IndexedSearch:
         self.cpu_held: dict[str, SortedList] = {}  # model → the same, for nodes caching it
         self.cpu_taint = 0  # Ready, uncordoned nodes in a GPU pool
         self.cpu_version = 0  # as _ClassIndex.version, for the CPU list
+        self.cpu_lacking: Lacking = {}  # as _ClassIndex.lacking, for the CPU list
         self._count: dict[tuple[str, str], int] = {}  # (class, node) → indexed free count
         self._cores: dict[str, int] = {}
         self._reports: dict[Demand, tuple[int, ProfileReport]] = {}  # demand → (version, report)
@@ -110,6 +136,7 @@ class IndexedSearch:
         if node.tolerates(host_driver()):
             self._cores[node.name] = node.free_cores
             self._cpu_place(node, node.free_cores, add=True)
+            _lack(self.cpu_lacking, node, add=True)
         else:
             self.cpu_taint += 1
         for cls in node.devices_of:
@@ -123,6 +150,7 @@ class IndexedSearch:
                 continue
             index.eligible += 1
             index.no_fabric += 0 if node.fabrics else 1
+            _lack(index.lacking, node, add=True)
             j = node.free_count(cls)
             self._count[(cls, node.name)] = j
             index.place(node, j, add=True)
@@ -140,6 +168,7 @@ class IndexedSearch:
         cores = self._cores.pop(node.name, None)
         if cores is not None:
             self._cpu_place(node, cores, add=False)
+            _lack(self.cpu_lacking, node, add=False)
         else:
             self.cpu_taint -= 1
         for cls in node.devices_of:
@@ -150,6 +179,7 @@ class IndexedSearch:
                 continue
             index.eligible -= 1
             index.no_fabric -= 0 if node.fabrics else 1
+            _lack(index.lacking, node, add=False)
             index.place(node, j, add=False)
 
     def replace_node(self, old: NodeWork, new: NodeWork) -> bool:
@@ -250,10 +280,15 @@ class IndexedSearch:
             counts[rejection] = counts.get(rejection, 0) + 1
         return False
 
-    def _first_fit(self, names: Iterable[str], demand: Demand, counts: Counts | None) -> NodeWork | None:
-        """The first of ``names`` whose host fits ``demand``, counting every rejection before it."""
+    def _first_fit(
+        self, names: Iterable[str], demand: Demand, counts: Counts | None, lacking: set[str]
+    ) -> NodeWork | None:
+        """The first of ``names`` with the build whose host fits ``demand``, counting every host
+        rejection before it (a node without the build is counted as such, from ``lacking``)."""
         by_name = self.state.by_name
         for name in names:
+            if name in lacking:
+                continue
             node = by_name[name]
             if self._fits_host(node, demand, counts):
                 return node
@@ -265,6 +300,7 @@ class IndexedSearch:
         # Without a host claim every node of a bucket fits, unless some node is overcommitted.
         claims_host = demand.cpu_cores > 0 or demand.host_memory > 0 or bool(self._overcommitted)
         held = index.held.get(demand.model)
+        lacking = index.lacking.get(_build(demand), set())
         counts: Counts = {}
         for j in range(k, len(index.all)):
             bucket = index.all[j]
@@ -272,23 +308,32 @@ class IndexedSearch:
                 continue
             holders = held[j] if held is not None else None  # of this bucket, by name
             if not claims_host:
-                # Every node in the bucket fits: among equals, the first holding the model.
-                return found_single(by_name[holders[0] if holders else bucket[0]], demand)
+                # Every node in the bucket with the build fits: among equals, the first holding
+                # the model.
+                name = next((n for n in holders or () if n not in lacking), None)
+                name = name or next((n for n in bucket if n not in lacking), None)
+                if name is not None:
+                    return found_single(by_name[name], demand)
+                continue
             # A holder that fits, else the first node that fits. Only the scan of the whole
             # bucket counts rejections (the holders are in it too); they matter only when no
             # bucket has a fit, and then every bucket was scanned whole.
-            node = self._first_fit(holders, demand, None) if holders else None
+            node = self._first_fit(holders, demand, None, lacking) if holders else None
             if node is None:
-                node = self._first_fit(bucket, demand, counts)
+                node = self._first_fit(bucket, demand, counts, lacking)
             if node is not None:
                 return found_single(node, demand)
         return self._gpu_report(demand, index, counts, 0, {})
 
     def _members(self, buckets: Buckets, demand: Demand, counts: Counts) -> Iterator[NodeWork]:
-        """Nodes of a fabric that fit alone, emptiest first."""
+        """Nodes of a fabric with the build that fit alone, emptiest first."""
         by_name = self.state.by_name
+        index = self.classes[demand.device_class] if demand.device_class else None
+        lacking = index.lacking.get(_build(demand), set()) if index else set()
         for j in range(len(buckets) - 1, demand.devices_per_node - 1, -1):
             for name in buckets[j]:
+                if name in lacking:
+                    continue
                 node = by_name[name]
                 if self._fits_host(node, demand, counts):
                     yield node
@@ -318,10 +363,14 @@ class IndexedSearch:
         by_name = self.state.by_name
         best: NodeWork | None = None
         memory_short = 0
-        # Most free cores first; the first node whose memory also fits sets the best core count.
+        lacking = self.cpu_lacking.get(_build(demand), set())
+        # Most free cores first; the first node with the build whose memory also fits sets the
+        # best core count.
         for neg_cores, name in self.cpu:
             if -neg_cores < demand.cpu_cores:
                 break
+            if name in lacking:
+                continue
             node = by_name[name]
             if node.free_memory < demand.host_memory:
                 memory_short += 1
@@ -336,15 +385,20 @@ class IndexedSearch:
                 for neg_cores, name in held.islice(held.bisect_left((top, ""))):
                     if neg_cores != top:
                         break
+                    if name in lacking:
+                        continue
                     node = by_name[name]
                     if node.free_memory >= demand.host_memory:
                         return found_single(node, demand)
             return found_single(best, demand)
         cpu_short = len(self.cpu) - self.cpu.bisect_left((-demand.cpu_cores + 1, ""))
+        # Of those short of cores, the nodes without the build are counted as such.
+        lacking_short = sum(1 for name in lacking if self._cores[name] < demand.cpu_cores)
         counts: Counts = self._base_counts()
         rest = len(self.state.nodes) - self.not_ready - self.cordoned
         counts[(Reason.TAINT_NOT_TOLERATED, None)] = rest - len(self.cpu)
-        counts[(Reason.INSUFFICIENT_CPU, None)] = cpu_short
+        counts[(Reason.ENGINE_NOT_INSTALLED, None)] = len(lacking)
+        counts[(Reason.INSUFFICIENT_CPU, None)] = cpu_short - lacking_short
         counts[(Reason.INSUFFICIENT_MEMORY, None)] = memory_short
         return self._report(demand, counts, 0, {})
 
@@ -367,15 +421,28 @@ class IndexedSearch:
         counts[(Reason.NO_DEVICE_OF_CLASS, None)] = rest - present
         if index is not None:
             counts[(Reason.TAINT_NOT_TOLERATED, None)] = present - index.eligible
+            # Eligible nodes without the build, before any capacity check; the rest, below, are
+            # counted without them.
+            lacking = index.lacking.get(_build(demand), set())
+            counts[(Reason.ENGINE_NOT_INSTALLED, None)] = len(lacking)
             if demand.device_memory > demand.class_memory:
-                counts[(Reason.DEVICE_MEMORY_TOO_SMALL, None)] = index.eligible
+                counts[(Reason.DEVICE_MEMORY_TOO_SMALL, None)] = index.eligible - len(lacking)
             else:
                 buckets = index.all
+                by_name = self.state.by_name
+                index_class = demand.device_class or ""
                 if demand.nodes > 1:
-                    counts[(Reason.NO_FABRIC, None)] = index.no_fabric
+                    lacking = {n for n in lacking if by_name[n].fabrics}
+                    counts[(Reason.NO_FABRIC, None)] = index.no_fabric - (
+                        len(index.lacking.get(_build(demand), set())) - len(lacking)
+                    )
                     buckets = index.attached
+                short: dict[int, int] = {}
+                for name in lacking:
+                    j = self._count[(index_class, name)]
+                    short[j] = short.get(j, 0) + 1
                 for j in range(min(demand.devices_per_node, len(buckets))):
-                    counts[(Reason.INSUFFICIENT_FREE_DEVICES, j)] = len(buckets[j])
+                    counts[(Reason.INSUFFICIENT_FREE_DEVICES, j)] = len(buckets[j]) - short.get(j, 0)
                 for key, n in host_counts.items():
                     counts[key] = counts.get(key, 0) + n
                 if n_fit:

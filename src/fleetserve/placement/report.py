@@ -23,6 +23,7 @@ class Reason(StrEnum):
     CORDONED = "Cordoned"
     NO_DEVICE_OF_CLASS = "NoDeviceOfClass"
     TAINT_NOT_TOLERATED = "TaintNotTolerated"
+    ENGINE_NOT_INSTALLED = "EngineNotInstalled"
     DEVICE_MEMORY_TOO_SMALL = "DeviceMemoryTooSmall"
     NO_FABRIC = "NoFabric"
     INSUFFICIENT_FREE_DEVICES = "InsufficientFreeDevices"
@@ -67,6 +68,8 @@ class ProfileReport:
     nodes_evaluated: int
     nodes_fit: int
     reasons: tuple[ReasonCount, ...]
+    # The engine build the profile needs, ENGINE/VARIANT (``llama.cpp/cuda``): EngineNotInstalled's detail.
+    engine: str = ""
     # Multi-node: per fabric, how many nodes fit individually (only filled when the group failed).
     fabric_fit: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
 
@@ -83,6 +86,7 @@ class ProfileReport:
         return {
             "profile": self.profile,
             "deviceClass": self.device_class,
+            "engine": self.engine,
             "devicesNeeded": self.needed,
             "nodesNeeded": self.nodes_needed,
             "nodesEvaluated": self.nodes_evaluated,
@@ -112,6 +116,7 @@ def report_for(
         nodes_evaluated=nodes_evaluated,
         nodes_fit=nodes_fit,
         reasons=sort_counts(counts),
+        engine=f"{demand.engine.value}/{demand.variant.value}",
         fabric_fit=MappingProxyType(dict(fabric_fit or {})),
     )
 
@@ -134,6 +139,8 @@ def _phrase(rc: ReasonCount, report: ProfileReport) -> str:
             return f"no device of class {cls}"
         case Reason.TAINT_NOT_TOLERATED:
             return "in another driver's pool (taint not tolerated)"
+        case Reason.ENGINE_NOT_INSTALLED:
+            return f"without the {report.engine} engine build (not installed)"
         case Reason.DEVICE_MEMORY_TOO_SMALL:
             return f"{cls} memory too small for the model"
         case Reason.NO_FABRIC:

@@ -9,7 +9,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from fleetserve.drivers import Driver
+from fleetserve.drivers import Driver, RuntimeVariant
+from fleetserve.engines.registry import ENGINES
+from fleetserve.engines.spec import EngineKind
 from fleetserve.errors import AllocationConflict, UnknownReplica
 from fleetserve.snapshot import ClusterSnapshot
 from fleetserve.spec.resources import Node, NodeState, Replica, Shard
@@ -33,6 +35,8 @@ class NodeWork:
     cores: int
     memory: int
     cache: frozenset[str]
+    # The (engine, variant) builds the node's agent found; None: never reported (not filtered).
+    runs: frozenset[tuple[EngineKind, RuntimeVariant]] | None = None
     used_cores: int = 0
     used_memory: int = 0
     class_of: dict[int, str] = field(default_factory=dict)
@@ -50,9 +54,26 @@ class NodeWork:
         free = self.free.get(device_class)
         return len(free) if free else 0
 
+    def lacks(self, engine: EngineKind, variant: RuntimeVariant) -> bool:
+        """Whether the node reported its engines and ``engine``'s ``variant`` is not among them."""
+        return self.runs is not None and (engine, variant) not in self.runs
+
     def tolerates(self, driver: Driver) -> bool:
         """Whether a workload of ``driver`` tolerates every taint this node carries."""
         return self.taints <= {driver.value}
+
+
+# Every (engine, variant) an engine row has: what a node's fingerprints can lack.
+ENGINE_VARIANTS: tuple[tuple[EngineKind, RuntimeVariant], ...] = tuple(
+    (kind, variant) for kind, spec in ENGINES.items() for variant in spec.variants
+)
+
+
+def runs_of(node: Node) -> frozenset[tuple[EngineKind, RuntimeVariant]] | None:
+    """The (engine, variant) builds a node runs (``Node.runs``), None where it never said."""
+    if node.engines is None:
+        return None
+    return frozenset(p for p in ENGINE_VARIANTS if node.runs(*p))
 
 
 def node_work(node: Node, snapshot: ClusterSnapshot) -> NodeWork:
@@ -80,6 +101,7 @@ def node_work(node: Node, snapshot: ClusterSnapshot) -> NodeWork:
         cores=node.cpu.cores,
         memory=node.cpu.memory,
         cache=frozenset(node.model_cache),
+        runs=runs_of(node),
         class_of=class_of,
     )
 

@@ -9,6 +9,9 @@
   released — and its engine stopped by its agent — once its agent reports no request in flight
   after every gateway refreshed its routes, or when ``drainSeconds`` have passed. A replica that
   is not Running serves nothing and is released at once.
+- **A node that lost the build** (its agent registered again without the replica's engine variant:
+  binary removed, replaced by another build) cannot run the replica: it is released and replaced
+  elsewhere like one on a Lost node, not restarted in place for ever.
 - **Rollouts surge.** Replicas placed for another revision (``TEMPLATE.WEIGHTS``: the deployment's
   model name and profiles, then the weights its Model names, ``Model.weights_digest``) are old:
   new ones are placed up to ``desired + maxSurge``, and old Running ones drain only while at least
@@ -33,6 +36,7 @@ from enum import StrEnum
 from typing import Any
 
 from fleetserve.conditions import Condition, ConditionReason, ConditionType
+from fleetserve.drivers import parse_driver
 from fleetserve.routing import ROUTE_REFRESH_SECONDS
 from fleetserve.snapshot import ClusterSnapshot, ReplicaFacts, replica_ordinal
 from fleetserve.spec.resources import (
@@ -42,6 +46,7 @@ from fleetserve.spec.resources import (
     ReplicaState,
     revision_parts,
 )
+from fleetserve.validation import resolve_profile
 
 # A Draining replica's in-flight count is trusted only when read this long after it started to
 # drain: by then every gateway has refreshed its routes (twice the refresh period, for slack).
@@ -271,6 +276,20 @@ def _progress_condition(progress: RolloutProgress, replacing: bool, model: str) 
     )
 
 
+def unrunnable(dep: Deployment, replica: Replica, snapshot: ClusterSnapshot) -> bool:
+    """Whether a node under ``replica`` no longer runs its profile's engine build (a profile or
+    class no longer known says nothing: the rollout or the gate decides those)."""
+    profile = next((p for p in dep.profiles if p.name == replica.profile), None)
+    if profile is None:
+        return False
+    if profile.device_class is not None:
+        cls = snapshot.classes.get(profile.device_class)
+        if cls is None or parse_driver(cls.driver) is None:
+            return False
+    resolved = resolve_profile(profile, snapshot.classes)
+    return snapshot.without_build(replica, resolved.engine, resolved.variant)
+
+
 def plan_lifecycle(
     dep: Deployment,
     snapshot: ClusterSnapshot,
@@ -280,7 +299,7 @@ def plan_lifecycle(
     """Decide what happens to one deployment's replicas this cycle (see the module docstring)."""
     history = history or FailureHistory()
     mine = sorted(snapshot.replicas_of(dep.name), key=_order)
-    lost = tuple(r.name for r in mine if snapshot.on_lost_node(r))
+    lost = tuple(r.name for r in mine if snapshot.on_lost_node(r) or unrunnable(dep, r, snapshot))
     release: list[str] = list(lost)
     draining = [r for r in mine if r.name not in lost and r.state is ReplicaState.DRAINING]
     release += [r.name for r in draining if drained(snapshot.facts_of(r.name), dep.drain_seconds, now)]

@@ -20,7 +20,15 @@ from pydantic import AfterValidator, Field, field_validator, model_validator
 from fleetserve.drivers import RuntimeVariant
 from fleetserve.engines.spec import EngineKind
 from fleetserve.spec.base import MAX_BYTES, MAX_CORES, MAX_REPLICAS, Bytes, Name, Spec
-from fleetserve.spec.nodeparts import Cordon, CpuCapacity, Device, DeviceGroup, Hca
+from fleetserve.spec.nodeparts import (
+    MAX_ENGINES,
+    Cordon,
+    CpuCapacity,
+    Device,
+    DeviceGroup,
+    EngineFingerprint,
+    Hca,
+)
 from fleetserve.spec.policies import (
     AdmissionPolicy,
     AutoscalePolicy,
@@ -97,6 +105,16 @@ class Node(Spec):
     model_cache: tuple[str, ...] = ()
     # Where peers and the gateway reach this node's engines (an IP or DNS name); the agent sets it.
     address: str = Field(default="", max_length=253, pattern=r"^[A-Za-z0-9.:\-\[\]]*$")
+    # The engine builds the node's agent found, each with the variants it runs here. None: never
+    # reported (a YAML fleet, a Kubernetes node): placement does not filter on engines. A tuple,
+    # even empty: the node runs exactly the variants listed.
+    engines: tuple[EngineFingerprint, ...] | None = Field(default=None, max_length=MAX_ENGINES)
+
+    def runs(self, engine: EngineKind, variant: RuntimeVariant) -> bool:
+        """Whether the node can run ``engine``'s ``variant``: unknown engines (None) say yes."""
+        if self.engines is None:
+            return True
+        return any(f.engine is engine and variant in f.variants for f in self.engines)
 
     @model_validator(mode="before")
     @classmethod

@@ -19,6 +19,7 @@ from builders import cpu_8c_32g, gpu_host_8c_64g
 from fleetserve.protocol import MAX_DEVICES, MAX_GPU_SAMPLES, MAX_LABELS
 from fleetserve.server.agents.enrolment import EnrolmentPolicy, parse_networks
 from fleetserve.server.app import create_app
+from fleetserve.spec.nodeparts import MAX_ENGINE_DEVICES, MAX_ENGINES
 from fleetserve.spec.resources import Node, NodeState
 from fleetserve.store import SqlStore, TokenKind
 
@@ -332,8 +333,14 @@ def test_a_body_over_its_routes_limit_is_a_413_naming_the_limit_before_anything_
         ({"labels": {f"k{i}": "v" for i in range(MAX_LABELS + 1)}}, "labels", MAX_LABELS),
         ({"gpus": [{"class": "h100", "count": MAX_DEVICES + 1}]}, "devices", MAX_DEVICES),
         ({"hcas": [{"name": f"mlx5_{i}", "fabric": "ib"} for i in range(65)]}, "hcas", 64),
+        ({"engines": [{"engine": "vllm", "variants": ["cpu"]}] * (MAX_ENGINES + 1)}, "engines", MAX_ENGINES),
+        (
+            {"engines": [{"engine": "llama.cpp", "devices": [{"name": "CUDA0"}] * (MAX_ENGINE_DEVICES + 1)}]},
+            "engines.0.devices",
+            MAX_ENGINE_DEVICES,
+        ),
     ],
-    ids=["labels", "devices", "HCAs"],
+    ids=["labels", "devices", "HCAs", "engines", "an-engines-devices"],
 )
 def test_a_node_document_over_a_cap_is_a_422_naming_the_field_and_the_cap(
     plane: Plane, doc: dict[str, Any], field_name: str, limit: int
@@ -342,6 +349,21 @@ def test_a_node_document_over_a_cap_is_a_422_naming_the_field_and_the_cap(
     error = error_of(plane.client.post(f"{AGENT}/register", json=body, headers=plane.join), 422)
     (problem,) = [p for p in error["problems"] if p["field"] == field_name]
     assert f"at most {limit} " in problem["message"]
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        pytest.param({"engine": "sglang", "variants": ["cuda"]}, id="an-engine-no-row-has"),
+        pytest.param({"engine": "vllm", "variants": ["metal"]}, id="a-variant-no-row-has"),
+        pytest.param({"engine": "vllm", "version": "x" * 129}, id="a-version-over-its-cap"),
+        pytest.param({"engine": "vllm", "version": "0.1\x00"}, id="a-version-holding-nul"),
+    ],
+)
+def test_an_agent_claiming_engines_outside_the_table_is_refused(plane: Plane, engine: dict[str, Any]) -> None:
+    body = {"kind": "Node", "name": "n1", "cpu": {"cores": 8, "memory": "8GiB"}, "engines": [engine]}
+    error_of(plane.client.post(f"{AGENT}/register", json=body, headers=plane.join), 422)
+    assert plane.client.get("/api/v1/nodes", headers=plane.admin).json() == []
 
 
 def test_more_gpu_samples_than_the_cap_is_a_422_naming_it(plane: Plane) -> None:

@@ -151,6 +151,27 @@ function nodeCard(node, classes, actions) {
     );
   });
   const problems = (agent.problems || []).map((p) => el("li", { class: "error", text: p }));
+  // The engine builds its agent found; none reported (a YAML fleet's node): not filtered on them.
+  const engines =
+    node.engines == null
+      ? el("p", { class: "muted", text: "not reported by an agent: placement does not filter on engines" })
+      : node.engines.length
+        ? el(
+            "ul",
+            { class: "plain" },
+            node.engines.map((f) =>
+              el(
+                "li",
+                {},
+                el("span", { text: `${f.engine} ${f.version}` }),
+                el("span", {
+                  class: "muted",
+                  text: ` · ${f.variants.length ? f.variants.join(", ") : "runs no variant here"}${f.devices.length ? " · sees " + f.devices.map((d) => d.name).join(", ") : ""}`,
+                }),
+              ),
+            ),
+          )
+        : el("p", { class: "error", text: "its agent found no engine: no replica is placed here" });
   return sized(
     el(
       "article",
@@ -160,6 +181,8 @@ function nodeCard(node, classes, actions) {
       el("h3", { text: "Devices" }),
       devices,
       gpuTable,
+      el("h3", { text: "Engines" }),
+      engines,
       downloads.length ? [el("h3", { text: "Downloads" }), el("ul", { class: "plain" }, downloads)] : null,
       problems.length ? [el("h3", { text: "Problems" }), el("ul", { class: "plain" }, problems)] : null,
       buttons,
