@@ -315,6 +315,6 @@ def test_x_forwarded_for_is_believed_from_a_proxy_of_forwarded_allow_ips_only() 
 
 
 def test_a_forwarded_allow_ips_entry_that_is_no_address_names_the_flag() -> None:
-    with pytest.raises(ValueError, match="--forwarded-allow-ips 'proxy.local'"):
+    with pytest.raises(ValueError, match=r"--forwarded-allow-ips 'proxy\.local'"):
         ListenerLimits(forwarded_allow=("proxy.local",))
     assert "--forwarded-allow-ips=10.0.0.5" in ListenerLimits(forwarded_allow=("10.0.0.5",)).flags()
