@@ -260,3 +260,61 @@ def test_a_body_that_stalls_is_408_after_the_head_timeout_and_a_slow_steady_one_
             time.sleep(0.3)
             sock.sendall(b"y")
         assert read_answer(sock)[0:3:2] == (200, b"6")
+
+
+# --- forwarded headers: believed only from --forwarded-allow-ips proxies ---------------------------
+
+
+async def client_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """Answers every request with the client address the app sees (what the login throttle, the
+    node-address check and the audit log read)."""
+    if scope["type"] != "http":
+        return
+    body = str(scope["client"][0]).encode()
+    await send(
+        {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(body))]}
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+@contextlib.contextmanager
+def serving(app: Any, limits: ListenerLimits) -> Iterator[int]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, limits, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def seen_client(port: int, forwarded: str) -> bytes:
+    with connect(port) as sock:
+        sock.sendall(f"GET / HTTP/1.1\r\nHost: t\r\nX-Forwarded-For: {forwarded}\r\n\r\n".encode())
+        return read_answer(sock)[2]
+
+
+def test_a_loopback_client_forging_x_forwarded_for_is_seen_as_its_own_address_by_default() -> None:
+    with serving(client_app, ListenerLimits()) as port:
+        assert seen_client(port, "203.0.113.9") == b"127.0.0.1"
+
+
+def test_x_forwarded_for_is_believed_from_a_proxy_of_forwarded_allow_ips_only() -> None:
+    with serving(client_app, ListenerLimits(forwarded_allow=("127.0.0.1",))) as port:
+        assert seen_client(port, "203.0.113.9") == b"203.0.113.9"
+    with serving(client_app, ListenerLimits(forwarded_allow=("10.0.0.0/8",))) as port:
+        assert seen_client(port, "203.0.113.9") == b"127.0.0.1"
+
+
+def test_a_forwarded_allow_ips_entry_that_is_no_address_names_the_flag() -> None:
+    with pytest.raises(ValueError, match=r"--forwarded-allow-ips 'proxy\.local'"):
+        ListenerLimits(forwarded_allow=("proxy.local",))
+    assert "--forwarded-allow-ips=10.0.0.5" in ListenerLimits(forwarded_allow=("10.0.0.5",)).flags()

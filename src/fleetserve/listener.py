@@ -15,7 +15,11 @@ socket that never completes one is never refused. ``BoundedHttpTools`` adds, per
 - a connection cap: a connection past ``max_connections`` open in this process is answered 503
   at once, before anything is read from it.
 
-Idle keep-alive connections close after ``keep_alive`` seconds (uvicorn's own timer). A refusal
+Idle keep-alive connections close after ``keep_alive`` seconds (uvicorn's own timer).
+``X-Forwarded-For`` and ``X-Forwarded-Proto`` are believed only from the proxies of
+``forwarded_allow`` (``--forwarded-allow-ips``; none by default: uvicorn's own default trusts any
+loopback peer, so a local process could forge the address the login throttle, the node-address
+check and the audit log see). A refusal
 is a small JSON body in OpenAI's error shape naming the limit and the flag that raises it; the
 connection then stops being read and closes (half-closed first, so a client still sending
 reads the answer rather than a reset).
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import math
 import resource
 from dataclasses import dataclass
@@ -55,12 +60,22 @@ class ListenerLimits:
     head_timeout: float = HEAD_TIMEOUT  # --head-timeout: seconds to send a head; longest body pause
     keep_alive: float = KEEP_ALIVE  # --keep-alive-timeout: seconds an idle connection stays open
     max_connections: int = MAX_CONNECTIONS  # --max-connections: open at once in this process
+    # --forwarded-allow-ips: proxies (addresses or networks) whose X-Forwarded-* are believed.
+    forwarded_allow: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.head_bytes < 1024 or self.header_count < 1 or self.max_connections < 1:
             raise ValueError("head bytes must be at least 1024, headers and connections at least 1")
         if self.head_timeout <= 0 or self.keep_alive <= 0:
             raise ValueError("the head and keep-alive timeouts must be positive")
+        for proxy in self.forwarded_allow:
+            try:
+                ipaddress.ip_network(proxy, strict=False)
+            except ValueError:
+                raise ValueError(
+                    f"--forwarded-allow-ips {proxy!r} is not an address or network; give the "
+                    "proxy's address (e.g. 10.0.0.5 or 10.0.0.0/24)"
+                ) from None
 
     def flags(self) -> tuple[str, ...]:
         """These limits as the flags of ``fleetserve server`` (``up`` passes them on)."""
@@ -70,6 +85,7 @@ class ListenerLimits:
             f"--head-timeout={self.head_timeout:g}",
             f"--keep-alive-timeout={self.keep_alive:g}",
             f"--max-connections={self.max_connections}",
+            *(f"--forwarded-allow-ips={proxy}" for proxy in self.forwarded_allow),
         )
 
     def connection_cap(self, open_files: int | None = None) -> int:
@@ -310,7 +326,8 @@ def bounded_protocol(limits: ListenerLimits) -> type[BoundedHttpTools]:
 
 def uvicorn_config(app: Any, host: str, port: int, limits: ListenerLimits, **options: Any) -> uvicorn.Config:
     """The uvicorn configuration of every fleetserve listener: uvloop, httptools bounded by
-    ``limits``; ``options`` are passed on (log level, TLS, graceful shutdown)."""
+    ``limits``, forwarded headers only from ``limits.forwarded_allow``; ``options`` are passed on
+    (log level, TLS, graceful shutdown)."""
     return uvicorn.Config(
         app,
         loop="uvloop",
@@ -318,5 +335,7 @@ def uvicorn_config(app: Any, host: str, port: int, limits: ListenerLimits, **opt
         host=host,
         port=port,
         timeout_keep_alive=max(1, math.ceil(limits.keep_alive)),
+        proxy_headers=bool(limits.forwarded_allow),
+        forwarded_allow_ips=list(limits.forwarded_allow),
         **options,
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import time
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -133,6 +134,26 @@ def test_parse_quantity_refuses_what_is_no_quantity(bad: object) -> None:
 def test_negative_quantities_are_refused(func: Any) -> None:
     with pytest.raises(ValueError, match=r"'-2Gi' is negative"):
         func("-2Gi")
+
+
+@pytest.mark.parametrize("absurd", ["1e400000", "1e9999999999", "1" * 5000, "9e20", "100000Ei"])
+def test_an_absurd_quantity_is_refused_fast_before_it_is_expanded(absurd: str) -> None:
+    started = time.process_time()
+    with pytest.raises(ValueError, match=r"larger than any Kubernetes quantity|out of range"):
+        quantity_cores(absurd)
+    assert time.process_time() - started < 0.05  # 4 s of CPU for 1e400000 before
+
+
+def test_an_absurd_quantity_in_a_node_names_the_field(
+    nodes: list[dict[str, Any]], slices: list[dict[str, Any]], classes: dict[str, DeviceClass]
+) -> None:
+    nodes[3]["status"]["allocatable"]["memory"] = "1e400000"
+    result = nodes_from_cluster(nodes, slices, classes)
+    assert "cpu-a" not in [n.name for n in result.nodes]
+    assert any(
+        "node cpu-a: cannot be imported: status.allocatable.memory: '1e400000' is larger" in line
+        for line in result.unmatched
+    )
 
 
 # --- the fixture cluster -------------------------------------------------------------------
@@ -375,7 +396,7 @@ def test_an_unreadable_node_is_left_out_with_a_sentence(
         "no HCA on fabric ib-east is imported"
     )
     assert result.unmatched[1].startswith(
-        "node cpu-a: cannot be imported: 'lots' is not a Kubernetes quantity"
+        "node cpu-a: cannot be imported: status.allocatable.cpu: 'lots' is not a Kubernetes quantity"
     )
     assert result.unmatched[2].startswith(f"node {'x' * 70}: cannot be imported: name: ")
     assert "is not a valid name" in result.unmatched[2]

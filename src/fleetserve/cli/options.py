@@ -137,6 +137,15 @@ MaxConnectionsOpt = Annotated[
         min=1,
     ),
 ]
+ForwardedAllowOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--forwarded-allow-ips",
+        help="A proxy (address or CIDR) whose X-Forwarded-For and X-Forwarded-Proto are believed: "
+        "the client address the login throttle, the node-address check and the audit log see. "
+        "None by default: every client is its connection's address. Repeatable.",
+    ),
+]
 # What the gateway takes from a client and holds from an engine (``gateway.bodylimits``).
 BodyLimitOpt = Annotated[
     list[str] | None,
@@ -214,14 +223,21 @@ def cors(origins: list[str] | None) -> Cors | None:
 
 
 def listener_limits(
-    head_bytes: int, headers: int, head_timeout: float, keep_alive: float, connections: int
+    head_bytes: int,
+    headers: int,
+    head_timeout: float,
+    keep_alive: float,
+    connections: int,
+    forwarded: list[str] | None = None,
 ) -> ListenerLimits:
     """The listener's limits from --max-head-bytes, --max-headers, --head-timeout,
-    --keep-alive-timeout and --max-connections."""
+    --keep-alive-timeout, --max-connections and --forwarded-allow-ips."""
     from fleetserve.listener import ListenerLimits
 
     try:
-        return ListenerLimits(head_bytes, headers, head_timeout, keep_alive, connections)
+        return ListenerLimits(
+            head_bytes, headers, head_timeout, keep_alive, connections, tuple(forwarded or ())
+        )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
 

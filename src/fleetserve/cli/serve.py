@@ -16,6 +16,7 @@ from fleetserve.cli.options import (
     AuditRetentionOpt,
     BodyLimitOpt,
     CorsOriginOpt,
+    ForwardedAllowOpt,
     GraceSecondsOpt,
     HeadTimeoutOpt,
     HfMirrorOpt,
@@ -123,6 +124,7 @@ def server_command(
     head_timeout: HeadTimeoutOpt = HEAD_TIMEOUT,
     keep_alive_timeout: KeepAliveTimeoutOpt = KEEP_ALIVE,
     max_connections: MaxConnectionsOpt = MAX_CONNECTIONS,
+    forwarded_allow_ips: ForwardedAllowOpt = None,
     body_limit: BodyLimitOpt = None,
     max_answer_bytes: MaxAnswerBytesOpt = "64MiB",
     tls: TlsForceOpt = False,
@@ -158,7 +160,9 @@ def server_command(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     allowed = cors(cors_origin)
-    bounds = listener_limits(max_head_bytes, max_headers, head_timeout, keep_alive_timeout, max_connections)
+    bounds = listener_limits(
+        max_head_bytes, max_headers, head_timeout, keep_alive_timeout, max_connections, forwarded_allow_ips
+    )
     limits = gateway_limits(body_limit, max_answer_bytes)
     control = ControlPlane(
         models_dir,
@@ -217,6 +221,7 @@ def up_command(
     head_timeout: HeadTimeoutOpt = HEAD_TIMEOUT,
     keep_alive_timeout: KeepAliveTimeoutOpt = KEEP_ALIVE,
     max_connections: MaxConnectionsOpt = MAX_CONNECTIONS,
+    forwarded_allow_ips: ForwardedAllowOpt = None,
     body_limit: BodyLimitOpt = None,
     max_answer_bytes: MaxAnswerBytesOpt = "64MiB",
 ) -> None:
@@ -230,7 +235,9 @@ def up_command(
 
     retention(usage_retention, audit_retention)  # checked here, before anything starts
     cors(cors_origin)
-    bounds = listener_limits(max_head_bytes, max_headers, head_timeout, keep_alive_timeout, max_connections)
+    bounds = listener_limits(
+        max_head_bytes, max_headers, head_timeout, keep_alive_timeout, max_connections, forwarded_allow_ips
+    )
     gateway_limits(body_limit, max_answer_bytes)
     passed = [f"--body-limit={setting}" for setting in body_limit or ()]
     options = UpOptions(
@@ -276,6 +283,7 @@ def gateway_command(
     head_timeout: HeadTimeoutOpt = HEAD_TIMEOUT,
     keep_alive_timeout: KeepAliveTimeoutOpt = KEEP_ALIVE,
     max_connections: MaxConnectionsOpt = MAX_CONNECTIONS,
+    forwarded_allow_ips: ForwardedAllowOpt = None,
     body_limit: BodyLimitOpt = None,
     max_answer_bytes: MaxAnswerBytesOpt = "64MiB",
     tls: TlsForceOpt = False,
@@ -290,7 +298,9 @@ def gateway_command(
     from fleetserve.server.process import Listen, SharedWindows, run_gateway
 
     allowed = cors(cors_origin)
-    bounds = listener_limits(max_head_bytes, max_headers, head_timeout, keep_alive_timeout, max_connections)
+    bounds = listener_limits(
+        max_head_bytes, max_headers, head_timeout, keep_alive_timeout, max_connections, forwarded_allow_ips
+    )
     limits = gateway_limits(body_limit, max_answer_bytes)
     try:
         served = listen_tls(host, tls_cert, tls_key, tls_dir, tls_san, tls, insecure, "gateway")

@@ -21,6 +21,7 @@ from fleetserve.conditions import ConditionType
 from fleetserve.errors import ConfigError, Problem
 from fleetserve.protocol import AgentStatus
 from fleetserve.spec.resources import DeviceClass, Fabric, Model, Node, Replica, Shard
+from fleetserve.spec.yamlbounds import safe_load_all
 from fleetserve.units import format_bytes
 
 
@@ -179,7 +180,7 @@ def read_documents(paths: Sequence[Path]) -> list[dict[str, Any]]:
         name = "<stdin>" if str(path) == "-" else str(path)
         try:
             text = sys.stdin.read() if str(path) == "-" else path.read_text(encoding="utf-8")
-            loaded = [d for d in yaml.safe_load_all(text) if d is not None]
+            loaded = [d for d in safe_load_all(text) if d is not None]
         except OSError as exc:
             problems.append(Problem(name, "", f"cannot read file: {exc.strerror or exc}"))
             continue

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import ROUND_FLOOR, Decimal
 from types import MappingProxyType
@@ -85,6 +85,10 @@ _DECIMAL = {
     "P": Decimal("1e15"),
     "E": Decimal("1e18"),
 }
+# Kubernetes keeps a quantity in 63 bits (at most about 9.2e18); a larger magnitude is refused
+# before it is expanded (``1e400000`` took 4 s of CPU to turn into an int).
+_MAX_MAGNITUDE = 19
+_SHIFT = {"Ki": 4, "Mi": 7, "Gi": 10, "Ti": 13, "Pi": 16, "Ei": 19}
 
 
 def parse_quantity(value: object) -> Decimal:
@@ -104,8 +108,19 @@ def parse_quantity(value: object) -> Decimal:
             f"{value!r} is not a Kubernetes quantity; expected a number with an optional suffix "
             "(Ki, Mi, Gi, Ti, Pi, Ei, n, u, m, k, M, G, T, P, E or an exponent such as e3)"
         )
+    exponent = match["exponent"]
     try:
         number = Decimal(match["number"])
+        if len(exponent or "") > 8:
+            raise ArithmeticError("its exponent is out of range")
+        shift = int(exponent[1:]) if exponent else _SHIFT.get(match["binary"] or "", 0)
+        if not exponent and not match["binary"]:
+            shift = _DECIMAL[match["decimal"] or ""].adjusted()
+        if number and number.adjusted() + shift > _MAX_MAGNITUDE:
+            raise ValueError(
+                f"{value!r} is larger than any Kubernetes quantity (at most about 9.2e18); "
+                "give the real amount, e.g. 128 or 512Gi"
+            )
         if match["binary"]:
             return number * _BINARY[match["binary"]]
         if match["exponent"]:
@@ -162,6 +177,13 @@ def _device_fields(device: Mapping[str, Any]) -> Mapping[str, Any]:
     """A device's fields; ``resource.k8s.io/v1beta1`` nests them under ``basic``."""
     basic = device.get("basic")
     return {**device, **basic} if isinstance(basic, Mapping) else device
+
+
+def _named(parse: Callable[[object], int], value: object, field: str) -> int:
+    try:
+        return parse(value)
+    except ValueError as exc:
+        raise ValueError(f"{field}: {exc}") from None
 
 
 def _quantity_field(block: Mapping[str, Any], key: str) -> object:
@@ -326,7 +348,8 @@ def _node(
     cpu, memory = _quantity_field(status, "cpu"), _quantity_field(status, "memory")
     if cpu is None or memory is None:
         raise ValueError("status.allocatable gives no cpu or no memory")
-    cores = quantity_cores(cpu)
+    cores = _named(quantity_cores, cpu, "status.allocatable.cpu")
+    memory_bytes = _named(quantity_bytes, memory, "status.allocatable.memory")
     if cores < 1:
         raise ValueError(f"allocatable cpu {cpu} is less than one core")
     return Node(
@@ -334,7 +357,7 @@ def _node(
         labels=_labels(raw_labels),
         state=_state(status),
         cordon=Cordon(reason=CORDON_REASON) if spec.get("unschedulable") is True else None,
-        cpu=CpuCapacity(cores=cores, memory=quantity_bytes(memory), numa_nodes=_numa_nodes(cpus)),
+        cpu=CpuCapacity(cores=cores, memory=memory_bytes, numa_nodes=_numa_nodes(cpus)),
         devices=_devices(name, gpus, classes, problems),
         hcas=_hcas(name, raw_labels, problems),
         address=_address(status),

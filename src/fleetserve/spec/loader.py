@@ -19,6 +19,7 @@ from pydantic import ValidationError as PydanticValidationError
 from fleetserve.errors import ConfigError, Problem
 from fleetserve.spec.cluster import Cluster
 from fleetserve.spec.resources import Deployment, DeviceClass, Fabric, Model, Node, Replica
+from fleetserve.spec.yamlbounds import safe_load_all
 
 KINDS: Mapping[str, type[BaseModel]] = {
     "DeviceClass": DeviceClass,
@@ -159,7 +160,7 @@ def load_text(text: str, filename: str = "<string>") -> Documents:
     docs = Documents()
     problems: list[Problem] = []
     try:
-        raws = [d for d in yaml.safe_load_all(text)]
+        raws = safe_load_all(text)
     except yaml.YAMLError as exc:
         # Point at where the broken construct starts (context), else where parsing stopped.
         mark = getattr(exc, "context_mark", None) or getattr(exc, "problem_mark", None)

@@ -86,6 +86,21 @@ def shown_url(url: str | os.PathLike[str] | None) -> str:
         return "<not a database URL>"
 
 
+def private_database(path: Path) -> None:
+    """Make the SQLite file ``path`` private before SQLite opens it: missing directories are
+    created 0700, the file is created (or tightened to) 0600, and so are WAL and shared-memory
+    files left beside it (SQLite gives the ones it creates the database file's mode). It holds
+    every engine key: no other local user may read it."""
+    missing = [p for p in (path.parent, *path.parent.parents) if not p.exists()]
+    for folder in reversed(missing):
+        folder.mkdir(mode=0o700)
+        folder.chmod(0o700)
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600))
+    for companion in (path, path.with_name(f"{path.name}-wal"), path.with_name(f"{path.name}-shm")):
+        if companion.exists() and companion.stat().st_mode & 0o077:
+            companion.chmod(0o600)
+
+
 def make_engine(
     url: str | os.PathLike[str] | None = None,
     *,
@@ -100,7 +115,7 @@ def make_engine(
         if target.get_backend_name() == "sqlite":
             if not target.database:  # database_url() refuses a SQLite URL without a file
                 raise InternalError(f"a SQLite URL without a file reached make_engine: {target!r}")
-            Path(target.database).parent.mkdir(parents=True, exist_ok=True)
+            private_database(Path(target.database))
             engine = create_engine(target, connect_args=args)
             _configure_sqlite(engine, busy_timeout)
         else:

@@ -138,6 +138,24 @@ def test_failed_logins_are_bounded_per_address_even_for_the_right_token_after(ui
     assert "fs_session" not in set_cookies(held)
 
 
+def test_failed_logins_from_rotating_addresses_never_lock_out_a_valid_token_from_another(
+    store: SqlStore,
+) -> None:
+    """The audit's attack: 158 failures (here 250, past the overall cap of 200) from rotating
+    addresses; an admin with a valid token from an address that has not failed still logs in."""
+    admin = store.create_token(TokenKind.ADMIN, T0)
+    app = create_app(store)
+    for i in range(250):
+        with TestClient(app, client=(f"198.51.{i // 250}.{i % 250}", 40000)) as attacker:
+            assert attacker.post("/ui/login", data={"token": "fs_admin_guess"}).status_code == 401
+    with TestClient(app, client=("198.51.0.7", 40000)) as attacker:  # one that failed: held
+        assert attacker.post("/ui/login", data={"token": "fs_admin_guess"}).status_code == 429
+    with TestClient(app, client=("192.0.2.10", 40000), follow_redirects=False) as admin_client:
+        response = admin_client.post("/ui/login", json={"token": admin.plaintext})
+        assert response.status_code == 200, response.text
+        assert "fs_session" in set_cookies(response)
+
+
 # --- the session on the admin API ---------------------------------------------------------------
 
 

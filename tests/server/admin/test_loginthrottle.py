@@ -28,12 +28,13 @@ def test_a_success_forgets_the_address_failures() -> None:
     assert throttle.retry_after("a", 4.0) is None
 
 
-def test_failures_from_many_addresses_hold_off_everyone() -> None:
+def test_failures_from_many_addresses_hold_off_every_address_that_failed_but_not_a_new_one() -> None:
     throttle = LoginThrottle(POLICY)
     for i in range(5):
         throttle.failed(f"10.0.0.{i}", float(i))
-    assert throttle.retry_after("10.9.9.9", 10.0) == 50.0
-    assert throttle.retry_after("10.9.9.9", 60.0) is None
+    assert throttle.retry_after("10.0.0.4", 10.0) == 50.0
+    assert throttle.retry_after("10.0.0.4", 60.0) is None
+    assert throttle.retry_after("10.9.9.9", 10.0) is None  # it has not failed: it is heard
 
 
 def test_at_most_max_addresses_are_remembered_the_oldest_forgotten() -> None:

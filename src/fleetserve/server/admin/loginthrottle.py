@@ -1,5 +1,8 @@
 """How often the dashboard's login may be tried: a bounded count of failures per client address
-in a sliding window, and a cap on all failures together (a guesser with many addresses).
+in a sliding window, and a cap on all failures together (a guesser with many addresses) that
+holds back only addresses that have failed themselves: an address with no failure in the window
+is always heard, so a guesser rotating addresses never locks out an admin with a valid token.
+The address is the connection's (a forwarded one only from ``--forwarded-allow-ips`` proxies).
 
 Admin tokens are 256 random bits, so guessing one is hopeless anyway; the bound keeps a guesser
 from turning the login into a load on the store. Pure: the caller passes ``now`` (monotonic
@@ -37,16 +40,19 @@ class LoginThrottle:
             times.popleft()
 
     def retry_after(self, address: str, now: float) -> float | None:
-        """Seconds until ``address`` may try again; None: it may try now."""
+        """Seconds until ``address`` may try again; None: it may try now (always, for an address
+        with no failure in the window, whatever the others did)."""
         self._trim(self._all, now)
-        waits = []
-        if len(self._all) >= self.policy.overall:
-            waits.append(self._all[0] + self.policy.window - now)
         times = self._failures.get(address)
         if times is not None:
             self._trim(times, now)
-            if len(times) >= self.policy.per_address:
-                waits.append(times[0] + self.policy.window - now)
+        if not times:
+            return None
+        waits = []
+        if len(self._all) >= self.policy.overall:
+            waits.append(self._all[0] + self.policy.window - now)
+        if len(times) >= self.policy.per_address:
+            waits.append(times[0] + self.policy.window - now)
         return max(waits) if waits else None
 
     def failed(self, address: str, now: float) -> None:

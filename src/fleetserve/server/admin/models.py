@@ -48,7 +48,7 @@ def build_models_router(store: SqlStore, files: ModelFiles) -> APIRouter:
     @api.put("/models/{name}/file", tags=["models"], summary="Upload the model's file for agents to fetch")
     async def upload_model_file(name: NameParam, request: Request) -> UploadedFile:
         model = await run_in_threadpool(store.get_model, name)
-        stored = await files.put(name, request.stream(), model.sha256)
+        stored = await files.put(name, request.stream(), model.sha256, model.size)
         await run_in_threadpool(
             audit.record, store, request, AuditAction.MODEL_UPLOAD, f"Model/{name}",
             {"sha256": stored.sha256, "size": stored.size},
