@@ -85,6 +85,7 @@ class ClusterSnapshot:
         model names now (``Deployment.template_revision``); computed from the snapshot alone."""
         facts = self.models.get(deployment.model)
         return deployment.template_revision(facts.weights if facts is not None else "")
+
     @cached_property
     def _engine_nodes(self) -> Mapping[str, Node]:
         return MappingProxyType({n.name: n for n in self.nodes if n.engines is not None})
