@@ -306,3 +306,23 @@ def test_a_name_assigned_again_starts_only_once_its_old_engine_is_gone(running: 
     assert gone_after >= GRACE * 0.9
     assert running.sigterms()[old] == 1
     assert running.cache.pinned() == ["tiny"]  # the new engine's pin (the old one's dropped)
+
+
+def test_a_replica_the_server_stops_while_still_assigned_here_waits_for_newer_assignments(
+    running: Running,
+) -> None:
+    # The server's answer is newer than the assignments the agent holds: r-0 is stopped and not
+    # started again until assignments newer than the stop list it.
+    names = [f"r-{i}" for i in range(ENGINES)]
+    old = running.engine_pids(names)["r-0"]
+    with running.client.lock:
+        running.client.stop_answer = ["r-0"]
+    wait_for(lambda: gone(old), 3 * GRACE, lambda: "r-0's engine stopped")
+    with running.client.lock:
+        running.client.stop_answer = []
+    time.sleep(4 * INTERVAL)
+    assert "r-0" not in running.supervisor.names()
+    with running.client.lock:
+        running.client.current = running.assign("2", names)
+    new = running.engine_pids(names)["r-0"]
+    assert new != old

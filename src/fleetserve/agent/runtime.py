@@ -104,6 +104,7 @@ class Agent:
         self._http = httpx.Client(timeout=10.0)
         self._progress: dict[str, tuple[int, float]] = {}  # model → (bytes done, when that changed)
         self.stopper = Stopper(self._stop_now, self._stopped)
+        self._stop_asked_at: dict[str, str | None] = {}  # replica stopping → the revision then
         self._closing = False  # shutting down: nothing new starts
 
     # --- registration and fencing ----------------------------------------------------------------
@@ -328,8 +329,11 @@ class Agent:
 
     def _stop(self, name: str, why: str) -> None:
         """Have a replica stopped on a thread of its own (``agent/stopper.py``); returns at once."""
-        if self.stopper.stop(name):
-            log.info("stopping %s: %s", name, why)
+        with self._lock:
+            if not self.stopper.stop(name):
+                return
+            self._stop_asked_at[name] = self.revision
+        log.info("stopping %s: %s", name, why)
 
     def _stop_now(self, name: str) -> None:
         """Stop a replica (its grace waited out here) and then drop its pin on its model (pins are
@@ -342,9 +346,12 @@ class Agent:
             self.cache.unpin(model)
 
     def _stopped(self, name: str) -> None:
-        """A stop is done: what is assigned under that name (assigned again meanwhile) starts now."""
+        """A stop is done: a replica assigned again under that name (by assignments newer than the
+        stop) starts now. One the server said to stop while the assignments this agent holds still
+        list it waits for the next ones: the server's word is the newer."""
         with self._lock:
-            again = name in self._wanted
+            asked_at = self._stop_asked_at.pop(name, None)
+            again = name in self._wanted and self.revision != asked_at
         if again:
             self._start_wanted()
 
