@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -275,6 +276,42 @@ def test_stop_terms_the_whole_process_group_and_kills_what_ignores_sigterm_after
             assert took < GRACE + 1.0
     finally:
         kill_leftovers(engine, grandchild)
+
+
+def test_stops_from_many_threads_and_shutdown_each_wait_one_grace_not_one_per_engine(tmp_path):
+    # Engines that ignore SIGTERM: each stop waits out the whole grace, then SIGKILLs.
+    sup = Supervisor(tmp_path / "logs", grace_seconds=GRACE, poll_seconds=POLL)
+    engine = tmp_path / "deaf"
+    engine.write_text(f"#!/bin/sh\ntrap '' TERM\nexec {SLEEP} 300\n")
+    engine.chmod(0o755)
+    names = [f"deaf-{i}" for i in range(8)]
+    pids: list[int] = []
+    try:
+        for name in names:
+            sup.start(name, spec_of(str(engine)))
+        pids = list(
+            wait_for(lambda: len(sup.own_pids()) == 8 and sup.own_pids(), 10, lambda: str(sup.status()))
+        )
+        time.sleep(0.2)  # the shell's trap is in place before exec
+        started = time.monotonic()
+        stops = [threading.Thread(target=sup.stop, args=(n,)) for n in names[:4]]
+        for thread in stops:
+            thread.start()
+        wait_for(lambda: sup.stopping() == set(names[:4]), 2, lambda: str(sup.stopping()))
+        assert set(sup.status()) == set(names[4:])  # a stopping engine is out of status...
+        assert set(pids) == sup.own_pids()  # ...and its processes still the supervisor's own
+        for thread in stops:
+            thread.join()
+        took = time.monotonic() - started
+        assert GRACE * 0.9 <= took < 2 * GRACE, took
+        started = time.monotonic()
+        sup.shutdown()
+        took = time.monotonic() - started
+        assert GRACE * 0.9 <= took < 2 * GRACE, took
+        assert all(gone(pid) for pid in pids)
+    finally:
+        sup.shutdown()  # a second shutdown does nothing
+        kill_leftovers(*pids)
 
 
 # --- no orphans --------------------------------------------------------------------------------

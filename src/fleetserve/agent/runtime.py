@@ -10,6 +10,11 @@
   register again, then fence.
 - A long-poll follows the assignments; each new replica gets its model from the cache (pinned
   while it runs), a free port, a launch spec from its engine's adapter, and the supervisor.
+- Stops (unassigned, the server's "stop", the fence) never run on those threads: each runs on its
+  own (``agent/stopper.py``), all at once, so a heartbeat never waits out an engine's grace. A
+  replica being stopped is left out of the report (no ``ReplicaState`` says stopping, and
+  ``Draining`` is the control plane's word); its processes stay the node's own until gone, and a
+  replica assigned again under that name starts only then (reported Starting meanwhile).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import httpx
 
 from fleetserve.agent.cache import CacheState, ModelCache
 from fleetserve.agent.client import AgentApiError, AgentClient, EnrolmentPending
+from fleetserve.agent.stopper import Stopper
 from fleetserve.agent.supervisor import Supervisor
 from fleetserve.drivers import RuntimeVariant
 from fleetserve.engines.binaries import resolve
@@ -106,6 +112,9 @@ class Agent:
         # A busy engine answers /metrics late: readings are taken off the report (heartbeat) path.
         self._http = httpx.Client(timeout=10.0)
         self._progress: dict[str, tuple[int, float]] = {}  # model → (bytes done, when that changed)
+        self.stopper = Stopper(self._stop_now, self._stopped)
+        self._stop_asked_at: dict[str, str | None] = {}  # replica stopping → the revision then
+        self._closing = False  # shutting down: nothing new starts
 
     # --- registration and fencing ----------------------------------------------------------------
 
@@ -132,15 +141,21 @@ class Agent:
             self._wanted = wanted
         # A replica kept (its deployment is gone; it drains) runs on until it is released.
         for name in self.supervisor.names() - set(wanted) - set(assignments.keep):
-            log.info("stopping %s: no longer assigned to this node", name)
-            self._stop(name)
-        running = self.supervisor.names()
-        for name, entry in wanted.items():
-            if name not in running and name not in self._preparing:
-                self._preparing.add(name)
-                threading.Thread(
-                    target=self._prepare, args=(entry,), name=f"prepare-{name}", daemon=True
-                ).start()
+            self._stop(name, "no longer assigned to this node")
+        self._start_wanted()
+
+    def _start_wanted(self) -> None:
+        """Start preparing every assigned replica that neither runs, prepares nor is stopping."""
+        with self._lock:
+            if self._closing:
+                return
+            busy = self.supervisor.names() | self._preparing | self.stopper.stopping()
+            entries = [entry for name, entry in self._wanted.items() if name not in busy]
+            self._preparing.update(entry.replica.name for entry in entries)
+        for entry in entries:
+            threading.Thread(
+                target=self._prepare, args=(entry,), name=f"prepare-{entry.replica.name}", daemon=True
+            ).start()
 
     # --- starting a replica ----------------------------------------------------------------------
 
@@ -155,7 +170,8 @@ class Agent:
             log.exception("replica %s cannot start", replica.name)
             self.supervisor.fail(replica.name, f"agent error: {exc}")
         finally:
-            self._preparing.discard(replica.name)
+            with self._lock:
+                self._preparing.discard(replica.name)
 
     def _registered(self) -> Node:
         """The node as registered: the agent registers before it starts or reports anything."""
@@ -248,7 +264,8 @@ class Agent:
     def report(self) -> None:
         """One status report (also the heartbeat); re-register on a stale epoch."""
         node = self._registered()
-        statuses = self.supervisor.status()
+        stopping = self.stopper.stopping()
+        statuses = {n: s for n, s in self.supervisor.status().items() if n not in stopping}
         replicas = {
             name: ReplicaReport(
                 state=s.state,
@@ -261,8 +278,14 @@ class Agent:
             for name, s in statuses.items()
         }
         cache_status = self.cache.status()
-        for name in self._preparing - set(statuses):
+        with self._lock:
+            preparing, wanted = set(self._preparing), set(self._wanted)
+        for name in preparing - set(statuses):
             replicas[name] = ReplicaReport(state=ReplicaState.STARTING, message=self._fetching(name))
+        for name in (wanted & (stopping | self.supervisor.stopping())) - set(replicas):
+            replicas[name] = ReplicaReport(
+                state=ReplicaState.STARTING, message="waiting for the previous engine under this name to stop"
+            )
         downloads = [
             Download(
                 model=s.model,
@@ -295,8 +318,7 @@ class Agent:
             self.register()
             return
         for name in stop:
-            log.info("stopping %s: the server says it is not this node's", name)
-            self._stop(name)
+            self._stop(name, "the server says it is not this node's")
 
     def _fetching(self, replica: str) -> str:
         """What a replica waiting for its model says: the download's source, progress, or stall."""
@@ -316,14 +338,33 @@ class Agent:
             model.name, model.source, status.done, status.total, status.rate, now - last[1]
         )
 
-    def _stop(self, name: str) -> None:
-        """Stop a replica and drop its pin on its model (pins are counted per replica)."""
+    def _stop(self, name: str, why: str) -> None:
+        """Have a replica stopped on a thread of its own (``agent/stopper.py``); returns at once."""
+        with self._lock:
+            if not self.stopper.stop(name):
+                return
+            self._stop_asked_at[name] = self.revision
+        log.info("stopping %s: %s", name, why)
+
+    def _stop_now(self, name: str) -> None:
+        """Stop a replica (its grace waited out here) and then drop its pin on its model (pins are
+        counted per replica): on a stopper thread."""
         self.supervisor.stop(name)
         with self._lock:
             model = self._model_of.pop(name, None)
             self._metrics_of.pop(name, None)
         if model is not None:
             self.cache.unpin(model)
+
+    def _stopped(self, name: str) -> None:
+        """A stop is done: a replica assigned again under that name (by assignments newer than the
+        stop) starts now. One the server said to stop while the assignments this agent holds still
+        list it waits for the next ones: the server's word is the newer."""
+        with self._lock:
+            asked_at = self._stop_asked_at.pop(name, None)
+            again = name in self._wanted and self.revision != asked_at
+        if again:
+            self._start_wanted()
 
     # --- loops ------------------------------------------------------------------------------------
 
@@ -386,6 +427,9 @@ class Agent:
         for thread in threads:
             thread.start()
         stop.wait()
+        with self._lock:
+            self._closing = True
+        self.stopper.wait()  # no process left behind: every stop in flight ends first
         self.supervisor.shutdown()
 
 

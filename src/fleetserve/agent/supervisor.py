@@ -9,7 +9,11 @@ starts anything.
 
 All processes are started from the supervisor's own long-lived thread: the parent-death signal
 fires when the *thread* that forked the child ends, so forking from a short-lived thread would
-kill the engine with it.
+kill the engine with it. A stop is marked and its SIGTERM sent there too (so no restart or spawn
+can slip in between), but its grace is waited out on the caller's thread: many stops proceed at
+once, each with its own grace, while the supervisor thread goes on watching the other engines.
+A stopping engine stays in the table (its processes are still the agent's own) and is out of
+``status``; its name takes no new engine until it is gone.
 """
 
 from __future__ import annotations
@@ -70,8 +74,20 @@ class _Engine:
     backoff: float = BACKOFF_START
     restart_at: float | None = None
     stderr: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=STDERR_LINES))
-    stopping: bool = False
+    stopping: bool = False  # set on the supervisor thread; the stopping call owns ``procs`` then
+    stopped: threading.Event = field(default_factory=threading.Event)
     cgroup: Path | None = None
+
+
+@dataclass
+class _Command:
+    """One call for the supervisor thread; ``engine`` is what a "stop" handed its caller to stop."""
+
+    op: str
+    name: str
+    spec: LaunchSpec | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    engine: _Engine | None = None
 
 
 class Supervisor:
@@ -96,27 +112,45 @@ class Supervisor:
         self.clock = clock
         self._engines: dict[str, _Engine] = {}
         self._lock = threading.Lock()
-        self._commands: queue.Queue[tuple[str, str, LaunchSpec | None, threading.Event]] = queue.Queue()
+        self._commands: queue.Queue[_Command] = queue.Queue()
         self._stop = threading.Event()
+        self._closing = False  # shutting down: nothing starts any more
         self._http = httpx.Client(timeout=2.0)
         self._thread = threading.Thread(target=self._run, name="supervisor", daemon=True)
         self._thread.start()
 
     # --- commands (from any thread) ------------------------------------------------------------
 
-    def _call(self, op: str, name: str, spec: LaunchSpec | None = None, wait: bool = True) -> None:
-        done = threading.Event()
-        self._commands.put((op, name, spec, done))
-        if wait:
-            done.wait()
+    def _call(self, op: str, name: str, spec: LaunchSpec | None = None) -> _Command:
+        command = _Command(op, name, spec)
+        self._commands.put(command)
+        command.done.wait()
+        return command
 
     def start(self, name: str, spec: LaunchSpec) -> None:
         """Start a replica's engine (and sidecars); a no-op if it already runs."""
         self._call("start", name, spec)
 
     def stop(self, name: str) -> None:
-        """Stop a replica's engine gracefully and forget it."""
-        self._call("stop", name)
+        """Stop a replica's engine gracefully and forget it; returns once its processes are gone.
+
+        Safe from any thread and from many at once: each waits out its own grace on its caller's
+        thread. A stop of an engine already stopping waits for that stop; it sends nothing again."""
+        with self._lock:
+            engine = self._engines.get(name)
+        if engine is not None and engine.stopping:
+            engine.stopped.wait()
+            return
+        if self._stop.is_set():
+            return  # shut down: everything was stopped, and no thread answers calls any more
+        mine = self._call("stop", name).engine
+        if mine is not None:
+            self._finish_stop(mine, time.monotonic() + self.grace)
+            return
+        with self._lock:
+            other = self._engines.get(name)
+        if other is not None and other.stopping:  # another call marked it first
+            other.stopped.wait()
 
     def fail(self, name: str, message: str) -> None:
         """Record a replica that cannot start at all (e.g. its engine binary is missing)."""
@@ -133,7 +167,7 @@ class Supervisor:
             return set(self._engines)
 
     def status(self) -> dict[str, EngineStatus]:
-        """Every replica's state, restarts, stderr tail and port."""
+        """Every replica's state, restarts, stderr tail and port; a stopping one is not listed."""
         with self._lock:
             return {
                 e.name: EngineStatus(
@@ -141,7 +175,13 @@ class Supervisor:
                     tuple(p.pid for p in e.procs if p.poll() is None),
                 )
                 for e in self._engines.values()
+                if not e.stopping
             }  # fmt: skip
+
+    def stopping(self) -> set[str]:
+        """The replicas whose engines are being stopped (their processes not all gone yet)."""
+        with self._lock:
+            return {e.name for e in self._engines.values() if e.stopping}
 
     def own_pids(self) -> frozenset[int]:
         """Pids of every process the supervisor started, and (with cgroups) every process those
@@ -156,8 +196,16 @@ class Supervisor:
         return self.log_dir / f"{name}.log"
 
     def shutdown(self) -> None:
-        """Stop every engine and the supervisor thread."""
-        self._call("stop-all", "")
+        """Stop every engine (all at once, each with its grace; stops in flight are waited for),
+        then the supervisor thread. Nothing starts once this is called; a second call does nothing."""
+        if self._stop.is_set():
+            return
+        self._call("close", "")  # every start queued before is done; any later one is refused
+        stops = [threading.Thread(target=self.stop, args=(n,), name=f"stop-{n}") for n in self.names()]
+        for thread in stops:
+            thread.start()
+        for thread in stops:
+            thread.join()
         self._stop.set()
         self._thread.join(timeout=self.grace + 5)
         self._http.close()
@@ -167,22 +215,21 @@ class Supervisor:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                op, name, spec, done = self._commands.get(timeout=self.poll)
+                command = self._commands.get(timeout=self.poll)
             except queue.Empty:
                 self._watch()
                 continue
             try:
-                if op == "start" and spec is not None:
-                    self._start(name, spec)
-                elif op == "stop":
-                    self._stop_engine(name)
-                elif op == "stop-all":
-                    for engine_name in list(self._engines):
-                        self._stop_engine(engine_name)
+                if command.op == "start" and command.spec is not None:
+                    self._start(command.name, command.spec)
+                elif command.op == "stop":
+                    command.engine = self._begin_stop(command.name)
+                elif command.op == "close":
+                    self._closing = True
             except Exception:  # the supervisor must outlive any one engine's trouble
-                log.exception("supervisor: %s %s failed", op, name)
+                log.exception("supervisor: %s %s failed", command.op, command.name)
             finally:
-                done.set()
+                command.done.set()
             self._watch()
 
     def _spawn(self, engine: _Engine) -> None:
@@ -242,6 +289,14 @@ class Supervisor:
             existing = self._engines.get(name)
             if existing is not None and existing.spec == spec and existing.state is not ReplicaState.FAILED:
                 return
+        if self._closing:
+            log.warning("not starting %s: the supervisor is shutting down", name)
+            return
+        if existing is not None and existing.stopping:
+            # Never two engines under one name (nor one cgroup for both): the caller starts it
+            # again once the old one is gone (the agent does, ``agent/stopper.py``).
+            log.warning("not starting %s: its previous engine is still stopping", name)
+            return
         if existing is not None:
             self._stop_engine(name)
         engine = _Engine(name, spec, self.log_path(name))
@@ -251,26 +306,48 @@ class Supervisor:
         log.info("started %s: %s", name, " ".join(spec.argv))
 
     def _stop_engine(self, name: str) -> None:
+        """Stop ``name`` on the supervisor thread itself (an engine replaced by a new spec)."""
+        engine = self._begin_stop(name)
+        if engine is not None:
+            self._finish_stop(engine, time.monotonic() + self.grace)
+
+    def _begin_stop(self, name: str) -> _Engine | None:
+        """On the supervisor thread: mark ``name`` stopping (no restart, no health check, no new
+        engine under its name from now on) and SIGTERM its process groups; the engine for the
+        caller to finish, or None when there is none or it is stopping already."""
         with self._lock:
-            engine = self._engines.pop(name, None)
-        if engine is None:
-            return
-        engine.stopping = True
-        self._terminate(engine.procs, engine.cgroup)
-        if self.containment is not None:
-            self.containment.forget(name, engine.cgroup)
-        log.info("stopped %s", name)
+            engine = self._engines.get(name)
+            if engine is None or engine.stopping:
+                return None
+            engine.stopping, engine.restart_at = True, None
+        terminate_groups(engine.procs)
+        return engine
+
+    def _finish_stop(self, engine: _Engine, deadline: float) -> None:
+        """On any thread: wait out the grace, kill what is left, and forget the engine."""
+        try:
+            self._reap(engine.procs, engine.cgroup, deadline)
+            if self.containment is not None:
+                self.containment.forget(engine.name, engine.cgroup)
+        finally:
+            with self._lock:
+                if self._engines.get(engine.name) is engine:
+                    del self._engines[engine.name]
+            engine.stopped.set()
+        log.info("stopped %s", engine.name)
 
     def _terminate(self, procs: list[subprocess.Popen[bytes]], cgroup: Path | None = None) -> None:
         """SIGTERM every process group, then SIGKILL every group with anything left after the grace
-        period — whether or not its leader (the engine) is still alive: an engine that exited may
+        period (``_reap``)."""
+        terminate_groups(procs)
+        self._reap(procs, cgroup, time.monotonic() + self.grace)
+
+    def _reap(self, procs: list[subprocess.Popen[bytes]], cgroup: Path | None, deadline: float) -> None:
+        """Wait until ``deadline`` for the SIGTERMed groups, then SIGKILL every group with anything
+        left — whether or not its leader (the engine) is still alive: an engine that exited may
         have left children in its group, and only the leader has the parent-death signal — and
         last every process left in the replica's cgroup (one that left its group, too)."""
         groups = [proc.pid for proc in procs]  # each was started as its own session: pgid == pid
-        for pgid in groups:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, signal.SIGTERM)
-        deadline = time.monotonic() + self.grace
         for proc in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -298,7 +375,7 @@ class Supervisor:
         with self._lock:
             engines = list(self._engines.values())
         for engine in engines:
-            if engine.state is ReplicaState.FAILED and engine.restart_at is None:
+            if engine.stopping or (engine.state is ReplicaState.FAILED and engine.restart_at is None):
                 continue
             if engine.restart_at is not None:
                 if now >= engine.restart_at:
@@ -328,6 +405,13 @@ class Supervisor:
                 engine.backoff = BACKOFF_START
             elif engine.state is ReplicaState.RUNNING:
                 engine.state, engine.message = ReplicaState.STARTING, "health check failing"
+
+
+def terminate_groups(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM the process group of each process (each was started as its own session)."""
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGTERM)
 
 
 # The agent's own secrets: engines never see them (the agent downloads models; engines only read
