@@ -50,6 +50,8 @@ Classes without a module are defined here.
     │   └── NoReplica            no replica became Ready before the hold deadline
     ├── _TooManyHeaders          (fleetserve.listener) a request head past the listener's header
     │                            count; raised in the parser's callback, answered 431, never escapes
+    ├── YamlTooLarge             (fleetserve.spec.yamlbounds) a YAML document past its bounds (aliases
+    │                            expanded, depth, text), refused before it is built; a yaml.YAMLError too
     ├── ClientGone               (fleetserve.rawasgi.disconnect) the client disconnected before its
     │                            answer; the work for it (an upstream request) was cancelled
     ├── Unauthorized             (fleetserve.server.problems) no valid credentials for this API

@@ -14,13 +14,16 @@ from typing import Any
 
 import yaml
 
+from fleetserve.errors import FleetserveError
+
 MAX_TEXT = 16 * 2**20  # characters of one YAML text
 MAX_NODES = 1_000_000  # nodes of one document, aliases expanded
 MAX_DEPTH = 200  # nesting of one document
 
 
-class YamlTooLarge(yaml.MarkedYAMLError):
-    """A YAML document past a bound (expanded size, depth or text length)."""
+class YamlTooLarge(FleetserveError, yaml.MarkedYAMLError):
+    """A YAML document past a bound (expanded size, depth or text length); a YAML error too, so
+    every reader that turns YAML errors into a ConfigError names it the same way."""
 
 
 def _refuse(node: yaml.Node | None, problem: str) -> YamlTooLarge:
