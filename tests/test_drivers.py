@@ -8,12 +8,14 @@ from fleetserve.drivers import (
     DRIVERS,
     Driver,
     RuntimeVariant,
+    kube_drivers,
     parse_driver,
     pool_label,
     pool_taint,
     stack_for,
 )
 from fleetserve.engines.registry import ENGINES, serving_drivers
+from fleetserve.engines.spec import EngineKind
 
 
 @pytest.mark.parametrize(
@@ -28,6 +30,7 @@ from fleetserve.engines.registry import ENGINES, serving_drivers
                 RuntimeVariant.VULKAN: ("GGML_VK_VISIBLE_DEVICES",),
             },
         ),
+        (Driver.APPLE, "apple-gpu", {RuntimeVariant.METAL: ()}),
         (Driver.CPU, "cpu", {RuntimeVariant.CPU: ()}),
     ],
 )
@@ -51,7 +54,19 @@ def test_every_runtime_variant_an_engine_offers_has_a_visible_devices_row():
     for caps in ENGINES.values():
         for variant, driver in caps.variants.items():
             assert variant in DRIVERS[driver].visible_devices_env
-            assert variant in DRIVERS[driver].device_plugin_resource
+            # Kubernetes can give a pod the devices of every driver but those served by agents only.
+            assert (variant in DRIVERS[driver].device_plugin_resource) == DRIVERS[driver].kube_supported
+
+
+def test_apple_silicon_is_an_accelerator_row_served_by_agents_only():
+    spec = DRIVERS[Driver.APPLE]
+    assert (spec.is_accelerator, spec.kube_supported, spec.stack_components) == (True, False, ())
+    assert spec.resource_slice is None and dict(spec.device_plugin_resource) == {}
+    assert kube_drivers() == frozenset(Driver) - {Driver.APPLE}
+    assert pool_label(Driver.APPLE) == ("fleetserve.io/pool", "apple-gpu")
+    assert str(pool_taint(Driver.APPLE)) == "fleetserve.io/gpu.apple.com=present:NoSchedule"
+    assert ENGINES[EngineKind.LLAMACPP].variants[RuntimeVariant.METAL] is Driver.APPLE
+    assert RuntimeVariant.METAL not in ENGINES[EngineKind.VLLM].variants
 
 
 def test_stack_composition_drops_the_drivers_not_claimed():

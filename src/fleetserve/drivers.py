@@ -18,6 +18,8 @@ class Driver(StrEnum):
 
     NVIDIA = "gpu.nvidia.com"
     AMD = "gpu.amd.com"
+    # No DRA driver exists for Apple GPUs; the name follows the GPU rows' gpu.<vendor>.com.
+    APPLE = "gpu.apple.com"
     CPU = "dra.cpu"
 
 
@@ -28,6 +30,7 @@ class RuntimeVariant(StrEnum):
     CUDA = "cuda"
     ROCM = "rocm"
     VULKAN = "vulkan"
+    METAL = "metal"
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,9 @@ class DriverSpec:
     is_accelerator: bool
     # How its ResourceSlices describe a GPU (``fleetserve kube import``); None: it publishes none.
     resource_slice: SliceFormat | None = None
+    # Whether Kubernetes can give a pod its devices (a DRA driver or device plugin exists); False:
+    # served by agents only, and the Kubernetes backend refuses what claims it.
+    kube_supported: bool = True
 
 
 POOL_LABEL_KEY = "fleetserve.io/pool"
@@ -106,6 +112,17 @@ DRIVERS: Mapping[Driver, DriverSpec] = MappingProxyType(
                 index_attribute="cardIndex", pci_vendor_id="0x1002", partition_types=("amdgpu-partition",)
             ),
         ),
+        # Apple Silicon (Metal, unified memory): agents on macOS only. No DRA driver or device
+        # plugin publishes its GPU, so there is nothing to claim, render or install on Kubernetes.
+        Driver.APPLE: DriverSpec(
+            pool_role="apple-gpu",
+            # Metal has no visible-devices variable: a Mac has one GPU and llama-server takes it.
+            visible_devices_env=_frozen({RuntimeVariant.METAL: ()}),
+            device_plugin_resource=MappingProxyType({}),
+            stack_components=(),
+            is_accelerator=True,
+            kube_supported=False,
+        ),
         Driver.CPU: DriverSpec(
             pool_role="cpu",
             visible_devices_env=_frozen({RuntimeVariant.CPU: ()}),
@@ -115,6 +132,11 @@ DRIVERS: Mapping[Driver, DriverSpec] = MappingProxyType(
         ),
     }
 )
+
+
+def kube_drivers() -> frozenset[Driver]:
+    """The drivers the Kubernetes backend can claim devices of (the rest are served by agents)."""
+    return frozenset(d for d, spec in DRIVERS.items() if spec.kube_supported)
 
 
 def parse_driver(name: str) -> Driver | None:

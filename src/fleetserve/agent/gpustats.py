@@ -1,5 +1,6 @@
 """The agent's own GPU readings, for nodes where no DCGM or AMD exporter runs: NVML for NVIDIA,
-sysfs for AMD, turned into the canonical ``fleetserve_gpu_*`` samples it reports to the server."""
+sysfs for AMD, ``ioreg`` for an Apple GPU on macOS, turned into the canonical ``fleetserve_gpu_*``
+samples it reports to the server."""
 
 from __future__ import annotations
 
@@ -9,7 +10,15 @@ from pathlib import Path
 from typing import Any
 
 from fleetserve.agent.discovery.amd import AmdSysfsDiscoverer
-from fleetserve.metrics.gpu import GpuContext, NvmlReading, from_amd_sysfs, from_nvml
+from fleetserve.agent.discovery.macos import MacDiscoverer
+from fleetserve.metrics.gpu import (
+    AppleIoregReading,
+    GpuContext,
+    NvmlReading,
+    from_amd_sysfs,
+    from_apple_ioreg,
+    from_nvml,
+)
 from fleetserve.protocol import GpuSample
 from fleetserve.spec.resources import Node
 
@@ -66,8 +75,22 @@ def _nvml_readings() -> list[NvmlReading]:
     return out
 
 
-def make_reader(root: Path = Path("/")) -> GpuReader:
-    """A function reading this machine's GPUs as canonical samples, labelled for ``node``."""
+def _apple_readings(mac: MacDiscoverer) -> list[AppleIoregReading]:
+    """The Apple GPU's reading on a Mac (one GPU, index 0); none elsewhere."""
+    stats = mac.statistics()
+    if stats is None:
+        return []
+    return [
+        AppleIoregReading(
+            index=0, device_utilization_percent=stats.busy_percent, in_use_system_memory=stats.memory_used
+        )
+    ]
+
+
+def make_reader(root: Path = Path("/"), mac: MacDiscoverer | None = None) -> GpuReader:
+    """A function reading this machine's GPUs as canonical samples, labelled for ``node``
+    (``mac``: the macOS source, a recording in tests)."""
+    apple = mac or MacDiscoverer()
 
     def read(node: Node) -> list[GpuSample]:
         context = GpuContext(node=node.name, classes={str(d.index): d.device_class for d in node.devices})
@@ -75,6 +98,7 @@ def make_reader(root: Path = Path("/")) -> GpuReader:
         amd = AmdSysfsDiscoverer(root).discover().gpus
         if amd:
             samples += from_amd_sysfs(amd, context)
+        samples += from_apple_ioreg(_apple_readings(apple), context)
         return [GpuSample(name=s.name, labels=dict(s.labels), value=s.value) for s in samples]
 
     return read
