@@ -41,8 +41,14 @@ def recorded(path: Path, drop: tuple[str, ...] = (), replace: dict[str, str] | N
 
 def host(memory: int) -> HostFacts:
     # What the CPU source (psutil) reports on such a Mac: hw.memsize, hw.physicalcpu.
-    return HostFacts("studio", physical_cores=24, logical_cpus=24, numa_nodes=1, memory_total=memory,
-                     memory_available=memory // 2)  # fmt: skip
+    return HostFacts(
+        "studio",
+        physical_cores=24,
+        logical_cpus=24,
+        numa_nodes=1,
+        memory_total=memory,
+        memory_available=memory // 2,
+    )
 
 
 def apple_class(name: str, memory: str, product: str) -> DeviceClass:
@@ -141,8 +147,9 @@ def test_ioreg_statistics_out_of_range_are_absent() -> None:
 def test_the_node_offers_the_gpu_its_share_and_the_host_only_the_rest() -> None:
     gpus = MacDiscoverer(recorded(M2_ULTRA), system="Darwin").discover().gpus
     classes = {"apple-m2-ultra": apple_class("apple-m2-ultra", "144GiB", "Apple M2 Ultra")}
-    node, unmatched = to_node(Discovery(host(192 * GiB), gpus, (), ()), classes, FabricMap(), "studio", {},
-                              frozenset())  # fmt: skip
+    node, unmatched = to_node(
+        Discovery(host(192 * GiB), gpus, (), ()), classes, FabricMap(), "studio", {}, frozenset()
+    )
     assert unmatched == ()
     (device,) = node.devices
     assert (device.index, device.device_class, device.health.healthy) == (0, "apple-m2-ultra", True)
@@ -153,8 +160,9 @@ def test_the_node_offers_the_gpu_its_share_and_the_host_only_the_rest() -> None:
 def test_a_class_claiming_more_than_the_gpu_may_wire_does_not_match_it() -> None:
     gpus = MacDiscoverer(recorded(M2_ULTRA), system="Darwin").discover().gpus
     classes = {"apple-m2-ultra-192gb": apple_class("apple-m2-ultra-192gb", "192GiB", "Apple M2 Ultra")}
-    node, (miss,) = to_node(Discovery(host(192 * GiB), gpus, (), ()), classes, FabricMap(), "studio", {},
-                            frozenset())  # fmt: skip
+    node, (miss,) = to_node(
+        Discovery(host(192 * GiB), gpus, (), ()), classes, FabricMap(), "studio", {}, frozenset()
+    )
     assert node.devices == ()
     assert node.cpu.memory == 192 * GiB, "a GPU left off the node takes none of the host's memory"
     assert miss.reason is UnmatchedReason.NO_MATCHING_CLASS

@@ -13,7 +13,7 @@ from fleetserve.drivers import Driver, RuntimeVariant
 from fleetserve.fleet import snapshot_from
 from fleetserve.inventory.hardware import Discovery, HostFacts
 from fleetserve.inventory.matching import FabricMap, to_node
-from fleetserve.placement.placer import plan
+from fleetserve.placement.placer import DeploymentDecision, plan
 from fleetserve.placement.report import Reason
 from fleetserve.spec.loader import Documents, load_files
 from fleetserve.spec.resources import Deployment, DeviceClass, Model, Node
@@ -48,8 +48,14 @@ def m4_max_node() -> Node:
     commands = dict(json.loads(M4_MAX.read_text())["commands"])
     commands.pop("sysctl -n iogpu.wired_limit_mb")  # the default: 3/4 of 128 GiB
     gpus = MacDiscoverer(lambda argv: commands.get(" ".join(argv)), system="Darwin").discover().gpus
-    host = HostFacts("m4", physical_cores=16, logical_cpus=16, numa_nodes=1, memory_total=128 * GiB,
-                     memory_available=100 * GiB)  # fmt: skip
+    host = HostFacts(
+        "m4",
+        physical_cores=16,
+        logical_cpus=16,
+        numa_nodes=1,
+        memory_total=128 * GiB,
+        memory_available=100 * GiB,
+    )
     node, unmatched = to_node(
         Discovery(host, gpus, (), ()), {M4_MAX_CLASS.name: M4_MAX_CLASS}, FabricMap(), "m4", {}, frozenset()
     )
@@ -63,7 +69,7 @@ def deployment(*profiles: dict[str, object]) -> Deployment:
     )
 
 
-def decide(dep: Deployment, node: Node):  # type: ignore[no-untyped-def]
+def decide(dep: Deployment, node: Node) -> DeploymentDecision:
     docs = Documents(classes=[M4_MAX_CLASS], nodes=[node], models=[MODEL], deployments=[dep])
     [decision] = plan([dep], snapshot_from(docs))
     return decision
@@ -71,8 +77,10 @@ def decide(dep: Deployment, node: Node):  # type: ignore[no-untyped-def]
 
 def test_a_32k_context_fits_the_96_gib_the_m4_max_gpu_may_wire() -> None:
     # 69.8 GiB of weights + 10 GiB of KV cache + 1 GiB of runtime: 81 GiB of 96.
-    decision = decide(deployment({"name": "metal", "engine": "llama.cpp", "deviceClass": "apple-m4-max",
-                                  "context": 32768}), m4_max_node())  # fmt: skip
+    decision = decide(
+        deployment({"name": "metal", "engine": "llama.cpp", "deviceClass": "apple-m4-max", "context": 32768}),
+        m4_max_node(),
+    )
     (placed,) = decision.placed
     (shard,) = placed.replica.shards
     assert (shard.node, shard.devices, placed.replica.device_class) == ("m4", (0,), "apple-m4-max")
@@ -80,8 +88,12 @@ def test_a_32k_context_fits_the_96_gib_the_m4_max_gpu_may_wire() -> None:
 
 def test_a_128k_context_needs_more_than_the_gpu_may_wire_though_the_mac_has_128_gib() -> None:
     # 69.8 + 40 + 1 = 110.8 GiB: under the 128 GiB of RAM, over the 96 GiB macOS gives the GPU.
-    decision = decide(deployment({"name": "metal", "engine": "llama.cpp", "deviceClass": "apple-m4-max",
-                                  "context": 131072}), m4_max_node())  # fmt: skip
+    decision = decide(
+        deployment(
+            {"name": "metal", "engine": "llama.cpp", "deviceClass": "apple-m4-max", "context": 131072}
+        ),
+        m4_max_node(),
+    )
     (unplaced,) = decision.unplaced
     (report,) = unplaced.reports
     assert report.counts() == {(Reason.DEVICE_MEMORY_TOO_SMALL, None): 1}
@@ -96,8 +108,18 @@ def test_host_memory_claimed_beside_the_gpu_is_only_what_the_gpu_cannot_take(
 ) -> None:
     node = m4_max_node()
     assert node.cpu.memory == 32 * GiB  # 128 GiB of RAM less the GPU's 96: no byte counted twice
-    decision = decide(deployment({"name": "metal", "engine": "llama.cpp", "deviceClass": "apple-m4-max",
-                                  "context": 32768, "cpu": {"cores": 8, "memory": host_claim}}), node)  # fmt: skip
+    decision = decide(
+        deployment(
+            {
+                "name": "metal",
+                "engine": "llama.cpp",
+                "deviceClass": "apple-m4-max",
+                "context": 32768,
+                "cpu": {"cores": 8, "memory": host_claim},
+            }
+        ),
+        node,
+    )
     if fits:
         assert len(decision.placed) == 1
     else:

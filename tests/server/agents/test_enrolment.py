@@ -355,7 +355,7 @@ def test_a_node_document_over_a_cap_is_a_422_naming_the_field_and_the_cap(
     "engine",
     [
         pytest.param({"engine": "sglang", "variants": ["cuda"]}, id="an-engine-no-row-has"),
-        pytest.param({"engine": "vllm", "variants": ["metal"]}, id="a-variant-no-row-has"),
+        pytest.param({"engine": "vllm", "variants": ["sycl"]}, id="a-variant-no-row-has"),
         pytest.param({"engine": "vllm", "version": "x" * 129}, id="a-version-over-its-cap"),
         pytest.param({"engine": "vllm", "version": "0.1\x00"}, id="a-version-holding-nul"),
     ],
