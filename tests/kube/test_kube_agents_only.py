@@ -66,6 +66,15 @@ def test_a_cluster_listing_an_apple_class_is_refused_naming_the_class() -> None:
         assert FIX in problem.message
 
 
+def test_both_refusals_come_in_one_answer() -> None:
+    with pytest.raises(ConfigError) as err:
+        render_cluster(mac_studio(), Cluster(name="c", classes=("apple-m2-ultra", "cpu")))
+    assert [(p.location, p.field) for p in err.value.problems] == [
+        ("Cluster c", "classes[0]"),
+        ("Deployment llama-70b", "profiles.mac-metal"),
+    ]
+
+
 def test_without_the_metal_profile_the_same_documents_render_on_the_cpu_pool() -> None:
     result = render_cluster(only_cpu_profile(mac_studio()), Cluster(name="c", classes=("cpu",)))
     assert result.rendered == ("llama-70b-0",)

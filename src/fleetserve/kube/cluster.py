@@ -35,6 +35,7 @@ from fleetserve.kube.stack import (
     CPU_CLASS,
     StackPlan,
     agents_only,
+    cluster_problems,
     components_recorded,
     compose,
     stack_configmap,
@@ -177,7 +178,8 @@ def render_cluster(
     replicas are kept, and its stack's components are never dropped.
     """
     classes = {c.name: c for c in docs.classes}
-    refused = agents_only_profiles(docs.deployments, classes)
+    # What only agents can serve, and the cluster's own class errors, all in one answer.
+    refused = cluster_problems(cluster, classes) + agents_only_profiles(docs.deployments, classes)
     if refused:
         raise ConfigError(refused)
     stack = compose(cluster, classes, components_recorded(_existing_stack(existing, cluster)))
