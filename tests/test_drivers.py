@@ -8,6 +8,7 @@ from fleetserve.drivers import (
     DRIVERS,
     Driver,
     RuntimeVariant,
+    metrics_exporters,
     parse_driver,
     pool_label,
     pool_taint,
@@ -69,3 +70,17 @@ def test_a_driver_name_outside_the_table_parses_to_none():
 
 def test_every_driver_in_the_table_is_served_by_some_engine():
     assert serving_drivers() == frozenset(Driver)
+
+
+def test_each_gpu_drivers_row_names_its_metrics_exporter_by_labels_and_named_port():
+    nvidia = DRIVERS[Driver.NVIDIA].metrics_exporter
+    amd = DRIVERS[Driver.AMD].metrics_exporter
+    assert nvidia is not None and amd is not None
+    assert nvidia.pod_selectors == ("app=nvidia-dcgm-exporter", "app.kubernetes.io/name=dcgm-exporter")
+    assert (nvidia.port_name, nvidia.default_port, nvidia.path) == ("metrics", 9400, "/metrics")
+    assert amd.pod_selectors == ("app.kubernetes.io/name=metrics-exporter",)
+    assert (amd.port_name, amd.default_port, amd.path) == ("exporter-port", 5000, "/metrics")
+    assert DRIVERS[Driver.CPU].metrics_exporter is None
+    assert list(metrics_exporters()) == [Driver.NVIDIA, Driver.AMD]
+    for driver, exporter in metrics_exporters().items():
+        assert exporter.name in DRIVERS[driver].stack_components, "the exporter is a component of its stack"

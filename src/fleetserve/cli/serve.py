@@ -129,6 +129,25 @@ def server_command(
     max_answer_bytes: MaxAnswerBytesOpt = "64MiB",
     tls: TlsForceOpt = False,
     insecure: InsecureOpt = False,
+    kube_exporters: Annotated[
+        bool,
+        typer.Option(
+            "--kube-exporters",
+            help="Find the NVIDIA DCGM and AMD device-metrics-exporter pods through the Kubernetes "
+            "API (every 30 s) and scrape them onto fleetserve_gpu_*, each pod's node as the node.",
+        ),
+    ] = False,
+    kubeconfig: Annotated[
+        Path | None,
+        typer.Option(
+            "--kubeconfig",
+            help="With --kube-exporters: the kubeconfig (default: $KUBECONFIG, ~/.kube/config, or "
+            "the pod's service account).",
+        ),
+    ] = None,
+    kube_context: Annotated[
+        str | None, typer.Option("--kube-context", help="With --kube-exporters: the kubeconfig context.")
+    ] = None,
 ) -> None:
     """Run the control plane: admin REST API (OpenAPI at /docs), dashboard (/ui), state, reconciler.
 
@@ -146,6 +165,7 @@ def server_command(
     from fleetserve.server.agents.enrolment import EnrolmentPolicy, parse_networks
     from fleetserve.server.process import (
         ControlPlane,
+        KubeAccess,
         Listen,
         ReconcilerMode,
         SharedWindows,
@@ -171,7 +191,10 @@ def server_command(
         token_file,
         enrolment,
         retention(usage_retention, audit_retention),
+        KubeAccess(kubeconfig, kube_context) if kube_exporters else None,
     )
+    if (kubeconfig or kube_context) and not kube_exporters:
+        raise typer.BadParameter("--kubeconfig and --kube-context go with --kube-exporters")
     try:
         served = listen_tls(host, tls_cert, tls_key, tls_dir, tls_san, tls, insecure, "server")
         listen = Listen(host, port, log_level, served, tuple(tls_san or ()), grace_seconds, bounds)
