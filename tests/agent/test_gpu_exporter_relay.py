@@ -30,24 +30,38 @@ L4_NODE = Node.model_validate(
 )
 
 
-DRIVER_OF = {"nvidia-l4": "gpu.nvidia.com", "amd-mi300x": "gpu.amd.com"}
+DRIVER_OF = {"nvidia-l4": Driver.NVIDIA, "amd-mi300x": Driver.AMD}
+OWN_READS: list[Driver] = []  # which of the agent's own readers were asked, in order
 
 
-def own_reading(node: Node) -> list[GpuSample]:
-    """A stand-in for the agent's own NVML/sysfs read: one sample per device, marked by its value -1."""
-    return [
-        GpuSample(
-            name="fleetserve_gpu_power_watts",
-            labels={
-                "node": node.name,
-                "device": str(d.index),
-                "driver": DRIVER_OF[d.device_class],
-                "class": d.device_class,
-            },
-            value=-1.0,
-        )
-        for d in node.devices
-    ]
+def _own(driver: Driver) -> Callable[[Node], list[GpuSample]]:
+    def read(node: Node) -> list[GpuSample]:
+        OWN_READS.append(driver)
+        return [
+            GpuSample(
+                name="fleetserve_gpu_power_watts",
+                labels={
+                    "node": node.name,
+                    "device": str(d.index),
+                    "driver": driver.value,
+                    "class": d.device_class,
+                },
+                value=-1.0,
+            )
+            for d in node.devices
+            if DRIVER_OF[d.device_class] is driver
+        ]
+
+    return read
+
+
+# A stand-in for the agent's own NVML and sysfs reads (no GPU here): one sample per device, -1.
+own_reading = {Driver.NVIDIA: _own(Driver.NVIDIA), Driver.AMD: _own(Driver.AMD)}
+
+
+@pytest.fixture(autouse=True)
+def _forget_own_reads() -> None:
+    OWN_READS.clear()
 
 
 MakeRelay = Callable[..., ExporterRelay]
@@ -84,6 +98,7 @@ def test_the_relay_reports_the_exporters_reading_for_the_nodes_own_devices(make_
     assert samples["fleetserve_gpu_temperature_celsius"].value == 31.0
     assert samples["fleetserve_gpu_energy_joules_total"].value == 4742.776
     assert "fleetserve_gpu_tensor_active_ratio" in samples
+    assert OWN_READS == [Driver.AMD], "NVML is not read beside the exporter that reads it"
 
 
 def test_a_device_the_node_does_not_have_is_not_relayed(make_relay: MakeRelay) -> None:

@@ -102,6 +102,7 @@ def test_the_server_finds_exporter_pods_through_the_api_and_publishes_their_gpus
     assert f"fleetserve_gpu_temperature_celsius{{{l4}}} 31.0" in lines
     mi = 'class="102-G30211-0C",device="0",driver="gpu.amd.com",node="mi-1"'
     assert f"fleetserve_gpu_utilization_ratio{{{mi}}} 0.0" in lines
+    print("\n".join(line for line in server.log().splitlines() if "exporter" in line))
     assert "GPU metrics exporters: 2 found" in server.log()
 
 
@@ -126,4 +127,5 @@ def test_an_agent_relays_the_exporter_beside_it_instead_of_reading_the_gpus_itse
     assert f"fleetserve_gpu_power_watts{{{l4}}} 16.365" in lines
     assert f"fleetserve_gpu_energy_joules_total{{{l4}}} 4742.776" in lines
     assert f"fleetserve_gpu_tensor_active_ratio{{{l4}}} 0.0" in lines
+    print("\n".join(line for line in agent.log().splitlines() if "GPU metrics" in line))
     assert f"relaying the exporter(s) at {dcgm.url} (gpu.nvidia.com)" in agent.log()

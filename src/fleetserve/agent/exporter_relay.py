@@ -9,7 +9,8 @@ serves); ``auto`` probes every exporter of the driver table at its default port 
 The exporters are fetched on a thread of their own (``run``), never on the report (heartbeat)
 path: a hung exporter costs its timeout there and nothing else. The report takes the latest
 fresh reading (``read``); where no exporter answers for a driver, that driver's GPUs are read as
-before (the fallback reader: NVML, sysfs). Each change of what is relayed is said once in the log.
+before (the agent's own reader of that driver: NVML, sysfs), and only there. Each change of what
+is relayed is said once in the log.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -98,13 +99,14 @@ class ExporterRelay:
     def __init__(
         self,
         spec: str,
-        fallback: GpuReader,
+        own: Mapping[Driver, GpuReader],
         interval: float = 5.0,
         timeout: float = FETCH_TIMEOUT,
         clock: Clock = time.monotonic,
     ) -> None:
         self.candidates = candidates(spec)
-        self.fallback = fallback
+        # Per driver, the agent's own reading: used only for drivers no exporter answers for.
+        self.own = own
         self.interval = interval
         self.stale_after = 3 * interval
         self._clock = clock
@@ -166,10 +168,13 @@ class ExporterRelay:
             )
 
     def read(self, node: Node) -> list[GpuSample]:
-        """The node's GPU samples: relayed where an exporter answers, read as before elsewhere."""
+        """The node's GPU samples: relayed where an exporter answers; the other drivers' GPUs read
+        by the agent itself, as without an exporter (NVML, sysfs)."""
         relayed, covered = relayed_samples(node, self.fresh())
-        own = [s for s in self.fallback(node) if s.labels.get("driver") not in {d.value for d in covered}]
-        return relayed + own
+        for driver, reader in self.own.items():
+            if driver not in covered:
+                relayed.extend(reader(node))
+        return relayed
 
     def close(self) -> None:
         """Close the connections to the exporters."""

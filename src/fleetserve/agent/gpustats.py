@@ -4,12 +4,14 @@ sysfs for AMD, turned into the canonical ``fleetserve_gpu_*`` samples it reports
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from fleetserve.agent.discovery.amd import AmdSysfsDiscoverer
+from fleetserve.drivers import Driver
 from fleetserve.metrics.gpu import GpuContext, NvmlReading, from_amd_sysfs, from_nvml
+from fleetserve.metrics.promtext import Sample
 from fleetserve.protocol import GpuSample
 from fleetserve.spec.resources import Node
 
@@ -66,15 +68,32 @@ def _nvml_readings() -> list[NvmlReading]:
     return out
 
 
+def _context(node: Node) -> GpuContext:
+    return GpuContext(node=node.name, classes={str(d.index): d.device_class for d in node.devices})
+
+
+def _as_reported(samples: Iterable[Sample]) -> list[GpuSample]:
+    return [GpuSample(name=s.name, labels=dict(s.labels), value=s.value) for s in samples]
+
+
+def own_readers(root: Path = Path("/")) -> dict[Driver, GpuReader]:
+    """Per driver, how the agent reads that driver's GPUs itself: NVML, sysfs (under ``root``)."""
+
+    def nvml(node: Node) -> list[GpuSample]:
+        return _as_reported(from_nvml(_nvml_readings(), _context(node)))
+
+    def amd_sysfs(node: Node) -> list[GpuSample]:
+        amd = AmdSysfsDiscoverer(root).discover().gpus
+        return _as_reported(from_amd_sysfs(amd, _context(node))) if amd else []
+
+    return {Driver.NVIDIA: nvml, Driver.AMD: amd_sysfs}
+
+
 def make_reader(root: Path = Path("/")) -> GpuReader:
     """A function reading this machine's GPUs as canonical samples, labelled for ``node``."""
+    readers = own_readers(root)
 
     def read(node: Node) -> list[GpuSample]:
-        context = GpuContext(node=node.name, classes={str(d.index): d.device_class for d in node.devices})
-        samples = list(from_nvml(_nvml_readings(), context))
-        amd = AmdSysfsDiscoverer(root).discover().gpus
-        if amd:
-            samples += from_amd_sysfs(amd, context)
-        return [GpuSample(name=s.name, labels=dict(s.labels), value=s.value) for s in samples]
+        return [sample for reader in readers.values() for sample in reader(node)]
 
     return read

@@ -21,7 +21,7 @@ from fleetserve.agent.credential import CredentialFile
 from fleetserve.agent.describe import make_describe
 from fleetserve.agent.exporter_relay import ExporterRelay
 from fleetserve.agent.fingerprint import EngineProbe
-from fleetserve.agent.gpustats import make_reader
+from fleetserve.agent.gpustats import make_reader, own_readers
 from fleetserve.agent.runtime import Agent, AgentSettings
 from fleetserve.agent.supervisor import Supervisor
 from fleetserve.drivers import RuntimeVariant
@@ -196,7 +196,7 @@ def run_agent(
     gpu_reader = make_reader(root)
     if gpu_exporter is not None:
         # The exporter is fetched on a thread of its own; the report takes its latest reading.
-        relay = ExporterRelay(gpu_exporter, gpu_reader, interval=interval)
+        relay = ExporterRelay(gpu_exporter, own_readers(root), interval=interval)
         threading.Thread(target=relay.run, args=(stop,), name="gpu-exporter", daemon=True).start()
         gpu_reader = relay.read
     agent = Agent(

@@ -161,6 +161,9 @@ def server_command(
     Off loopback it serves TLS: --tls-cert/--tls-key, or a CA and certificate it generates in
     --tls-dir; it then prints the join command with the CA's pin (sha256:...). Plain HTTP off
     loopback only with --insecure.
+
+    With --kube-exporters it also scrapes the GPU metrics exporters (NVIDIA DCGM, AMD
+    device-metrics-exporter) it finds through the Kubernetes API, onto fleetserve_gpu_*.
     """
     from fleetserve.server.agents.enrolment import EnrolmentPolicy, parse_networks
     from fleetserve.server.process import (
