@@ -9,6 +9,7 @@ they point at serve recorded output of real devices on loopback (``tests/loopbac
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -185,3 +186,44 @@ def test_kube_exporters_prints_the_table(fake_api: FakeApiServer, tmp_path: Path
         "gpu.nvidia.com", "gpu-operator/nvidia-dcgm-exporter-x7k2p", "gpu-1", "http://10.0.1.4:9400/metrics"
     ]  # fmt: skip
     assert "skipped: amd-device-metrics-exporter pod kube-amd-gpu/stuck is Pending" in result.stderr
+
+
+def test_the_control_planes_metrics_carry_the_exporters_it_finds_classed_by_its_own_nodes(
+    fake_api: FakeApiServer, tmp_path: Path
+) -> None:
+    from fastapi.testclient import TestClient
+
+    from fleetserve.server.app import Serving, create_app
+    from fleetserve.server.process import KubeAccess, kube_exporter_scrape
+    from fleetserve.spec.resources import DeviceClass, Node
+    from fleetserve.store.sql import SqlStore
+
+    config = fake_api.write_kubeconfig(tmp_path / "kubeconfig")
+    with SqlStore.open(tmp_path / "state.db") as store, running_exporter(DCGM_L4) as dcgm:
+        store.put_class(
+            DeviceClass.model_validate(
+                {"name": "nvidia-l4-24gb", "driver": "gpu.nvidia.com", "memory": "24GiB"}
+            )
+        )
+        store.register(
+            Node.model_validate(
+                {
+                    "name": "gpu-1",
+                    "cpu": {"cores": 8, "memory": "32GiB"},
+                    "devices": [{"index": 0, "class": "nvidia-l4-24gb"}],
+                }
+            )
+        )
+        fake_api.add(pod("nvidia-dcgm-exporter-x7k2p", OPERATOR_DCGM, "gpu-1", "metrics", dcgm.port))
+        serving = Serving.build(
+            store, gateway=False, exporters=kube_exporter_scrape(store, KubeAccess(config))
+        )
+        with TestClient(create_app(store, models_dir=tmp_path / "models", serving=serving)) as http:
+            lines: list[str] = []
+            for _ in range(100):
+                lines = [x for x in http.get("/metrics").text.splitlines() if x.startswith("fleetserve_gpu_")]
+                if lines:
+                    break
+                time.sleep(0.1)
+    l4 = 'class="nvidia-l4-24gb",device="0",driver="gpu.nvidia.com",node="gpu-1"'
+    assert f"fleetserve_gpu_power_watts{{{l4}}} 16.365" in lines
