@@ -227,3 +227,21 @@ def test_the_control_planes_metrics_carry_the_exporters_it_finds_classed_by_its_
                 time.sleep(0.1)
     l4 = 'class="nvidia-l4-24gb",device="0",driver="gpu.nvidia.com",node="gpu-1"'
     assert f"fleetserve_gpu_power_watts{{{l4}}} 16.365" in lines
+
+
+def test_a_kubeconfig_without_kube_exporters_is_refused_before_the_server_starts(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        app, ["server", "--database-url", str(tmp_path / "fs.db"), "--kubeconfig", str(tmp_path / "kc")]
+    )
+    assert result.exit_code == 2
+    assert "--kubeconfig and --kube-context go with --kube-exporters" in result.output
+    assert not (tmp_path / "fs.db").exists()
+
+
+def test_the_server_with_a_kubeconfig_it_cannot_load_fails_naming_it(tmp_path: Path) -> None:
+    from fleetserve.server.process import KubeAccess, kube_exporter_scrape
+    from fleetserve.store.sql import SqlStore
+
+    missing = tmp_path / "no-such-kubeconfig"
+    with SqlStore.open(tmp_path / "state.db") as store, pytest.raises(KubeError, match=str(missing)):
+        kube_exporter_scrape(store, KubeAccess(missing))
