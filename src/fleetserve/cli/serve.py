@@ -178,6 +178,8 @@ def server_command(
 
     if lost_after <= not_ready_after:
         raise typer.BadParameter("--lost-after must be longer than --not-ready-after")
+    if (kubeconfig or kube_context) and not kube_exporters:
+        raise typer.BadParameter("--kubeconfig and --kube-context go with --kube-exporters")
     try:
         enrolment = EnrolmentPolicy(approve_new_nodes, parse_networks(node_address_allow or []))
     except ValueError as exc:
@@ -196,8 +198,6 @@ def server_command(
         retention(usage_retention, audit_retention),
         KubeAccess(kubeconfig, kube_context) if kube_exporters else None,
     )
-    if (kubeconfig or kube_context) and not kube_exporters:
-        raise typer.BadParameter("--kubeconfig and --kube-context go with --kube-exporters")
     try:
         served = listen_tls(host, tls_cert, tls_key, tls_dir, tls_san, tls, insecure, "server")
         listen = Listen(host, port, log_level, served, tuple(tls_san or ()), grace_seconds, bounds)

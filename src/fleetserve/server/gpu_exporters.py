@@ -3,9 +3,9 @@ exporter found anew at once), mapped onto ``fleetserve_gpu_*`` (``metrics.export
 observer to publish.
 
 ``discover`` is blocking (on Kubernetes: ``kube.exporters.discover_exporters`` over the API) and
-runs on a worker thread; a failed discovery keeps the targets found before and is logged once
-until it succeeds again. The exporters have a scraper of their own, so their keys never meet the
-replicas'.
+runs on a worker thread; a failed discovery (a ``KubeError``, or anything else the client raises)
+keeps the targets found before and is logged once until it succeeds again. The exporters have a
+scraper of their own, so their keys never meet the replicas'.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from collections.abc import Callable, Mapping, Sequence
 
 from starlette.concurrency import run_in_threadpool
 
-from fleetserve.errors import FleetserveError
 from fleetserve.metrics.exporters import (
     REFRESH_SECONDS,
     SCRAPE_SECONDS,
@@ -65,7 +64,7 @@ class ExporterScrape:
         try:
             found = await run_in_threadpool(self.discover)
             classes = await run_in_threadpool(self.node_classes, sorted({t.node for t in found}))
-        except FleetserveError as exc:
+        except Exception as exc:  # a background loop: any failure is said, and tried again next refresh
             if not self._failing:
                 log.warning("finding the GPU metrics exporters failed (keeping %d): %s", len(self.found), exc)
             self._failing = True
