@@ -9,6 +9,7 @@ from fleetserve.drivers import (
     Driver,
     RuntimeVariant,
     kube_drivers,
+    metrics_exporters,
     parse_driver,
     pool_label,
     pool_taint,
@@ -62,6 +63,7 @@ def test_apple_silicon_is_an_accelerator_row_served_by_agents_only():
     spec = DRIVERS[Driver.APPLE]
     assert (spec.is_accelerator, spec.kube_supported, spec.stack_components) == (True, False, ())
     assert spec.resource_slice is None and dict(spec.device_plugin_resource) == {}
+    assert spec.metrics_exporter is None, "no exporter exists: the agent reads ioreg itself"
     assert kube_drivers() == frozenset(Driver) - {Driver.APPLE}
     assert pool_label(Driver.APPLE) == ("fleetserve.io/pool", "apple-gpu")
     assert str(pool_taint(Driver.APPLE)) == "fleetserve.io/gpu.apple.com=present:NoSchedule"
@@ -84,3 +86,17 @@ def test_a_driver_name_outside_the_table_parses_to_none():
 
 def test_every_driver_in_the_table_is_served_by_some_engine():
     assert serving_drivers() == frozenset(Driver)
+
+
+def test_each_gpu_drivers_row_names_its_metrics_exporter_by_labels_and_named_port():
+    nvidia = DRIVERS[Driver.NVIDIA].metrics_exporter
+    amd = DRIVERS[Driver.AMD].metrics_exporter
+    assert nvidia is not None and amd is not None
+    assert nvidia.pod_selectors == ("app=nvidia-dcgm-exporter", "app.kubernetes.io/name=dcgm-exporter")
+    assert (nvidia.port_name, nvidia.default_port, nvidia.path) == ("metrics", 9400, "/metrics")
+    assert amd.pod_selectors == ("app.kubernetes.io/name=metrics-exporter",)
+    assert (amd.port_name, amd.default_port, amd.path) == ("exporter-port", 5000, "/metrics")
+    assert DRIVERS[Driver.CPU].metrics_exporter is None
+    assert list(metrics_exporters()) == [Driver.NVIDIA, Driver.AMD]
+    for driver, exporter in metrics_exporters().items():
+        assert exporter.name in DRIVERS[driver].stack_components, "the exporter is a component of its stack"

@@ -18,7 +18,8 @@ What it serves (a ``ThreadingHTTPServer`` in a daemon thread):
   ``metadata.resourceVersion``/``uid``/``creationTimestamp`` set.
 - ``GET`` of one object (404 when absent) and of lists (``apiVersion``, ``kind``, ``metadata``,
   ``items``), with ``labelSelector`` equality filtering (``k=v,k2=v2``): nodes, resourceslices,
-  and the namespaced lists ``read_existing`` uses.
+  and the namespaced lists ``read_existing`` uses; pods (``kube.exporters``), in one namespace or
+  all (``/api/v1/pods``).
 - ``lws_crd = False`` makes every ``leaderworkerset.x-k8s.io`` path answer 404, as a cluster
   without the LeaderWorkerSet CRD does; ``dra_api = False`` does the same for
   ``resource.k8s.io``.
@@ -65,6 +66,7 @@ KINDS: tuple[Kind, ...] = (
     Kind("v1", "ConfigMap", "configmaps", True, True),
     Kind("v1", "Service", "services", True, True),
     Kind("v1", "Node", "nodes", False, False),
+    Kind("v1", "Pod", "pods", True, False),
     Kind("apps/v1", "Deployment", "deployments", True, True),
     Kind("resource.k8s.io/v1", "ResourceClaimTemplate", "resourceclaimtemplates", True, True),
     Kind("resource.k8s.io/v1", "ResourceSlice", "resourceslices", False, False),

@@ -129,6 +129,25 @@ def server_command(
     max_answer_bytes: MaxAnswerBytesOpt = "64MiB",
     tls: TlsForceOpt = False,
     insecure: InsecureOpt = False,
+    kube_exporters: Annotated[
+        bool,
+        typer.Option(
+            "--kube-exporters",
+            help="Find the NVIDIA DCGM and AMD device-metrics-exporter pods through the Kubernetes "
+            "API (every 30 s) and scrape them onto fleetserve_gpu_*, each pod's node as the node.",
+        ),
+    ] = False,
+    kubeconfig: Annotated[
+        Path | None,
+        typer.Option(
+            "--kubeconfig",
+            help="With --kube-exporters: the kubeconfig (default: $KUBECONFIG, ~/.kube/config, or "
+            "the pod's service account).",
+        ),
+    ] = None,
+    kube_context: Annotated[
+        str | None, typer.Option("--kube-context", help="With --kube-exporters: the kubeconfig context.")
+    ] = None,
 ) -> None:
     """Run the control plane: admin REST API (OpenAPI at /docs), dashboard (/ui), state, reconciler.
 
@@ -142,10 +161,14 @@ def server_command(
     Off loopback it serves TLS: --tls-cert/--tls-key, or a CA and certificate it generates in
     --tls-dir; it then prints the join command with the CA's pin (sha256:...). Plain HTTP off
     loopback only with --insecure.
+
+    With --kube-exporters it also scrapes the GPU metrics exporters (NVIDIA DCGM, AMD
+    device-metrics-exporter) it finds through the Kubernetes API, onto fleetserve_gpu_*.
     """
     from fleetserve.server.agents.enrolment import EnrolmentPolicy, parse_networks
     from fleetserve.server.process import (
         ControlPlane,
+        KubeAccess,
         Listen,
         ReconcilerMode,
         SharedWindows,
@@ -155,6 +178,8 @@ def server_command(
 
     if lost_after <= not_ready_after:
         raise typer.BadParameter("--lost-after must be longer than --not-ready-after")
+    if (kubeconfig or kube_context) and not kube_exporters:
+        raise typer.BadParameter("--kubeconfig and --kube-context go with --kube-exporters")
     try:
         enrolment = EnrolmentPolicy(approve_new_nodes, parse_networks(node_address_allow or []))
     except ValueError as exc:
@@ -171,6 +196,7 @@ def server_command(
         token_file,
         enrolment,
         retention(usage_retention, audit_retention),
+        KubeAccess(kubeconfig, kube_context) if kube_exporters else None,
     )
     try:
         served = listen_tls(host, tls_cert, tls_key, tls_dir, tls_san, tls, insecure, "server")

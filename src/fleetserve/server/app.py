@@ -37,6 +37,7 @@ from fleetserve.server.agents.door import AgentDoor
 from fleetserve.server.agents.enrolment import EnrolmentPolicy
 from fleetserve.server.agents.modelfiles import ModelFiles
 from fleetserve.server.agents.routes import build_agent_router
+from fleetserve.server.gpu_exporters import ExporterScrape
 from fleetserve.server.observer import Observer
 from fleetserve.store.sql import SqlStore
 from fleetserve.tls import CA_PATH
@@ -64,12 +65,14 @@ class Serving:
         redis_namespace: str = "fleetserve",
         cors: Cors | None = None,
         limits: GatewayLimits = DEFAULT_GATEWAY_LIMITS,
+        exporters: ExporterScrape | None = None,
     ) -> Serving:
         """Metrics, an observer over ``store`` and, unless told not, a gateway fed by the observer;
         with ``redis_url``, its rate-limit windows are shared in that Redis; with ``cors``, its
-        /v1 answers browsers of those origins; ``limits``: what its gateway takes and holds."""
+        /v1 answers browsers of those origins; ``limits``: what its gateway takes and holds;
+        ``exporters``: GPU metrics exporters the observer scrapes too."""
         metrics = FleetMetrics()
-        observer = Observer(store, metrics)
+        observer = Observer(store, metrics, exporters=exporters)
 
         def engine_waiting(replica: str) -> tuple[float, float] | None:
             load = observer.loads.get(replica)

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import math
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -33,12 +33,14 @@ from fleetserve.errors import ConfigError, Problem
 from fleetserve.gateway.bodylimits import DEFAULT_GATEWAY_LIMITS, GatewayLimits
 from fleetserve.gateway.cors import Cors
 from fleetserve.listener import ListenerLimits, uvicorn_config
+from fleetserve.metrics.exporters import REFRESH_SECONDS, Classes, ExporterTarget
 from fleetserve.reconcile.health import HeartbeatPolicy
 from fleetserve.secretfile import write_secret
 from fleetserve.server.admin.retention import RetentionPolicy, prune_forever
 from fleetserve.server.agents.enrolment import EnrolmentPolicy
 from fleetserve.server.app import Lifespan, Serving, create_app, create_gateway_app
 from fleetserve.server.collector import collect_paced, tune_collector
+from fleetserve.server.gpu_exporters import ExporterScrape
 from fleetserve.server.reconciler.loop import Reconciler, holder_name
 from fleetserve.server.reconciler.process import ReconcilerConfig, ReconcilerProcess
 from fleetserve.server.reconciler.signals import autoscale_signals, signal_answers
@@ -95,6 +97,47 @@ class ControlPlane:
     token_file: Path | None
     enrolment: EnrolmentPolicy = field(default_factory=EnrolmentPolicy)
     retention: RetentionPolicy = field(default_factory=RetentionPolicy)
+    # Find the GPU metrics exporters through this Kubernetes API and scrape them (None: do not).
+    kube_exporters: KubeAccess | None = None
+
+
+@dataclass(frozen=True)
+class KubeAccess:
+    """Which Kubernetes API to talk to: a kubeconfig file and context (None: the defaults, or the
+    pod's service account inside a cluster)."""
+
+    kubeconfig: Path | None = None
+    context: str | None = None
+
+
+def kube_exporter_scrape(store: SqlStore, access: KubeAccess) -> ExporterScrape:
+    """The GPU exporters of the cluster ``access`` names, found through its API every 30 s; each
+    exporter pod's node is the fleetserve node of that name, whose device classes label its GPUs.
+    KubeError at once when the kubeconfig cannot be loaded."""
+    from fleetserve.kube.apply import api_client
+    from fleetserve.kube.exporters import discover_exporters
+
+    api = api_client(access.kubeconfig, access.context)
+
+    said: list[str] = []
+
+    def discover() -> list[ExporterTarget]:
+        found = discover_exporters(api)
+        if found.skipped != said:  # each pod that cannot be scraped, said when it changes
+            for line in found.skipped:
+                logging.getLogger("fleetserve.exporters").warning("%s", line)
+            said[:] = found.skipped
+        return found.targets
+
+    def node_classes(names: Sequence[str]) -> dict[str, Classes]:
+        wanted = set(names)
+        return {
+            n.name: {str(d.index): d.device_class for d in n.devices}
+            for n in store.nodes()
+            if n.name in wanted
+        }
+
+    return ExporterScrape(discover, node_classes)
 
 
 def heartbeat_policy(not_ready_after: float, lost_after: float) -> HeartbeatPolicy:
@@ -241,8 +284,16 @@ def server_app(
     or with ``process`` a process of its own); it publishes ``ca_pem`` (a generated CA) for
     clients that pin it, and answers browsers of ``cors``'s origins on /v1."""
     windows = windows or SharedWindows()
+    exporters = (
+        None if control.kube_exporters is None else kube_exporter_scrape(store, control.kube_exporters)
+    )
     serving = Serving.build(
-        store, redis_url=windows.redis_url, redis_namespace=windows.namespace, cors=cors, limits=limits
+        store,
+        redis_url=windows.redis_url,
+        redis_namespace=windows.namespace,
+        cors=cors,
+        limits=limits,
+        exporters=exporters,
     )
     return create_app(
         store,
@@ -374,6 +425,12 @@ def run_server(
         )
         print_tls(listen, console, "server")
         print_cors(cors, console)
+        if control.kube_exporters is not None:
+            console.print(
+                "  GPU metrics exporters: found through the Kubernetes API every "
+                f"{REFRESH_SECONDS:.0f} s, scraped onto fleetserve_gpu_*",
+                markup=False,
+            )
         serve(app, listen, access_log=False)
     finally:
         store.close()
