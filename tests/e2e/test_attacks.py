@@ -330,7 +330,7 @@ def test_c_an_approved_node_restarted_claiming_1000_cores_is_held_and_draws_noth
     wait_for(
         lambda: "more than the operator approved" in restarted.log(), timeout=60, what="the held claim logged"
     )
-    print(restarted.log().splitlines()[-1])
+    print(next(line for line in restarted.log().splitlines() if "more than the operator approved" in line))
     assert "node real claims 1000 cores" in restarted.log()
     assert int(ready_node(server, "real")["cpu"]["cores"]) == cores
     listed = run_cli("nodes", "enrolments", env=cli_env(server, tmp_path))
@@ -355,6 +355,14 @@ def test_c_an_approved_node_restarted_claiming_1000_cores_is_held_and_draws_noth
     assert admin_get(server, "/replicas") == []  # 0 of 3 drawn
     held = [e for e in admin_get(server, "/events?action=node.hardware.held") if e["target"] == "Node/real"]
     assert [e["actor"] for e in held] == ["node real"]
+
+    # The operator approves the claim (the deployment gone first: no engine needs to start here).
+    assert run_cli("delete", "deployment", "tiny", env=cli_env(server, tmp_path)).returncode == 0
+    approved = run_cli("nodes", "approve", "real", env=cli_env(server, tmp_path))
+    assert approved.returncode == 0, approved.stderr
+    print(approved.stdout)
+    assert approved.stdout.startswith("node/real: the hardware it claims is approved: 1000 cores")
+    assert admin_get(server, "/nodes/real")["cpu"]["cores"] == 1000
 
 
 # --- (d) a heartbeat without an epoch for a dead node -------------------------------------------------
