@@ -274,7 +274,8 @@ def waiting_enrolments(enrolments: list[EnrolmentView], since: datetime | None =
 
 
 def print_waiting_enrolments(enrolments: list[EnrolmentView], console: Console) -> None:
-    """Below ``get nodes``: each enrolment that waits for an operator, and the command that approves it."""
+    """Below ``get nodes``: each enrolment, and each hardware claim, that waits for an operator, and
+    the command that approves it."""
     by_name = {e.node: e for e in enrolments}
     for name in waiting_enrolments(enrolments):
         e = by_name[name]
@@ -284,6 +285,14 @@ def print_waiting_enrolments(enrolments: list[EnrolmentView], console: Console) 
             f"for approval: fleetserve nodes approve {name}",
             markup=False,
         )
+    for e in enrolments:
+        if e.claimed_hardware is not None:
+            approved = e.approved_hardware.describe() if e.approved_hardware is not None else "?"
+            console.print(
+                f"node {e.node}: claims {e.claimed_hardware.describe()}, more than approved ({approved}); "
+                f"placed with the approved hardware until: fleetserve nodes approve {e.node}",
+                markup=False,
+            )
 
 
 def emit_kind(kind: Kind, data: Any, fmt: Format, console: Console) -> None:

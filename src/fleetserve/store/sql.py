@@ -86,7 +86,8 @@ class SqlStore(
     def apply_documents(self, docs: Documents) -> list[tuple[str, str, str]]:
         """Write classes, fabrics, nodes, models and deployments in ONE transaction (all or
         nothing); per document (kind, name, created|configured|unchanged). Nodes are registered
-        (hardware facts updated, cordon kept). The caller checks references first."""
+        (hardware facts updated, cordon kept) and the hardware they declare is approved. The caller
+        checks references first."""
         out: list[tuple[str, str, str]] = []
         with self._write(f"applying {sum(1 for _ in docs.all())} documents") as s:
             for cls in docs.classes:
@@ -95,6 +96,7 @@ class SqlStore(
                 out.append(("Fabric", fabric.name, self._put_spec(s, FabricRow, fabric.name, doc(fabric))))
             for node in docs.nodes:
                 reg = self._register(s, node)
+                self._approve_hardware(s, node)  # what an operator declares is approved
                 out.append(("Node", node.name, "created" if reg.created else "configured"))
             for model in docs.models:
                 out.append(("Model", model.name, self._put_model(s, model)))

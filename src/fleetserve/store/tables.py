@@ -197,8 +197,8 @@ class TokenRow(Base):
 
 class NodeCredentialRow(Base):
     """A node's identity: the sha256 of its per-node credential (issued at enrolment, bound to the
-    name), whether an operator approved the next enrolment under the name, and the last enrolment
-    request that waits for that approval."""
+    name), whether an operator approved the next enrolment under the name, the last enrolment
+    request that waits for that approval, and the node's approved hardware with a claim beyond it."""
 
     __tablename__ = "node_credentials"
 
@@ -209,6 +209,12 @@ class NodeCredentialRow(Base):
     approved: Mapped[bool] = mapped_column(Boolean, default=False)
     requested_at: Mapped[datetime | None] = mapped_column(nullable=True)
     requested_from: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # The hardware an operator approved (``inventory.approval.Hardware``; None: enrolled before
+    # approvals were recorded), and a registration's claim beyond it that waits (the node document
+    # as claimed, and since when; None when nothing waits).
+    approved_hardware: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    claimed_spec: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    held_at: Mapped[datetime | None] = mapped_column(nullable=True)
 
 
 class ApiKeyRow(Base):
