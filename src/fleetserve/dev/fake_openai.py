@@ -13,7 +13,8 @@ default 16; a negative cap runs until the fake's context of ``CONTEXT`` tokens i
 cap goes past it. ``n`` (or ``n_cmpl``) choices each generate that many.
 
 Three fields of a request steer it, for tests: ``"fake_delay": SECONDS`` waits that long before
-each event, ``"fake_status": CODE`` answers with that status, ``"fake_break_after": N`` drops the
+each event, ``"fake_status": CODE`` answers with that status (with ``"fake_echo_auth": true`` its error
+repeats the Authorization header it got), ``"fake_break_after": N`` drops the
 connection after N events of a stream. ``GET /health`` and ``/metrics``
 answer 200; ``GET /v1/models`` lists the fake's ``models``. ``FakeEngine`` counts what it served
 and what was cut off by a closed connection. Given a ``key`` (a hosted API's, an Endpoint's), it
@@ -187,6 +188,11 @@ class _Request(asyncio.Protocol):
         status = request.get("fake_status")
         if isinstance(status, int) and status != 200:
             error = b'{"error":{"message":"fake failure","type":"server_error","param":null,"code":null}}'
+            if request.get("fake_echo_auth"):  # a server whose error repeats the key it was sent
+                said = headers.get(b"authorization", b"").decode("latin-1")
+                error = orjson.dumps(
+                    {"error": {"message": f"key {said} refused", "type": "invalid_request_error"}}
+                )
             transport.write(_head(status, b"application/json", len(error)) + error)
             return
         per_choice, choices = tokens_asked(request)

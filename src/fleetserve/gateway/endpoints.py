@@ -77,6 +77,7 @@ def as_upstream(endpoint: EndpointSpec, key: str | None, model: str) -> Endpoint
         weight=endpoint.weight,
         engine_key=key,
         upstream_model=endpoint.upstream_name(model),
+        redact=True,
     )
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 
 from fleetserve.gateway.picker import Endpoint
-from fleetserve.gateway.upstream import Call, upstream_request
+from fleetserve.gateway.upstream import REDACTED, Call, upstream_request
 from fleetserve.httpclient import HttpClient, UpstreamError
 
 log = logging.getLogger("fleetserve.gateway")
@@ -131,6 +131,9 @@ class ModelInfo:
         try:
             if response.status != 200:
                 return None
-            return engine_entry(await response.read(), endpoint.upstream_model)
+            said = await response.read()
+            if endpoint.redact and endpoint.engine_key:  # never list an Endpoint's key to a client
+                said = said.replace(endpoint.engine_key.encode("latin-1"), REDACTED)
+            return engine_entry(said, endpoint.upstream_model)
         finally:
             response.close()

@@ -52,6 +52,9 @@ class Endpoint:
     weight: float = 1.0
     engine_key: str | None = field(default=None, repr=False)
     upstream_model: str | None = None
+    # An Endpoint's key is a secret of someone else's server: an answer held whole that repeats it
+    # has it replaced (``upstream.relay_answer``). A replica's engine key is fleetserve's own.
+    redact: bool = False
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.weight) and self.weight > 0):

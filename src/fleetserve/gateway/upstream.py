@@ -235,6 +235,9 @@ async def answer_failed(send: Send, replica: str, error: UpstreamError) -> int:
     return status
 
 
+REDACTED = b"[redacted]"
+"""What an Endpoint's key is replaced by in an answer held whole that repeats it."""
+
 HOLD_BYTES = 1 << 20
 """A non-streamed answer up to this size is held whole before it is relayed (its usage read, an
 error put in OpenAI's shape); a larger one passes in pieces as it comes (``relay_answer``)."""
@@ -281,6 +284,9 @@ async def relay_answer(send: Send, response: Response, ex: Exchange, limit: int)
         return await _relay_in_pieces(send, response, ex, limit, parts)
     response.close()
     content = parts[0] if len(parts) == 1 else b"".join(parts)
+    if ex.endpoint is not None and ex.endpoint.redact and ex.endpoint.engine_key:
+        # A server that repeats the key it was sent (an error naming it) never shows it to a client.
+        content = content.replace(ex.endpoint.engine_key.encode("latin-1"), REDACTED)
     status = response.status
     headers = relayed(response)
     if status >= 400:
