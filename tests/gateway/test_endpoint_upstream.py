@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from fake_engine import ServedGateway, fake_upstream
+from fake_engine import ServedGateway, engines_on, fake_upstream
 from fleetserve.dev.fake_openai import FakeEngine
 from fleetserve.secretfile import write_secret
 from fleetserve.spec.endpoint import Endpoint, EndpointState
@@ -148,3 +148,57 @@ def test_a_wrong_key_makes_the_endpoint_not_ready_and_takes_it_out_of_the_routes
     finally:
         write_secret(served.keys / "box.key", served.key + "\n")
     wait_for(lambda: served.gw.gateway.table.routes["chat"].endpoints, what="the Endpoint back in its route")
+
+
+def test_an_endpoint_a_deployment_lists_shares_its_requests_with_the_replicas(tmp_path: Path) -> None:
+    key = "sk-beside-" + secrets.token_urlsafe(16)
+    write_secret(tmp_path / "keys" / "beside.key", key)
+    with (
+        fake_upstream(key, models=("tiny-hosted",)) as upstream,
+        SqlStore.open(tmp_path / "state.db") as store,
+        ServedGateway(store, engines=1, endpoint_keys=tmp_path / "keys", probe_endpoints=True) as gw,
+    ):
+        store.put_endpoint(
+            Endpoint.model_validate(
+                {
+                    "name": "beside",
+                    "url": f"http://127.0.0.1:{upstream.port}",
+                    "models": {"tiny": "tiny-hosted"},
+                    "keyFile": "beside.key",
+                    "weight": 2,
+                }
+            )
+        )
+        engines_on(store, [gw.engines[0].port], tmp_path / "tiny.gguf", endpoints=["beside"])
+        wait_for(
+            lambda: (r := gw.gateway.table.routes.get("tiny")) and len(r.endpoints) == 2,
+            what="both in the route",
+        )
+        _, token = store.create_api_key("both", ["*"], None, None, datetime.now(UTC))
+        ask = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+        with httpx.Client(base_url=f"{gw.url}/v1", headers={"Authorization": f"Bearer {token}"}) as c:
+            assert all(c.post("/chat/completions", json=ask).status_code == 200 for _ in range(30))
+        replica, hosted = gw.engines[0].served, upstream.served
+    # Idle, one at a time: ties broken at random, so both serve; each got what it expects.
+    assert replica.requests > 0 and hosted.requests > 0 and replica.requests + hosted.requests == 30
+    assert {b["model"] for b in hosted.bodies} == {"tiny-hosted"} and {
+        b["model"] for b in replica.bodies
+    } == {"tiny"}
+    assert {h[b"authorization"] for h in hosted.headers} == {f"Bearer {key}".encode()}
+    assert all(h.get(b"authorization") != f"Bearer {key}".encode() for h in replica.headers)
+
+
+def test_the_request_to_an_https_endpoint_goes_under_its_base_path_with_its_key() -> None:
+    from fleetserve.gateway.picker import Endpoint as Upstream
+    from fleetserve.gateway.upstream import Call, upstream_request
+
+    hosted = Upstream("endpoint/h", "https://api.example.com/openai", engine_key="sk-h", redact=True)
+    origin, request = upstream_request(hosted, Call(b"POST", b"/v1/chat/completions?x=1"), b"{}")
+    assert (origin.host, origin.port, origin.tls) == ("api.example.com", 443, True)
+    head = request.split(b"\r\n")
+    assert head[0] == b"POST /openai/v1/chat/completions?x=1 HTTP/1.1"
+    assert b"Host: api.example.com" in head and b"Authorization: Bearer sk-h" in head
+    replica = Upstream("r-0", "http://[fd00::7]:8000")
+    origin, request = upstream_request(replica, Call(b"GET", b"/health", body=False), b"")
+    assert (origin.host, origin.port, origin.tls) == ("fd00::7", 8000, False)
+    assert request.startswith(b"GET /health HTTP/1.1\r\nHost: [fd00::7]:8000\r\n")
