@@ -40,6 +40,8 @@ ADMIN_PATHS = {
     "/api/v1/decisions",
     "/api/v1/replicas",
     "/api/v1/replicas/{name}",
+    "/api/v1/endpoints",
+    "/api/v1/endpoints/{name}",
 }
 AGENT_PATHS = {"/api/v1/agent/register", "/api/v1/agent/heartbeat"}
 

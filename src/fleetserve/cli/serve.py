@@ -16,6 +16,7 @@ from fleetserve.cli.options import (
     AuditRetentionOpt,
     BodyLimitOpt,
     CorsOriginOpt,
+    EndpointKeysOpt,
     ForwardedAllowOpt,
     GraceSecondsOpt,
     HeadTimeoutOpt,
@@ -44,6 +45,7 @@ from fleetserve.cli.options import (
     retention,
 )
 from fleetserve.cli.output import fail
+from fleetserve.endpointkeys import EndpointKeys
 from fleetserve.errors import FleetserveError
 from fleetserve.listener import HEAD_BYTES, HEAD_TIMEOUT, HEADER_COUNT, KEEP_ALIVE, MAX_CONNECTIONS
 
@@ -108,6 +110,7 @@ def server_command(
     models_dir: Annotated[
         Path, typer.Option(help="Where the server keeps model files it serves to agents (fleetserve://NAME).")
     ] = Path("fleetserve-models"),
+    endpoint_keys: EndpointKeysOpt = Path("fleetserve-endpoint-keys"),
     redis_url: RedisUrlOpt = None,
     redis_namespace: RedisNamespaceOpt = "fleetserve",
     cors_origin: CorsOriginOpt = None,
@@ -197,6 +200,7 @@ def server_command(
         enrolment,
         retention(usage_retention, audit_retention),
         KubeAccess(kubeconfig, kube_context) if kube_exporters else None,
+        EndpointKeys(endpoint_keys),
     )
     try:
         served = listen_tls(host, tls_cert, tls_key, tls_dir, tls_san, tls, insecure, "server")
@@ -292,6 +296,7 @@ def gateway_command(
     ] = "fleetserve.db",
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.", min=1, max=65535)] = 8081,
+    endpoint_keys: EndpointKeysOpt = Path("fleetserve-endpoint-keys"),
     redis_url: RedisUrlOpt = None,
     redis_namespace: RedisNamespaceOpt = "fleetserve",
     cors_origin: CorsOriginOpt = None,
@@ -332,6 +337,6 @@ def gateway_command(
         served = listen_tls(host, tls_cert, tls_key, tls_dir, tls_san, tls, insecure, "gateway")
         listen = Listen(host, port, log_level, served, tuple(tls_san or ()), grace_seconds, bounds)
         windows = SharedWindows(redis_url, redis_namespace)
-        run_gateway(database_url, listen, windows, access_log, allowed, limits)
+        run_gateway(database_url, listen, windows, access_log, allowed, limits, EndpointKeys(endpoint_keys))
     except FleetserveError as err:
         raise fail(err) from None

@@ -15,6 +15,7 @@ from pydantic import BaseModel
 from rich.console import Console
 
 from fleetserve.adminapi.credentials import EnrolmentView
+from fleetserve.adminapi.endpoints import EndpointView
 from fleetserve.adminapi.fleet import DeploymentDetail, DeploymentView, Explanation, NodeView, ReplicaView
 from fleetserve.cli.output import Column, Format, emit
 from fleetserve.conditions import ConditionType
@@ -34,6 +35,7 @@ class Kind(StrEnum):
     MODELS = "models"
     DEPLOYMENTS = "deployments"
     REPLICAS = "replicas"
+    ENDPOINTS = "endpoints"
 
 
 ALIASES = {
@@ -46,6 +48,7 @@ ALIASES = {
     "deployment": Kind.DEPLOYMENTS,
     "deploy": Kind.DEPLOYMENTS,
     "replica": Kind.REPLICAS,
+    "endpoint": Kind.ENDPOINTS,
 }
 
 
@@ -153,6 +156,20 @@ COLUMNS: dict[Kind, Sequence[Column]] = {
         ("state", lambda r: r.state),
         ("placement", lambda r: _shards(r.shards)),
     ),
+    Kind.ENDPOINTS: (
+        ("name", lambda e: e.name),
+        ("url", lambda e: e.url),
+        (
+            "models",
+            lambda e: ", ".join(
+                m.name if m.name == m.upstream else f"{m.name}={m.upstream}" for m in e.models
+            ),
+        ),
+        ("weight", lambda e: f"{e.weight:g}"),
+        ("key", lambda e: e.key_file or ""),
+        ("state", lambda e: e.status.state),
+        ("error", lambda e: e.status.last_error or ""),
+    ),
 }
 
 # What ``GET /KIND`` answers, one object of it: as the CLI reads it.
@@ -163,6 +180,7 @@ VIEWS: dict[Kind, type[BaseModel]] = {
     Kind.MODELS: Model,
     Kind.DEPLOYMENTS: DeploymentView,
     Kind.REPLICAS: Replica,
+    Kind.ENDPOINTS: EndpointView,
 }
 # ``GET /KIND/NAME`` where it says more than the list does.
 DETAILS: dict[Kind, type[BaseModel]] = {

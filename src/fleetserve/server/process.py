@@ -29,6 +29,7 @@ from fastapi import FastAPI
 from rich.console import Console
 from starlette.concurrency import run_in_threadpool
 
+from fleetserve.endpointkeys import EndpointKeys
 from fleetserve.errors import ConfigError, Problem
 from fleetserve.gateway.bodylimits import DEFAULT_GATEWAY_LIMITS, GatewayLimits
 from fleetserve.gateway.cors import Cors
@@ -99,6 +100,9 @@ class ControlPlane:
     retention: RetentionPolicy = field(default_factory=RetentionPolicy)
     # Find the GPU metrics exporters through this Kubernetes API and scrape them (None: do not).
     kube_exporters: KubeAccess | None = None
+    # Where Endpoints' API keys are read from (``--endpoint-keys``), for the health checks and the
+    # server's gateway.
+    endpoint_keys: EndpointKeys = field(default_factory=EndpointKeys)
 
 
 @dataclass(frozen=True)
@@ -294,6 +298,8 @@ def server_app(
         cors=cors,
         limits=limits,
         exporters=exporters,
+        endpoint_keys=control.endpoint_keys,
+        probe_endpoints=True,
     )
     return create_app(
         store,
@@ -311,11 +317,18 @@ def gateway_app(
     windows: SharedWindows | None = None,
     cors: Cors | None = None,
     limits: GatewayLimits = DEFAULT_GATEWAY_LIMITS,
+    endpoint_keys: EndpointKeys | None = None,
 ) -> FastAPI:
-    """An extra gateway's app: the same gateway, observer and ``/metrics`` as the control plane's."""
+    """An extra gateway's app: the same gateway, observer and ``/metrics`` as the control plane's;
+    Endpoints' keys read from ``endpoint_keys`` (its own copy of the server's directory)."""
     windows = windows or SharedWindows()
     serving = Serving.build(
-        store, redis_url=windows.redis_url, redis_namespace=windows.namespace, cors=cors, limits=limits
+        store,
+        redis_url=windows.redis_url,
+        redis_namespace=windows.namespace,
+        cors=cors,
+        limits=limits,
+        endpoint_keys=endpoint_keys,
     )
     return create_gateway_app(store, serving=serving, ca_pem=ca_pem)
 
@@ -443,9 +456,10 @@ def run_gateway(
     access_log: bool = False,
     cors: Cors | None = None,
     limits: GatewayLimits = DEFAULT_GATEWAY_LIMITS,
+    endpoint_keys: EndpointKeys | None = None,
 ) -> None:
     """Open the control plane's store, then serve the gateway over it until stopped; with
-    ``cors``, /v1 answers browsers of its origins."""
+    ``cors``, /v1 answers browsers of its origins; Endpoints' keys from ``endpoint_keys``."""
     logging.basicConfig(
         level=listen.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
@@ -455,7 +469,9 @@ def run_gateway(
         console.print(f"fleetserve gateway: {listen.url}/v1", markup=False)
         print_tls(listen, console, "gateway")
         print_cors(cors, console)
-        app = gateway_app(store, listen.tls.ca_pem if listen.tls else None, windows, cors, limits)
+        app = gateway_app(
+            store, listen.tls.ca_pem if listen.tls else None, windows, cors, limits, endpoint_keys
+        )
         if not serve(app, listen, access_log=access_log):
             raise SystemExit(STARTUP_FAILURE)
     finally:

@@ -119,6 +119,21 @@ class DeploymentRow(Base):
     previous_spec: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
 
+class EndpointRow(Base):
+    """An Endpoint (a server fleetserve did not start): its spec, and the control plane's last health
+    check of it. Its API key is never here: the control plane reads it from its key file."""
+
+    __tablename__ = "endpoints"
+
+    name: Mapped[str] = mapped_column(NAME, primary_key=True)
+    spec: Mapped[dict[str, Any]]
+    # Unknown | Ready | NotReady: a change of state moves the change counter (the gateways'
+    # routes), a check that only confirms it does not.
+    state: Mapped[str] = mapped_column(String(16))
+    last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    checked_at: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
+
+
 class ReplicaOrdinalRow(Base):
     """The next replica ordinal per deployment name. Identities are never reused — not after a
     release, not after the deployment is deleted and made again — so a replica moved away can
