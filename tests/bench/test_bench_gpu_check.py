@@ -94,6 +94,15 @@ def test_discovery_disagreements_are_named(smi, problem):
     assert problems and any(problem in p for p in problems), problems
 
 
+def test_the_discovery_row():
+    ok = g.phase_discovery(g.parse_smi_csv(H200_SMI), h200_discovery(), (), 0.2)
+    assert (ok.phase, ok.result) == ("discovery", g.OK)
+    assert ok.figure == "1 GPU(s) (NVIDIA H200); uuid, name, memory match nvidia-smi"
+    assert ok.detail["nvml"][0]["memory"] == 150754820096
+    bad = g.phase_discovery(_smi(uuid="GPU-other"), h200_discovery(), (), 0.2)
+    assert bad.result == g.FAIL and "UUID" in bad.figure
+
+
 def test_memory_within_one_mib_of_nvidia_smi_agrees():
     gpus = h200_discovery()
     assert g.compare_discovery(_smi(memory_total_mib=143772), gpus) == []
@@ -139,7 +148,7 @@ def test_the_cuda_build_takes_bootstraps_options_and_turns_cuda_on():
         generator="Ninja", extra=["-DGGML_CUDA_FA=OFF"],
     )  # fmt: skip
     assert argv[:7] == ["cmake", "-S", "/src/llama.cpp", "-B", "/b", "-G", "Ninja"]
-    for option in (*base, *g.PACKAGE_RPATH_ARGS, *g.OFFLINE_ARGS, "-DGGML_CUDA=ON",
+    for option in (*base, *g.OFFLINE_ARGS, "-DGGML_CUDA=ON",
                    "-DCMAKE_CUDA_ARCHITECTURES=90", "-DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc"):  # fmt: skip
         assert option in argv
     assert argv[-1] == "-DGGML_CUDA_FA=OFF"  # the caller's options last: they win
