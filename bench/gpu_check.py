@@ -47,6 +47,7 @@ import contextlib
 import csv
 import hashlib
 import io
+import itertools
 import json
 import os
 import re
@@ -681,11 +682,11 @@ def healthy(url: str) -> bool:
     return httpx.get(url + "/healthz", timeout=2).status_code == 200
 
 
-def start_stack(work: Path, deadline_s: float) -> Stack:
+def start_stack(stack: Stack, deadline_s: float) -> None:
     """Server (SQLite, reconcile every 0.2 s) and a gateway over its database, both answering."""
     import yaml
 
-    stack = Stack(work)
+    work = stack.work
     database = f"sqlite:///{work / 'state.db'}"
     port, gateway_port = free_port(), free_port()
     tokens = work / "tokens.yaml"
@@ -702,7 +703,6 @@ def start_stack(work: Path, deadline_s: float) -> Stack:
         "gateway", "gateway", "--database-url", database, "--host", "127.0.0.1", "--port", str(gateway_port)
     )
     wait_for(lambda: healthy(stack.gateway_url), deadline_s, "the gateway to answer /healthz", stack)
-    return stack
 
 
 def start_agent(stack: Stack, engine_args: Sequence[str], deadline_s: float) -> None:
@@ -847,22 +847,22 @@ def smi_compute_pids() -> set[int]:
     return {int(x) for x in out.split() if x.strip().isdigit()}
 
 
-def engine_pid(stack: Stack, view: Mapping[str, Any]) -> int | None:
-    """The llama-server serving the replica: the agent's child listening on its port."""
+def engine_pid(view: Mapping[str, Any]) -> int | None:
+    """The llama-server serving the replica: the process running it with ``--port`` its port
+    (however the agent started it: child, process group or cgroup)."""
     import psutil  # type: ignore[import-untyped]
 
-    port = int((view.get("status") or {}).get("port") or 0)
-    agent = stack.procs.get("agent")
-    if agent is None:
-        return None
-    with contextlib.suppress(psutil.Error):
-        for child in psutil.Process(agent.pid).children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                if any(c.laddr and c.laddr.port == port for c in child.net_connections("inet")):
-                    return int(child.pid)
-                if f"{port}" in child.cmdline() and "llama-server" in " ".join(child.cmdline()):
-                    return int(child.pid)
+    port = str((view.get("status") or {}).get("port") or "")
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if cmdline and Path(cmdline[0]).name == "llama-server" and port and is_port_arg(cmdline, port):
+            return int(proc.info["pid"])
     return None
+
+
+def is_port_arg(cmdline: Sequence[str], port: str) -> bool:
+    """Whether ``cmdline`` says ``--port PORT``."""
+    return any(a == "--port" and b == port for a, b in itertools.pairwise(cmdline))
 
 
 class Sampler:
@@ -936,11 +936,11 @@ def serve_model(
         sampler = Sampler(stack, sampler_device[0])
         with sampler:
             load = run_load(stack.gateway_url + "/v1", key, name, requests, max_tokens)
-        pid = engine_pid(stack, view)
+        pid = engine_pid(view)
         on_gpu = pid is not None and pid in smi_compute_pids()
     else:
         load = run_load(stack.gateway_url + "/v1", key, name, requests, max_tokens)
-        pid, on_gpu = None, False
+        pid, on_gpu = engine_pid(view), False
     ok = load.failures == 0 and load.tokens > 0 and (on_gpu or not gpu)
     figure = load.figure()
     if gpu:
@@ -997,9 +997,13 @@ def phase_serve(
     larger = write_tiny_model(work / "models" / "larger.gguf", shape)
     log(f"models written in {time.monotonic() - started:.1f} s ({larger.stat().st_size / 1e9:.2f} GB larger)")
     if gpu:
-        first = next((g for g in smi if g.index == 0), smi[0])
-        memory = next((g.memory for g in nvml if g.index == first.index), first.memory_total_mib * MiB)
-        cls = device_class(first.name, memory // MiB)
+        # GPU 0 as nvidia-smi names it, else as NVML does (the discovery row says if they differ).
+        named = [(g.index, g.name) for g in smi] or [(g.index, g.name) for g in nvml]
+        index, name = min(named)
+        memory = next((g.memory for g in nvml if g.index == index), None)
+        if memory is None:
+            memory = next(g.memory_total_mib for g in smi if g.index == index) * MiB
+        cls = device_class(name, memory // MiB)
         engine_args = ["--engine-binary", f"llama.cpp/cuda={binary}"]
 
         def profile(context: int) -> dict[str, Any]:
@@ -1018,8 +1022,9 @@ def phase_serve(
             return {"name": "cpu", "engine": "llama.cpp", "cpu": {"cores": 1}, "context": context}
 
     requests = 8 if args.quick else args.requests
-    stack = start_stack(work, 60)
+    stack = Stack(work)
     try:
+        start_stack(stack, 60)
         if cls is not None:
             apply(stack, [cls])  # before the agent registers: discovery matches the GPU onto it
         start_agent(stack, engine_args, 60)
@@ -1060,7 +1065,7 @@ def phase_serve(
                 "families": sorted(sampler.families),
             }
             rows.append(Row("gpu metrics", OK if verdict.ok else FAIL, figure, row.seconds, detail))
-    except (RuntimeError, TimeoutError, OSError, KeyError, ValueError) as exc:
+    except Exception as exc:  # a phase's end: whatever broke is its FAIL row, and the stack stops
         done = {r.phase for r in rows}
         failed = next(n for n in names if n not in done)
         tails = {n: stack.log_tail(n, 40) for n in stack.procs}
@@ -1147,7 +1152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             caps = run_smi("--query-gpu=compute_cap", "--format=csv,noheader").split()
         try:
             row, binary = phase_build(args, budget, caps)
-        except (FileNotFoundError, RuntimeError, ValueError) as exc:
+        except Exception as exc:  # the build phase's FAIL row, whatever broke
             row, binary = Row("build", FAIL, str(exc).splitlines()[0][:200], 0.0, {"error": str(exc)}), None
         rows.append(row)
         rows += phase_serve(args, budget, work, binary, smi or [], nvml)

@@ -288,6 +288,12 @@ def test_the_budget():
     assert budget.left() == 10.0 and not budget.fits(11)
 
 
+def test_the_port_argument():
+    assert g.is_port_arg(["llama-server", "--model", "m", "--port", "8123"], "8123")
+    assert not g.is_port_arg(["llama-server", "--port", "81234"], "8123")
+    assert not g.is_port_arg(["llama-server", "8123", "--port"], "8123")
+
+
 def test_a_replicas_devices_are_its_shards():
     view = {"spec": {"shards": [{"node": "gpucheck", "devices": [3]}]}}
     assert g.replica_devices(view) == [3]
@@ -354,5 +360,6 @@ def test_the_serving_phase_rehearsed_on_the_cpu(tmp_path, capsys):
         assert row["result"] == "ok"
         assert row["detail"]["failures"] == 0 and row["detail"]["requests"] == 8
         assert row["detail"]["completion_tokens"] > 0 and len(row["detail"]["ttft_seconds"]) == 8
+        assert row["detail"]["engine_pid"] is not None  # the llama-server the agent started, found
     assert rows[1]["detail"]["model_bytes"] > 10 * rows[0]["detail"]["model_bytes"]
     assert "serve larger" in printed and "tok/s" in printed
