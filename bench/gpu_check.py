@@ -1110,7 +1110,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--cmake-args", help="More cmake options for the CUDA build, appended.")
     parser.add_argument(
-        "--build-reserve", type=float, default=150.0, help="Seconds kept for serving when building (150)."
+        "--build-reserve", type=float, default=120.0, help="Seconds kept for serving when building (120)."
     )
     # Serve the two models on the CPU (the CPU llama-server) to rehearse the serving phase on a
     # machine without a GPU: the tests do; never a check of a GPU.
