@@ -17,9 +17,11 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
+
+from loopback_http import serving_on_loopback
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "metrics"
 # Published scrapes of real devices (tests/fixtures/metrics/README.md says where from).
@@ -68,19 +70,8 @@ def _handler(state: LoopbackExporter) -> type[BaseHTTPRequestHandler]:
 def running_exporter(recorded: Path, port: int = 0) -> Iterator[LoopbackExporter]:
     """Serve ``recorded`` at ``http://127.0.0.1:PORT/metrics`` (a free port unless ``port``)."""
     state = LoopbackExporter(recorded.read_bytes())
-    httpd = ThreadingHTTPServer(("127.0.0.1", port), _handler(state))
-    httpd.daemon_threads = True
-    state.port = httpd.server_address[1]
-    thread = threading.Thread(
-        target=httpd.serve_forever, kwargs={"poll_interval": 0.02}, name="loopback-exporter", daemon=True
-    )
-    thread.start()
-    try:
+    with serving_on_loopback(_handler(state), "loopback-exporter", port) as state.port:
         yield state
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join(timeout=5)
 
 
 def main() -> None:

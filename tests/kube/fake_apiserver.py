@@ -39,12 +39,14 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import yaml
+
+from loopback_http import serving_on_loopback
 
 APPLY_PATCH = "application/apply-patch+yaml"
 TOKEN = "fake-apiserver-token"
@@ -303,16 +305,5 @@ def _handler(state: FakeApiServer) -> type[BaseHTTPRequestHandler]:
 def running_fake_apiserver() -> Iterator[FakeApiServer]:
     """Start the fake on a free port of 127.0.0.1; stopped (and its socket closed) on exit."""
     state = FakeApiServer()
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(state))
-    httpd.daemon_threads = True
-    state.port = httpd.server_address[1]
-    thread = threading.Thread(
-        target=httpd.serve_forever, kwargs={"poll_interval": 0.02}, name="fake-apiserver", daemon=True
-    )
-    thread.start()
-    try:
+    with serving_on_loopback(_handler(state), "fake-apiserver") as state.port:
         yield state
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join(timeout=5)
