@@ -134,15 +134,13 @@ def test_cutting_a_2000_token_prompt_costs_well_under_a_millisecond():
     for name in ("a", "b", "c"):
         caches.learn(name, keys)
     n = 2000
-    began = time.perf_counter()
+    began = time.process_time()
     for _ in range(n):
         keys = block_keys(prompt_bytes(body))
         for name in ("a", "b", "c"):
             caches.cached_tokens(name, keys)
         caches.learn("a", keys)
-    per_request = (time.perf_counter() - began) / n
+    per_request = (time.process_time() - began) / n  # CPU time: less skewed by a shared machine
     print(f"\nblock hashing + 3 lookups + 1 insert, 2,000-token prompt: {per_request * 1e6:.0f} us/request")
     assert len(keys) == 125
-    assert (
-        per_request < 2e-3
-    )  # a generous bound for a loaded CI machine; measured 60-110 us on a shared 2-core machine
+    assert per_request < 2e-3  # a generous bound for a loaded CI machine; measured ~50 us of CPU
