@@ -134,3 +134,41 @@ def test_the_observer_bumps_an_engine_s_epoch_when_it_restarted(tmp_path):
         observer.restarts([("d", "r", 0)])
         observer.restarts([("d", "r", 2)])  # its agent reported restarts
         assert observer.epochs["r"] == 2
+
+
+@pytest.mark.parametrize(
+    ("routing", "policy"),
+    [
+        ({"policy": "round-robin"}, "round-robin"),
+        ({"policy": "least-load"}, "least-load"),
+        ({"prefixAffinity": True}, "prefix-hash"),
+    ],
+)
+def test_the_deployment_s_policy_is_the_one_picking(two, routing, policy):
+    """The spec's ``routing`` reaches every gateway's route: round robin alternates on one prompt,
+    least-load and prefix-hash say so; then the default (cache-aware) again."""
+    from builders import deployment
+
+    first, second, token = two
+    profile = {"name": "cpu", "engine": "llama.cpp", "cpu": {"cores": 1}}
+    store = first.store
+    try:
+        store.put_deployment(deployment("tiny", 2, profile, model="tiny", routing=routing))
+        wait_for(
+            lambda: all(gw.gateway.table.routes["tiny"].routing == policy for gw in (first, second)),
+            what=f"both gateways to route tiny by {policy}",
+        )
+        system = "One prompt for every request. " * 40
+        picks = [reason(ask(first, token, chat(system))) for _ in range(4)]
+        assert {p["policy"] for p in picks} == {policy}
+        replicas = [p["replica"] for p in picks]
+        if policy == "round-robin":
+            assert replicas[0] != replicas[1] and replicas[:2] == replicas[2:]
+        if policy == "prefix-hash":
+            assert len(set(replicas)) == 1  # one prompt, one home on the ring
+    finally:
+        store.put_deployment(deployment("tiny", 2, profile, model="tiny"))
+        wait_for(
+            lambda: all(gw.gateway.table.routes["tiny"].routing == "cache-aware" for gw in (first, second)),
+            what="both gateways back to cache-aware",
+        )
