@@ -183,6 +183,8 @@ class Gateway:
         self.caches = PrefixCaches()
         # Per deployment, the next round-robin turn.
         self.turns: dict[str, int] = defaultdict(int)
+        # Whether replicas left the routes since the cache models were last pruned.
+        self._prune = False
         self.last_request: dict[str, float] = {}
         self.admission = Admission()
         # Where the Endpoints' API keys are read (``endpointkeys``): never from the store.
@@ -281,7 +283,7 @@ class Gateway:
     def _changed(self, deployment: str) -> None:
         """A deployment's endpoints changed: wake its waiters; forget replicas no longer routed."""
         self.admission.notify(deployment)
-        self.caches.keep_only(e.replica for r in self.table.routes.values() for e in r.endpoints)
+        self._prune = True  # once, at the next cache-aware pick, however many changed at once
 
     def _ready(self, model: str) -> int:
         route = self.table.routes.get(model)
@@ -317,6 +319,9 @@ class Gateway:
         keys = steer.keys
         if policy == "cache-aware" and keys is not None:
             caches = self.caches
+            if self._prune:
+                self._prune = False
+                caches.keep_only(e.replica for r in self.table.routes.values() for e in r.endpoints)
             cached: dict[str, int] = {}
             for e in route.endpoints:
                 epoch = self.engine_cache(e.replica)[0] if self.engine_cache is not None else None
