@@ -184,9 +184,11 @@ def pick_cache_aware(
     """The endpoint with the lowest expected cost for a prompt of ``prompt_tokens`` tokens, of
     which ``cached[replica]`` are believed cached there; None when every endpoint is excluded.
 
-    cost = ((prompt - cached) / prompt + load_weight * (outstanding + kv_usage)) / weight, a
+    cost = (prompt - cached) / prompt + load_weight * (outstanding + kv_usage) / weight, a
     guarded replica's cached taken as 0 (see the module's docstring); ties broken by ``rng``.
-    With nothing cached anywhere this is least outstanding work, the KV usage breaking ties.
+    The capacity weight divides the load, not the miss: with nothing cached anywhere this is least
+    outstanding work per weight (least-load's rule, idle replicas tied whatever their weight),
+    the KV usage breaking ties.
     """
     if epsilon < 0 or not math.isfinite(epsilon):
         raise ValueError(f"epsilon must be a non-negative number, got {epsilon}")
@@ -209,7 +211,7 @@ def pick_cache_aware(
         hit = 0 if guarded else min(prompt, max(0, cached.get(e.replica, 0)))
         kv = load.kv_usage if _fresh(load, fresh_seconds) and load.kv_usage is not None else 0.0
         kv = min(1.0, max(0.0, kv)) if math.isfinite(kv) else 0.0
-        cost = ((prompt - hit) / prompt + load_weight * (work[e.replica] + kv)) / e.weight
+        cost = (prompt - hit) / prompt + load_weight * (work[e.replica] + kv) / e.weight
         scored.append((cost, e, hit))
     best = min(s[0] for s in scored)
     # Ties keep the endpoints' order, so one seeded rng gives one answer.
