@@ -199,12 +199,12 @@ def test_a_stall_of_the_loop_restarts_every_nodes_grace() -> None:
     assert cycle.disruption is not None
 
 
-def test_a_gap_is_a_stall_past_half_the_deadline_and_two_intervals() -> None:
-    assert stall_after(POLICY, 1.0) == 20.0
+def test_a_gap_is_a_stall_past_the_not_ready_deadline_and_two_intervals() -> None:
+    assert stall_after(POLICY, 1.0) == 40.0
     assert stall_after(POLICY, 30.0) == 60.0
     nodes = fleet((3, READY, timedelta(seconds=30)))
-    assert judge(nodes, NOW, 20.0, POLICY, Liveness(tick=0.0)).stalled is None
-    assert judge(nodes, NOW, 20.5, POLICY, Liveness(tick=0.0)).stalled == 20.5
+    assert judge(nodes, NOW, 40.0, POLICY, Liveness(tick=0.0)).stalled is None
+    assert judge(nodes, NOW, 40.5, POLICY, Liveness(tick=0.0)).stalled == 40.5
     # The first cycle has nothing to compare with.
     assert judge(nodes, NOW, 1e6, POLICY, Liveness()).stalled is None
 

@@ -9,12 +9,13 @@ The rules, after Kubernetes' node lifecycle controller (``--unhealthy-zone-thres
 - **Counted from arrival.** A node's silence runs from its last heartbeat's *arrival* (stamped
   when the request reached the server, not when its write ran) or from the end of the server's
   last stall, whichever is later (``grace_from``).
-- **The server's own stall.** When more than half the NotReady deadline (and at least two loop
+- **The server's own stall.** When more than the NotReady deadline (and at least two loop
   intervals) passed between two of the loop's cycles on its monotonic clock, the server itself was
   not running — stopped (SIGSTOP), starved, or suspended — and heartbeats sent meanwhile could not
   arrive. Nobody is judged on that time: every node's grace restarts at the end of the gap, as
-  Kubernetes restarts it when its controller starts. (Half the deadline: an agent heartbeating
-  more often than that is never judged late by a stall shorter than it.)
+  Kubernetes restarts it when its controller starts. (A shorter stall may still cost a node whose
+  beat was due in it a NotReady mark, never more: its next heartbeat makes it Ready, and a mass
+  of them is disruption mode.)
 - **Disruption mode.** The fleet is every node an agent has run on that is not Lost. When at least
   ``unhealthy_share`` of it (default 0.55) is silent past the NotReady deadline, and at least
   ``min_nodes`` nodes (default 3, Kubernetes' floor), the fault is more likely the control
@@ -89,8 +90,8 @@ class FleetJudgement:
 
 def stall_after(policy: HeartbeatPolicy, interval: float) -> float:
     """The longest gap (seconds) between two of the loop's cycles that is not a stall of the
-    server's own: half the NotReady deadline, and at least two loop intervals."""
-    return max(policy.not_ready_after.total_seconds() / 2, 2 * interval)
+    server's own: the NotReady deadline, and at least two loop intervals."""
+    return max(policy.not_ready_after.total_seconds(), 2 * interval)
 
 
 def judge(

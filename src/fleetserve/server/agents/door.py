@@ -10,7 +10,7 @@ or of judgements, one transaction for a batch of status reports (``store.judge_r
 
 Each handler answers every case itself: the accepted call, and every refusal from the one table of
 problems (``refusals.py``), in the API's error shape. What is accepted is the store's one rule
-(``store/acceptance.py``: the credential's node is the node named, at its current epoch, Ready),
+(``store/acceptance.py``: the credential's node is the node named, at its current epoch, not Lost),
 applied by the very statement that writes the call; a refused call writes nothing, and the rule's
 verdict says why. Requests are read with the shared raw-ASGI pieces (``fleetserve.rawasgi``: the
 bearer token, ONE bounded body reader, the disconnect watch, whole answers).

@@ -10,7 +10,7 @@ states, samples of its own GPUs, and the models its own replicas serve. The addr
 must be its connection's source address or an allowed one.
 
 Fencing: every registration bumps the node's epoch. Heartbeats and reports name the epoch they
-speak for (it is required); an older one, or any from a node judged NotReady or Lost, gets 409
+speak for (it is required); an older one, or any from a node judged Lost, gets 409
 and the agent must register again — and stop every replica it runs that is not in the
 assignments it is then given, so a replica never runs twice under one identity. No answer but
 the registration's tells the epoch.
