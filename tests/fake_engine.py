@@ -10,11 +10,15 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from builders import deployment, node
 from fleetserve.protocol import ReplicaStatus
 from fleetserve.spec.resources import Model, Replica, ReplicaState, Shard
 from fleetserve.store.sql import SqlStore
+
+if TYPE_CHECKING:
+    from fleetserve.dev.fake_openai import FakeEngine
 
 BUSY = Path(__file__).resolve().parent / "fixtures" / "metrics" / "llamacpp_b11434_tiny_busy_2_slots.prom"
 REPLICA = "tiny-0"
@@ -68,7 +72,8 @@ def run_replica_on(store: SqlStore, port: int, model_path: Path) -> None:
 class ServedGateway:
     """A gateway app served by uvicorn (uvloop, httptools) on 127.0.0.1 in a thread of its own, in
     front of fake OpenAI engines (fleetserve.dev.fake_openai) in the same event loop; with
-    ``cors_origins``, its /v1 answers browsers of those origins."""
+    ``cors_origins``, its /v1 answers browsers of those origins; with ``endpoint_keys``, Endpoints'
+    keys are read there; with ``probe_endpoints``, it checks their health as the server does."""
 
     def __init__(
         self,
@@ -77,6 +82,8 @@ class ServedGateway:
         redis_url: str | None = None,
         namespace: str = "t",
         cors_origins: tuple[str, ...] = (),
+        endpoint_keys: Path | None = None,
+        probe_endpoints: bool = False,
     ):
         import asyncio
 
@@ -84,6 +91,7 @@ class ServedGateway:
         import uvloop
 
         from fleetserve.dev.fake_openai import FakeEngine
+        from fleetserve.endpointkeys import EndpointKeys
         from fleetserve.gateway.cors import Cors
         from fleetserve.server.app import Serving, create_gateway_app
 
@@ -92,7 +100,12 @@ class ServedGateway:
         self.app = create_gateway_app(
             store,
             serving=Serving.build(
-                store, redis_url=redis_url, redis_namespace=namespace, cors=Cors.of(cors_origins)
+                store,
+                redis_url=redis_url,
+                redis_namespace=namespace,
+                cors=Cors.of(cors_origins),
+                endpoint_keys=EndpointKeys(endpoint_keys) if endpoint_keys is not None else None,
+                probe_endpoints=probe_endpoints,
             ),
         )
         self.loop = uvloop.new_event_loop()
@@ -161,6 +174,14 @@ def engines_on(store: SqlStore, ports: list[int], model_path: Path, **fields: ob
 @contextmanager
 def fake_openai_engine() -> Iterator[int]:
     """A fake OpenAI engine (fleetserve.dev.fake_openai) on 127.0.0.1 in a thread; yields its port."""
+    with fake_upstream() as engine:
+        yield engine.port
+
+
+@contextmanager
+def fake_upstream(key: str | None = None, models: tuple[str, ...] = ("fake",)) -> Iterator[FakeEngine]:
+    """A fake OpenAI server (fleetserve.dev.fake_openai) on 127.0.0.1 in a thread, requiring ``key``
+    when given and listing ``models``: an Endpoint's server. Yields it (its ``port``, ``served``)."""
     import asyncio
 
     import uvloop
@@ -168,12 +189,12 @@ def fake_openai_engine() -> Iterator[int]:
     from fleetserve.dev.fake_openai import FakeEngine
 
     loop = uvloop.new_event_loop()
-    engine = FakeEngine()
+    engine = FakeEngine(key, models)
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    port = asyncio.run_coroutine_threadsafe(engine.start(), loop).result(10)
+    asyncio.run_coroutine_threadsafe(engine.start(), loop).result(10)
     try:
-        yield port
+        yield engine
     finally:
         asyncio.run_coroutine_threadsafe(engine.stop(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)

@@ -15,6 +15,7 @@ CLASSES = {
     "amd-mi325x": DeviceClass(name="amd-mi325x", driver="gpu.amd.com", memory=256 << 30),
     "amd-gfx1151": DeviceClass(name="amd-gfx1151", driver="gpu.amd.com", memory=96 << 30),
     "intel-gaudi3": DeviceClass(name="intel-gaudi3", driver="gaudi.intel.com", memory=128 << 30),
+    "apple-m2-ultra": DeviceClass(name="apple-m2-ultra", driver="gpu.apple.com", memory=144 << 30),
 }
 
 
@@ -59,6 +60,12 @@ def deployment(**profile: object) -> Deployment:
             id="gpu-runtime-without-class",
         ),
         pytest.param(
+            {"engine": "llama.cpp", "runtime": "metal", "deviceClass": "amd-gfx1151"},
+            "profiles.p.runtime",
+            "runtime metal computes on gpu.apple.com, but class amd-gfx1151 is driven by gpu.amd.com",
+            id="metal-on-an-amd-class",
+        ),
+        pytest.param(
             {"engine": "vllm", "deviceClass": "nvidia-h100"},
             "profiles.p.deviceClass",
             "unknown device class 'nvidia-h100'",
@@ -83,6 +90,7 @@ def test_a_refused_profile_names_the_field_and_says_why(profile, field, words):
             Driver.AMD,
         ),
         ({"engine": "llama.cpp", "deviceClass": "nvidia-h100-80gb"}, RuntimeVariant.CUDA, Driver.NVIDIA),
+        ({"engine": "llama.cpp", "deviceClass": "apple-m2-ultra"}, RuntimeVariant.METAL, Driver.APPLE),
         ({"engine": "vllm", "deviceClass": "amd-mi325x"}, RuntimeVariant.ROCM, Driver.AMD),
         (
             {"engine": "vllm", "deviceClass": "nvidia-h100-80gb", "devicesPerNode": 8, "nodes": 2},
@@ -201,3 +209,12 @@ def test_profiles_are_tried_by_priority_then_as_written():
     )
     assert [p.name for p in dep.profiles_by_priority()] == ["b", "a", "c"]
     assert EngineKind("llama.cpp") is EngineKind.LLAMACPP
+
+
+def test_vllm_on_an_apple_class_is_gated_as_unsupported_devices_naming_the_apple_driver():
+    # vLLM has no Metal build: its row has no variant for gpu.apple.com, whoever serves the driver.
+    dep = deployment(engine="vllm", deviceClass="apple-m2-ultra")
+    assert validate_deployment(dep, CLASSES) == []
+    result = gate(dep, CLASSES, set(Driver))
+    assert (result.accepted.status, result.accepted.reason) == (False, "UnsupportedDevices")
+    assert result.unsupported == {"p": "gpu.apple.com"}

@@ -18,6 +18,8 @@ class Driver(StrEnum):
 
     NVIDIA = "gpu.nvidia.com"
     AMD = "gpu.amd.com"
+    # No DRA driver exists for Apple GPUs; the name follows the GPU rows' gpu.<vendor>.com.
+    APPLE = "gpu.apple.com"
     CPU = "dra.cpu"
 
 
@@ -28,6 +30,7 @@ class RuntimeVariant(StrEnum):
     CUDA = "cuda"
     ROCM = "rocm"
     VULKAN = "vulkan"
+    METAL = "metal"
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,24 @@ class SliceFormat:
 
 
 @dataclass(frozen=True)
+class MetricsExporter:
+    """The GPU metrics exporter a driver's stack runs on each node, and how to find and read it.
+
+    On Kubernetes it is found by its pods (any one of ``pod_selectors``, each a ``k=v`` label
+    selector, picks them) and their container port named ``port_name``; an agent beside it probes
+    ``127.0.0.1:default_port``. ``source`` names its output format: a ``GpuSource`` value of
+    ``fleetserve.metrics.gpu`` (a string here, as this module imports nothing of fleetserve's).
+    """
+
+    name: str
+    pod_selectors: tuple[str, ...]
+    port_name: str
+    default_port: int
+    source: str
+    path: str = "/metrics"
+
+
+@dataclass(frozen=True)
 class DriverSpec:
     """Every per-driver fact: pool role, env, device-plugin resource, stack, accelerator or host."""
 
@@ -66,6 +87,11 @@ class DriverSpec:
     is_accelerator: bool
     # How its ResourceSlices describe a GPU (``fleetserve kube import``); None: it publishes none.
     resource_slice: SliceFormat | None = None
+    # The GPU metrics exporter its stack runs (design.md, Metrics); None: it has none.
+    metrics_exporter: MetricsExporter | None = None
+    # Whether Kubernetes can give a pod its devices (a DRA driver or device plugin exists); False:
+    # served by agents only, and the Kubernetes backend refuses what claims it.
+    kube_supported: bool = True
 
 
 POOL_LABEL_KEY = "fleetserve.io/pool"
@@ -87,6 +113,15 @@ DRIVERS: Mapping[Driver, DriverSpec] = MappingProxyType(
             resource_slice=SliceFormat(
                 index_attribute="index", pci_vendor_id="0x10de", partition_types=("mig",)
             ),
+            # The GPU operator labels its DaemonSet's pods app=nvidia-dcgm-exporter; the
+            # dcgm-exporter Helm chart app.kubernetes.io/name=dcgm-exporter. Both name the port metrics.
+            metrics_exporter=MetricsExporter(
+                name="dcgm-exporter",
+                pod_selectors=("app=nvidia-dcgm-exporter", "app.kubernetes.io/name=dcgm-exporter"),
+                port_name="metrics",
+                default_port=9400,
+                source="dcgm",
+            ),
         ),
         Driver.AMD: DriverSpec(
             pool_role="amd-gpu",
@@ -105,6 +140,27 @@ DRIVERS: Mapping[Driver, DriverSpec] = MappingProxyType(
             resource_slice=SliceFormat(
                 index_attribute="cardIndex", pci_vendor_id="0x1002", partition_types=("amdgpu-partition",)
             ),
+            # The AMD GPU operator's metrics exporter DaemonSet: its pods and their exporter-port.
+            metrics_exporter=MetricsExporter(
+                name="amd-device-metrics-exporter",
+                pod_selectors=("app.kubernetes.io/name=metrics-exporter",),
+                port_name="exporter-port",
+                default_port=5000,
+                source="amd-exporter",
+            ),
+        ),
+        # Apple Silicon (Metal, unified memory): agents on macOS only. No DRA driver or device
+        # plugin publishes its GPU, so there is nothing to claim, render or install on Kubernetes.
+        Driver.APPLE: DriverSpec(
+            pool_role="apple-gpu",
+            # Metal has no visible-devices variable: a Mac has one GPU and llama-server takes it.
+            visible_devices_env=_frozen({RuntimeVariant.METAL: ()}),
+            device_plugin_resource=MappingProxyType({}),
+            stack_components=(),
+            is_accelerator=True,
+            # No exporter exists: the agent reads the GPU through ioreg (agent.discovery.macos).
+            metrics_exporter=None,
+            kube_supported=False,
         ),
         Driver.CPU: DriverSpec(
             pool_role="cpu",
@@ -115,6 +171,11 @@ DRIVERS: Mapping[Driver, DriverSpec] = MappingProxyType(
         ),
     }
 )
+
+
+def kube_drivers() -> frozenset[Driver]:
+    """The drivers the Kubernetes backend can claim devices of (the rest are served by agents)."""
+    return frozenset(d for d, spec in DRIVERS.items() if spec.kube_supported)
 
 
 def parse_driver(name: str) -> Driver | None:
@@ -141,6 +202,11 @@ def pool_label(driver: Driver) -> tuple[str, str]:
 def pool_taint(driver: Driver) -> Taint:
     """The taint every node of ``driver``'s pool carries; only that driver's workloads tolerate it."""
     return Taint(key=TAINT_PREFIX + driver.value, value="present")
+
+
+def metrics_exporters() -> dict[Driver, MetricsExporter]:
+    """Every driver whose stack runs a GPU metrics exporter, with it, in table order."""
+    return {d: spec.metrics_exporter for d, spec in DRIVERS.items() if spec.metrics_exporter is not None}
 
 
 def stack_for(drivers: list[Driver]) -> tuple[str, ...]:

@@ -44,6 +44,7 @@ def check_documents(docs: Documents) -> list[Problem]:
     problems += _duplicates("Deployment", (d.name for d in docs.deployments))
     problems += _duplicates("Replica", (r.name for r in docs.replicas))
     problems += _duplicates("Cluster", (c.name for c in docs.clusters))
+    problems += _duplicates("Endpoint", (e.name for e in docs.endpoints))
     classes = {c.name: c for c in docs.classes}
     fabrics = {f.name for f in docs.fabrics}
     models = {m.name: m for m in docs.models}
@@ -92,6 +93,7 @@ def check_documents(docs: Documents) -> list[Problem]:
         else:
             problems += weights_problems(dep, models[dep.model])
         problems += validate_deployment(dep, classes)
+    problems += endpoint_problems(docs)
     for cluster in docs.clusters:
         problems += cluster_problems(cluster, classes)
         problems += image_problems(cluster)
@@ -100,6 +102,46 @@ def check_documents(docs: Documents) -> list[Problem]:
             problems.append(
                 Problem(f"Replica {replica.name}", "deployment", f"unknown deployment {replica.deployment!r}")
             )
+    return problems
+
+
+def endpoint_problems(docs: Documents) -> list[Problem]:
+    """A deployment's ``endpoints`` exist and serve the name it is called by; an Endpoint does not
+    serve a name a deployment serves without listing it (the deployment's route would hide it)."""
+    problems: list[Problem] = []
+    endpoints = {e.name: e for e in docs.endpoints}
+    for dep in docs.deployments:
+        for i, name in enumerate(dep.endpoints):
+            endpoint = endpoints.get(name)
+            if endpoint is None:
+                problems.append(
+                    Problem(
+                        f"Deployment {dep.name}",
+                        f"endpoints[{i}]",
+                        f"unknown endpoint {name!r}; known: {', '.join(sorted(endpoints)) or 'none defined'}",
+                    )
+                )
+            elif endpoint.upstream_name(dep.name) is None:
+                problems.append(
+                    Problem(
+                        f"Deployment {dep.name}",
+                        f"endpoints[{i}]",
+                        f"endpoint {name} does not serve {dep.name!r} (the name clients send this "
+                        f"deployment by); add {dep.name} to its models (as {dep.name}: UPSTREAM-NAME "
+                        "where the upstream calls it otherwise)",
+                    )
+                )
+        for endpoint in docs.endpoints:
+            if endpoint.upstream_name(dep.name) is not None and endpoint.name not in dep.endpoints:
+                why = (
+                    f"serves {dep.name!r}, which deployment {dep.name} serves without listing endpoint "
+                    f"{endpoint.name}; add it to the deployment's endpoints, or drop {dep.name} from "
+                    "the endpoint's models"
+                )
+                problems.append(Problem(f"Endpoint {endpoint.name}", "models", why))
+                problems.append(
+                    Problem(f"Deployment {dep.name}", "endpoints", f"endpoint {endpoint.name} {why}")
+                )
     return problems
 
 

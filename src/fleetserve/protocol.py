@@ -19,6 +19,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field
 
 from fleetserve.drivers import Driver, RuntimeVariant
+from fleetserve.inventory.approval import HardwareHeld
 from fleetserve.spec.base import NAME_PATTERN
 from fleetserve.spec.nodeparts import Device, Hca
 from fleetserve.spec.resources import Model, Node, Profile, Replica, ReplicaState
@@ -205,9 +206,11 @@ class AssignmentSet(BaseModel):
 
 
 class Registered(AssignmentSet):
-    """A registration's answer: the node as stored, whether it is new, its assignments, and on
-    enrolment (join token) the node's credential, shown this once."""
+    """A registration's answer: the node as stored, whether it is new, its assignments, on
+    enrolment (join token) the node's credential, shown this once, and the hardware claim held
+    for an operator's approval (the node is placed with the approved facts meanwhile)."""
 
     node: Node
     created: bool
     credential: str | None = None
+    held: HardwareHeld | None = None

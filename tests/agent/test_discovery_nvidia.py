@@ -187,6 +187,14 @@ def test_nvml_that_cannot_start_is_a_problem_only_where_an_nvidia_gpu_is_on_the_
     assert str(pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)) in said
 
 
+def test_on_macos_a_missing_nvml_is_a_fact_though_no_pci_bus_can_be_listed(tmp_path: Path) -> None:
+    nvml = NvmlReplay({"init_error": "LIBRARY_NOT_FOUND", "devices": []})
+    found = NvidiaDiscoverer(nvml, root=tmp_path, system="Darwin").discover()
+    assert (found.gpus, found.problems) == ((), ())
+    (fact,) = found.facts
+    assert fact.startswith("nvidia: macOS has no NVIDIA driver (NVML: ")
+
+
 def test_a_machine_without_an_nvidia_gpu_reports_no_problem_to_its_node(tmp_path: Path) -> None:
     """What the node shows (and the dashboard paints red) is the discovery's problems: a CPU-only
     machine has none from NVIDIA."""

@@ -189,3 +189,35 @@ def test_gpu_memory_used_leaves_out_what_the_driver_reserves_as_nvidia_smi_and_d
     )
     samples = {s.name: s.value for s in make_reader(tmp_path)(node)}
     assert samples == {"fleetserve_gpu_memory_used_bytes": float(used)}
+
+
+def test_an_apple_gpu_read_from_recorded_ioreg_gives_utilisation_and_memory_and_nothing_else():
+    from fleetserve.agent.discovery.macos import MacDiscoverer
+
+    recording = json.loads((FIXTURES / "macos/darwin_apple_1_m4_max_128g.json").read_text())["commands"]
+    mac = MacDiscoverer(lambda argv: recording.get(" ".join(argv)), system="Darwin")
+    node = Node.model_validate(
+        {
+            "name": "studio",
+            "cpu": {"cores": 16, "memory": "16GiB"},
+            "devices": [{"index": 0, "class": "apple-m4-max"}],
+        }
+    )
+    samples = {s.name: s.model_dump() for s in make_reader(Path("/nonexistent"), mac=mac)(node)}
+    labels = {"node": "studio", "device": "0", "driver": "gpu.apple.com", "class": "apple-m4-max"}
+    assert samples["fleetserve_gpu_utilization_ratio"] == {
+        "name": "fleetserve_gpu_utilization_ratio",
+        "labels": labels,
+        "value": 0.87,
+    }
+    assert samples["fleetserve_gpu_memory_used_bytes"]["value"] == 61203578880
+    # macOS shows power, energy and temperature of the GPU only to root (powermetrics): absent.
+    assert set(samples) == {"fleetserve_gpu_utilization_ratio", "fleetserve_gpu_memory_used_bytes"}
+
+
+def test_off_macos_the_apple_source_adds_no_sample():
+    from fleetserve.agent.discovery.macos import MacDiscoverer
+
+    mac = MacDiscoverer(lambda argv: pytest.fail(f"ran {argv} off macOS"), system="Linux")
+    node = Node.model_validate({"name": "cpu", "cpu": {"cores": 2, "memory": "8GiB"}})
+    assert make_reader(Path("/nonexistent"), mac=mac)(node) == []

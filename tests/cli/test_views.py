@@ -14,6 +14,7 @@ from fleetserve.adminapi.credentials import EnrolmentView
 from fleetserve.adminapi.fleet import Explanation
 from fleetserve.agent.runtime import STALL_SECONDS, download_message
 from fleetserve.cli.views import downloads, engines, print_waiting_enrolments, waiting_enrolments
+from fleetserve.inventory.approval import Hardware
 from fleetserve.protocol import AgentStatus
 from fleetserve.spec.resources import Node
 
@@ -144,6 +145,21 @@ def test_get_nodes_names_a_waiting_enrolment_and_the_command_that_approves_it() 
     assert shown == (
         "node b: an enrolment from 10.0.0.7 at 2026-12-06T04:45:00+00:00 waits for approval: "
         "fleetserve nodes approve b\n"
+    )
+
+
+def test_get_nodes_names_a_held_hardware_claim_beside_the_approved_hardware() -> None:
+    held = enrolment("real").model_copy(
+        update={
+            "approved_hardware": Hardware(cores=2, memory=8 << 30),
+            "claimed_hardware": Hardware(cores=1000, memory=8 << 30),
+        }
+    )
+    console = Console(file=io.StringIO(), width=250)
+    print_waiting_enrolments([enrolment("a"), held], console)
+    assert console.file.getvalue() == (  # type: ignore[attr-defined]
+        "node real: claims 1000 cores, 8.0GiB, more than approved (2 cores, 8.0GiB); placed with the "
+        "approved hardware until: fleetserve nodes approve real\n"
     )
 
 

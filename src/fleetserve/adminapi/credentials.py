@@ -8,6 +8,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field
 
 from fleetserve.adminapi.values import IsoTime, View
+from fleetserve.inventory.approval import Hardware
 from fleetserve.store.credentials import TokenKind
 
 
@@ -69,7 +70,8 @@ class CreatedToken(TokenView):
 
 
 class EnrolmentView(View):
-    """A node name's identity: enrolled (a credential issued), approved, or waiting (requested)."""
+    """A node name's identity: enrolled (a credential issued), approved, or waiting (requested);
+    the hardware approved, and a registration's claim beyond it that waits (since ``held_at``)."""
 
     node: str
     enrolled: bool
@@ -77,3 +79,13 @@ class EnrolmentView(View):
     approved: bool
     requested_at: IsoTime | None
     requested_from: str | None
+    approved_hardware: Hardware | None = None
+    claimed_hardware: Hardware | None = None
+    held_at: IsoTime | None = None
+
+
+class ApprovalView(EnrolmentView):
+    """An approval: the identity after it, and the hardware claim it applied (None: it let the
+    next enrolment through instead)."""
+
+    applied_hardware: Hardware | None = None

@@ -129,6 +129,12 @@ class AgentClient:
             self.credential = registered.credential
             if self.credentials is not None:
                 self.credentials.save(self.server, node.name, registered.credential)
+        if registered.held is not None:
+            log.warning(
+                "node %s claims %s, more than the operator approved (%s): it is placed with the "
+                "approved hardware until an operator runs `fleetserve nodes approve %s`",
+                node.name, registered.held.claimed.describe(), registered.held.approved.describe(), node.name,
+            )  # fmt: skip
         return registered.node, AssignmentSet(
             epoch=registered.epoch, revision=registered.revision, assignments=registered.assignments
         )

@@ -1,15 +1,26 @@
 """The agent's own GPU readings, for nodes where no DCGM or AMD exporter runs: NVML for NVIDIA,
-sysfs for AMD, turned into the canonical ``fleetserve_gpu_*`` samples it reports to the server."""
+sysfs for AMD, ``ioreg`` for an Apple GPU on macOS, turned into the canonical ``fleetserve_gpu_*``
+samples it reports to the server."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from fleetserve.agent.discovery.amd import AmdSysfsDiscoverer
-from fleetserve.metrics.gpu import GpuContext, NvmlReading, from_amd_sysfs, from_nvml
+from fleetserve.agent.discovery.macos import MacDiscoverer
+from fleetserve.drivers import Driver
+from fleetserve.metrics.gpu import (
+    AppleIoregReading,
+    GpuContext,
+    NvmlReading,
+    from_amd_sysfs,
+    from_apple_ioreg,
+    from_nvml,
+)
+from fleetserve.metrics.promtext import Sample
 from fleetserve.protocol import GpuSample
 from fleetserve.spec.resources import Node
 
@@ -66,15 +77,49 @@ def _nvml_readings() -> list[NvmlReading]:
     return out
 
 
-def make_reader(root: Path = Path("/")) -> GpuReader:
+def _apple_readings(mac: MacDiscoverer) -> list[AppleIoregReading]:
+    """The Apple GPU's reading on a Mac (one GPU, index 0); none elsewhere."""
+    stats = mac.statistics()
+    if stats is None:
+        return []
+    return [
+        AppleIoregReading(
+            index=0, device_utilization_percent=stats.busy_percent, in_use_system_memory=stats.memory_used
+        )
+    ]
+
+
+def _context(node: Node) -> GpuContext:
+    return GpuContext(node=node.name, classes={str(d.index): d.device_class for d in node.devices})
+
+
+def _as_reported(samples: Iterable[Sample]) -> list[GpuSample]:
+    return [GpuSample(name=s.name, labels=dict(s.labels), value=s.value) for s in samples]
+
+
+def own_readers(root: Path = Path("/"), mac: MacDiscoverer | None = None) -> dict[Driver, GpuReader]:
+    """Per driver, how the agent reads that driver's GPUs itself: NVML, sysfs (under ``root``),
+    ioreg on macOS (``mac``: the macOS source, a recording in tests)."""
+    apple = mac or MacDiscoverer()
+
+    def nvml(node: Node) -> list[GpuSample]:
+        return _as_reported(from_nvml(_nvml_readings(), _context(node)))
+
+    def amd_sysfs(node: Node) -> list[GpuSample]:
+        amd = AmdSysfsDiscoverer(root).discover().gpus
+        return _as_reported(from_amd_sysfs(amd, _context(node))) if amd else []
+
+    def apple_ioreg(node: Node) -> list[GpuSample]:
+        return _as_reported(from_apple_ioreg(_apple_readings(apple), _context(node)))
+
+    return {Driver.NVIDIA: nvml, Driver.AMD: amd_sysfs, Driver.APPLE: apple_ioreg}
+
+
+def make_reader(root: Path = Path("/"), mac: MacDiscoverer | None = None) -> GpuReader:
     """A function reading this machine's GPUs as canonical samples, labelled for ``node``."""
+    readers = own_readers(root, mac)
 
     def read(node: Node) -> list[GpuSample]:
-        context = GpuContext(node=node.name, classes={str(d.index): d.device_class for d in node.devices})
-        samples = list(from_nvml(_nvml_readings(), context))
-        amd = AmdSysfsDiscoverer(root).discover().gpus
-        if amd:
-            samples += from_amd_sysfs(amd, context)
-        return [GpuSample(name=s.name, labels=dict(s.labels), value=s.value) for s in samples]
+        return [sample for reader in readers.values() for sample in reader(node)]
 
     return read

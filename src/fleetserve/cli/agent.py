@@ -121,6 +121,16 @@ def agent_command(
             help="Allow an http:// server on a non-loopback address (the join token in the clear).",
         ),
     ] = False,
+    gpu_exporter: Annotated[
+        str | None,
+        typer.Option(
+            "--gpu-exporter",
+            metavar="URL|auto",
+            help="Report the GPU readings of the DCGM or AMD device-metrics exporter at URL (e.g. "
+            "http://127.0.0.1:9400/metrics) instead of reading NVML/sysfs; 'auto' probes their default "
+            "ports (9400, 5000) on 127.0.0.1. Where none answers, the agent reads the GPUs itself.",
+        ),
+    ] = None,
 ) -> None:
     """Run the node agent: discover this machine's CPUs, GPUs and HCAs, enrol with the control
     plane (join token, once; the node's own credential is kept in --credential-file), report
@@ -135,15 +145,19 @@ def agent_command(
     every engine the agent started; a restarted agent first stops what its previous run left (each
     engine runs in a cgroup of its own where the agent may make one). An https:// server is
     verified against --ca-hash or --ca-file (else the system's CAs); plain http:// only on
-    loopback, or with --insecure.
+    loopback, or with --insecure. With --gpu-exporter, the GPU metrics it reports are those of the
+    node's DCGM or AMD exporter (falling back to its own reads, said once in the log).
     """
     from fleetserve.agent.describe import node_name
+    from fleetserve.agent.exporter_relay import candidates
     from fleetserve.agent.runtime import default_cache_dir
     from fleetserve.cli.agent_cmd import SourceSettings, join_token, parse_labels, run_agent
     from fleetserve.tls import ServerTrust
     from fleetserve.units import parse_bytes
 
     try:
+        if gpu_exporter is not None:
+            candidates(gpu_exporter)
         cache = cache_dir or default_cache_dir()
         secret = join_token(token_file, token)
         trust = ServerTrust.of(ca_file, ca_hash, insecure)
@@ -157,6 +171,7 @@ def agent_command(
                 model_dirs=tuple(model_dir or ()), allow_private=allow_private_sources,
                 hf_mirror=hf_mirror, hf_token_file=hf_token_file, llama_server=llama_server,
             ),
+            gpu_exporter=gpu_exporter,
         )  # fmt: skip
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None

@@ -19,8 +19,9 @@ from fleetserve.agent.cache import HubAccess, ModelCache
 from fleetserve.agent.client import AgentClient
 from fleetserve.agent.credential import CredentialFile
 from fleetserve.agent.describe import make_describe
+from fleetserve.agent.exporter_relay import ExporterRelay
 from fleetserve.agent.fingerprint import EngineProbe
-from fleetserve.agent.gpustats import make_reader
+from fleetserve.agent.gpustats import make_reader, own_readers
 from fleetserve.agent.runtime import Agent, AgentSettings
 from fleetserve.agent.supervisor import Supervisor
 from fleetserve.drivers import RuntimeVariant
@@ -146,6 +147,7 @@ def run_agent(
     log_level: str,
     trust: ServerTrust | None = None,
     sources: SourceSettings | None = None,
+    gpu_exporter: str | None = None,
 ) -> None:
     """Run the agent until SIGTERM or SIGINT; then stop every engine it started."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -191,13 +193,19 @@ def run_agent(
         policy=SourcePolicy.strict(sources.model_dirs, sources.allow_private),
     )
     engines = EngineProbe(binaries)
+    gpu_reader = make_reader(root)
+    if gpu_exporter is not None:
+        # The exporter is fetched on a thread of its own; the report takes its latest reading.
+        relay = ExporterRelay(gpu_exporter, own_readers(root), interval=interval)
+        threading.Thread(target=relay.run, args=(stop,), name="gpu-exporter", daemon=True).start()
+        gpu_reader = relay.read
     agent = Agent(
         client,
         describe,
         supervisor,
         cache,
         settings,
-        gpu_reader=make_reader(root),
+        gpu_reader=gpu_reader,
         engines=engines.fingerprints,
     )
     try:

@@ -10,7 +10,14 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from fleetserve.adminapi.credentials import CreatedKey, CreatedToken, EnrolmentView, KeyView, TokenView
+from fleetserve.adminapi.credentials import (
+    ApprovalView,
+    CreatedKey,
+    CreatedToken,
+    EnrolmentView,
+    KeyView,
+    TokenView,
+)
 from fleetserve.cli.admin import FormatOpt, ServerOpt, TokenOpt, call, call_all, call_as, parse_duration
 from fleetserve.cli.output import Column, Format, emit
 
@@ -152,9 +159,17 @@ def register(app: typer.Typer) -> None:
         server: ServerOpt = None,
         token: TokenOpt = None,
     ) -> None:
-        """Let the next join-token enrolment under NAME through: a new name, or a name enrolled
-        already (the new enrolment's credential then replaces the old one)."""
-        data = call_as(EnrolmentView, server, token, "POST", f"/nodes/{name}/approve")
+        """Approve what waits under NAME. A registration that claimed more hardware than approved
+        (`nodes enrolments`, CLAIMED (WAITS)): its claim is applied and becomes the approved
+        hardware. Otherwise: let the next join-token enrolment under NAME through, a new name or
+        one enrolled already (the new enrolment's credential then replaces the old one)."""
+        data = call_as(ApprovalView, server, token, "POST", f"/nodes/{name}/approve")
+        if data.applied_hardware is not None:
+            Console().print(
+                f"node/{name}: the hardware it claims is approved: {data.applied_hardware.describe()}",
+                markup=False,
+            )
+            return
         what = "re-enrolment" if data.enrolled else "enrolment"
         Console().print(f"node/{name}: the next {what} is approved", markup=False)
 
@@ -162,7 +177,8 @@ def register(app: typer.Typer) -> None:
     def nodes_enrolments(
         server: ServerOpt = None, token: TokenOpt = None, output: FormatOpt = Format.TABLE
     ) -> None:
-        """Every node name with a credential, an approval, or an enrolment request waiting."""
+        """Every node name with a credential, an approval, or an enrolment request waiting; the
+        hardware approved, and beside it a registration's claim beyond it that waits."""
         console = Console(soft_wrap=True)
         data = call_all(EnrolmentView, server, token, "GET", "/enrolments")
         columns: tuple[Column, ...] = (
@@ -170,5 +186,7 @@ def register(app: typer.Typer) -> None:
             ("approved", lambda e: e.approved),
             ("requested", lambda e: e.requested_at.isoformat() if e.requested_at else ""),
             ("from", lambda e: e.requested_from or ""),
+            ("approved hardware", lambda e: e.approved_hardware.describe() if e.approved_hardware else ""),
+            ("claimed (waits)", lambda e: e.claimed_hardware.describe() if e.claimed_hardware else ""),
         )  # fmt: skip
         emit(data, output, console, columns)

@@ -26,7 +26,8 @@ kube = typer.Typer(
         "pool); their drivers select the serving stack. `render` prints the objects for the "
         "deployments placed onto the cluster's pools; `stack` the components the cluster needs; "
         "`apply` server-side applies the objects (field manager fleetserve) and never deletes; "
-        "`import` reads Nodes and DRA ResourceSlices back as fleetserve Node documents."
+        "`import` reads Nodes and DRA ResourceSlices back as fleetserve Node documents; `exporters` "
+        "lists the GPU metrics exporters (DCGM, AMD) the control plane would scrape."
     ),
     no_args_is_help=True,
 )
@@ -280,3 +281,33 @@ def import_command(
     err_console.print(f"{len(result.nodes)} nodes imported", markup=False)
     for line in result.unmatched:
         err_console.print(f"  unmatched: {line}", markup=False)
+
+
+@kube.command("exporters")
+def exporters_command(
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+    output: Annotated[Format, typer.Option("--output", "-o", help="table, json or yaml.")] = Format.TABLE,
+) -> None:
+    """The GPU metrics exporters the cluster runs, as `fleetserve server --kube-exporters` finds them.
+
+    NVIDIA's DCGM exporter and AMD's device-metrics-exporter are found by their pods' labels and
+    named container port (the driver table's rows); each row is the driver, the pod, the node
+    whose GPUs it reports and the URL scraped. Exporter pods that cannot be scraped (not Running,
+    no IP, no such port) are listed on stderr.
+    """
+    from fleetserve.cli.output import emit
+    from fleetserve.kube.apply import api_client
+    from fleetserve.kube.exporters import discover_exporters
+
+    try:
+        found = discover_exporters(api_client(kubeconfig, context))
+    except FleetserveError as err:
+        raise fail(err) from None
+    rows = [{"driver": t.driver.value, "pod": t.pod, "node": t.node, "url": t.url} for t in found.targets]
+    columns = [(name, lambda row, name=name: row[name]) for name in ("driver", "pod", "node", "url")]
+    emit(rows, output, Console(soft_wrap=True), columns)
+    err_console = _err()
+    err_console.print(f"{len(found.targets)} GPU metrics exporters found", markup=False)
+    for line in found.skipped:
+        err_console.print(f"  skipped: {line}", markup=False)

@@ -225,7 +225,8 @@ def _up(
             _spawn(
                 [exe, "server", "--database-url", str(data_dir / "fleetserve.db"), "--port", str(port),
                  "--token-file", str(token_file), "--models-dir", str(data_dir / "server-models"),
-                 "--reconcile-interval", "0.5", "--approve-new-nodes", *options.server_args()],
+                 "--endpoint-keys", str(data_dir / "endpoint-keys"), "--reconcile-interval", "0.5",
+                 "--approve-new-nodes", *options.server_args()],
                 logs[0],
             )
         )  # fmt: skip

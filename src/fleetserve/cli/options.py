@@ -53,6 +53,17 @@ InsecureOpt = Annotated[
     ),
 ]
 
+EndpointKeysOpt = Annotated[
+    Path,
+    typer.Option(
+        "--endpoint-keys",
+        envvar="FLEETSERVE_ENDPOINT_KEYS",
+        help="The directory Endpoints' API keys are read from (an Endpoint's keyFile names a file in "
+        "it; nothing outside it is read). Keys are never stored or sent to agents: give every "
+        "gateway process the same files.",
+    ),
+]
+
 RedisUrlOpt = Annotated[
     str | None,
     typer.Option(

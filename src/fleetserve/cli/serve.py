@@ -16,6 +16,7 @@ from fleetserve.cli.options import (
     AuditRetentionOpt,
     BodyLimitOpt,
     CorsOriginOpt,
+    EndpointKeysOpt,
     ForwardedAllowOpt,
     GraceSecondsOpt,
     HeadTimeoutOpt,
@@ -44,6 +45,7 @@ from fleetserve.cli.options import (
     retention,
 )
 from fleetserve.cli.output import fail
+from fleetserve.endpointkeys import EndpointKeys
 from fleetserve.errors import FleetserveError
 from fleetserve.listener import HEAD_BYTES, HEAD_TIMEOUT, HEADER_COUNT, KEEP_ALIVE, MAX_CONNECTIONS
 
@@ -130,6 +132,7 @@ def server_command(
     models_dir: Annotated[
         Path, typer.Option(help="Where the server keeps model files it serves to agents (fleetserve://NAME).")
     ] = Path("fleetserve-models"),
+    endpoint_keys: EndpointKeysOpt = Path("fleetserve-endpoint-keys"),
     redis_url: RedisUrlOpt = None,
     redis_namespace: RedisNamespaceOpt = "fleetserve",
     cors_origin: CorsOriginOpt = None,
@@ -151,6 +154,25 @@ def server_command(
     max_answer_bytes: MaxAnswerBytesOpt = "64MiB",
     tls: TlsForceOpt = False,
     insecure: InsecureOpt = False,
+    kube_exporters: Annotated[
+        bool,
+        typer.Option(
+            "--kube-exporters",
+            help="Find the NVIDIA DCGM and AMD device-metrics-exporter pods through the Kubernetes "
+            "API (every 30 s) and scrape them onto fleetserve_gpu_*, each pod's node as the node.",
+        ),
+    ] = False,
+    kubeconfig: Annotated[
+        Path | None,
+        typer.Option(
+            "--kubeconfig",
+            help="With --kube-exporters: the kubeconfig (default: $KUBECONFIG, ~/.kube/config, or "
+            "the pod's service account).",
+        ),
+    ] = None,
+    kube_context: Annotated[
+        str | None, typer.Option("--kube-context", help="With --kube-exporters: the kubeconfig context.")
+    ] = None,
 ) -> None:
     """Run the control plane: admin REST API (OpenAPI at /docs), dashboard (/ui), state, reconciler.
 
@@ -164,11 +186,15 @@ def server_command(
     Off loopback it serves TLS: --tls-cert/--tls-key, or a CA and certificate it generates in
     --tls-dir; it then prints the join command with the CA's pin (sha256:...). Plain HTTP off
     loopback only with --insecure.
+
+    With --kube-exporters it also scrapes the GPU metrics exporters (NVIDIA DCGM, AMD
+    device-metrics-exporter) it finds through the Kubernetes API, onto fleetserve_gpu_*.
     """
     from fleetserve.reconcile.health import DisruptionPolicy
     from fleetserve.server.agents.enrolment import EnrolmentPolicy, parse_networks
     from fleetserve.server.process import (
         ControlPlane,
+        KubeAccess,
         Listen,
         ReconcilerMode,
         SharedWindows,
@@ -178,6 +204,8 @@ def server_command(
 
     if lost_after <= not_ready_after:
         raise typer.BadParameter("--lost-after must be longer than --not-ready-after")
+    if (kubeconfig or kube_context) and not kube_exporters:
+        raise typer.BadParameter("--kubeconfig and --kube-context go with --kube-exporters")
     try:
         enrolment = EnrolmentPolicy(approve_new_nodes, parse_networks(node_address_allow or []))
     except ValueError as exc:
@@ -196,6 +224,8 @@ def server_command(
         token_file,
         enrolment,
         retention(usage_retention, audit_retention),
+        KubeAccess(kubeconfig, kube_context) if kube_exporters else None,
+        EndpointKeys(endpoint_keys),
     )
     try:
         served = listen_tls(host, tls_cert, tls_key, tls_dir, tls_san, tls, insecure, "server")
@@ -291,6 +321,7 @@ def gateway_command(
     ] = "fleetserve.db",
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.", min=1, max=65535)] = 8081,
+    endpoint_keys: EndpointKeysOpt = Path("fleetserve-endpoint-keys"),
     redis_url: RedisUrlOpt = None,
     redis_namespace: RedisNamespaceOpt = "fleetserve",
     cors_origin: CorsOriginOpt = None,
@@ -331,6 +362,6 @@ def gateway_command(
         served = listen_tls(host, tls_cert, tls_key, tls_dir, tls_san, tls, insecure, "gateway")
         listen = Listen(host, port, log_level, served, tuple(tls_san or ()), grace_seconds, bounds)
         windows = SharedWindows(redis_url, redis_namespace)
-        run_gateway(database_url, listen, windows, access_log, allowed, limits)
+        run_gateway(database_url, listen, windows, access_log, allowed, limits, EndpointKeys(endpoint_keys))
     except FleetserveError as err:
         raise fail(err) from None

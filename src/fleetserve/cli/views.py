@@ -15,6 +15,7 @@ from pydantic import BaseModel
 from rich.console import Console
 
 from fleetserve.adminapi.credentials import EnrolmentView
+from fleetserve.adminapi.endpoints import EndpointView
 from fleetserve.adminapi.fleet import (
     DeploymentDetail,
     DeploymentView,
@@ -41,6 +42,7 @@ class Kind(StrEnum):
     MODELS = "models"
     DEPLOYMENTS = "deployments"
     REPLICAS = "replicas"
+    ENDPOINTS = "endpoints"
 
 
 ALIASES = {
@@ -53,6 +55,7 @@ ALIASES = {
     "deployment": Kind.DEPLOYMENTS,
     "deploy": Kind.DEPLOYMENTS,
     "replica": Kind.REPLICAS,
+    "endpoint": Kind.ENDPOINTS,
 }
 
 
@@ -160,6 +163,20 @@ COLUMNS: dict[Kind, Sequence[Column]] = {
         ("state", lambda r: r.state),
         ("placement", lambda r: _shards(r.shards)),
     ),
+    Kind.ENDPOINTS: (
+        ("name", lambda e: e.name),
+        ("url", lambda e: e.url),
+        (
+            "models",
+            lambda e: ", ".join(
+                m.name if m.name == m.upstream else f"{m.name}={m.upstream}" for m in e.models
+            ),
+        ),
+        ("weight", lambda e: f"{e.weight:g}"),
+        ("key", lambda e: e.key_file or ""),
+        ("state", lambda e: e.status.state),
+        ("error", lambda e: e.status.last_error or ""),
+    ),
 }
 
 # What ``GET /KIND`` answers, one object of it: as the CLI reads it.
@@ -170,6 +187,7 @@ VIEWS: dict[Kind, type[BaseModel]] = {
     Kind.MODELS: Model,
     Kind.DEPLOYMENTS: DeploymentView,
     Kind.REPLICAS: Replica,
+    Kind.ENDPOINTS: EndpointView,
 }
 # ``GET /KIND/NAME`` where it says more than the list does.
 DETAILS: dict[Kind, type[BaseModel]] = {
@@ -281,7 +299,8 @@ def waiting_enrolments(enrolments: list[EnrolmentView], since: datetime | None =
 
 
 def print_waiting_enrolments(enrolments: list[EnrolmentView], console: Console) -> None:
-    """Below ``get nodes``: each enrolment that waits for an operator, and the command that approves it."""
+    """Below ``get nodes``: each enrolment, and each hardware claim, that waits for an operator, and
+    the command that approves it."""
     by_name = {e.node: e for e in enrolments}
     for name in waiting_enrolments(enrolments):
         e = by_name[name]
@@ -291,6 +310,14 @@ def print_waiting_enrolments(enrolments: list[EnrolmentView], console: Console) 
             f"for approval: fleetserve nodes approve {name}",
             markup=False,
         )
+    for e in enrolments:
+        if e.claimed_hardware is not None:
+            approved = e.approved_hardware.describe() if e.approved_hardware is not None else "?"
+            console.print(
+                f"node {e.node}: claims {e.claimed_hardware.describe()}, more than approved ({approved}); "
+                f"placed with the approved hardware until: fleetserve nodes approve {e.node}",
+                markup=False,
+            )
 
 
 def fleet_lines(fleet: FleetView) -> list[str]:

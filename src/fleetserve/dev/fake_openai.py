@@ -13,9 +13,12 @@ default 16; a negative cap runs until the fake's context of ``CONTEXT`` tokens i
 cap goes past it. ``n`` (or ``n_cmpl``) choices each generate that many.
 
 Three fields of a request steer it, for tests: ``"fake_delay": SECONDS`` waits that long before
-each event, ``"fake_status": CODE`` answers with that status, ``"fake_break_after": N`` drops the
+each event, ``"fake_status": CODE`` answers with that status (with ``"fake_echo_auth": true`` its error
+repeats the Authorization header it got), ``"fake_break_after": N`` drops the
 connection after N events of a stream. ``GET /health`` and ``/metrics``
-answer 200. ``FakeEngine`` counts what it served and what was cut off by a closed connection.
+answer 200; ``GET /v1/models`` lists the fake's ``models``. ``FakeEngine`` counts what it served
+and what was cut off by a closed connection. Given a ``key`` (a hosted API's, an Endpoint's), it
+answers 401 to every request that does not send ``Authorization: Bearer KEY``, as such servers do.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class Served:
     the completion tokens it generated."""
 
     requests: int = 0
+    refused: int = 0  # requests without the key, answered 401
     generated: int = 0
     streams_done: int = 0
     streams_cut: int = 0
@@ -152,7 +156,24 @@ class _Request(asyncio.Protocol):
         transport = self.transport
         if transport is None:
             return
+        key = self.engine.key
+        if key is not None and headers.get(b"authorization") != b"Bearer " + key.encode():
+            self.engine.served.refused += 1
+            error = b'{"error":{"message":"Incorrect API key provided","type":"invalid_request_error"}}'
+            transport.write(_head(401, b"application/json", len(error)) + error)
+            return
         if self.parser.get_method() != b"POST":
+            if url == b"/v1/models":
+                listed = orjson.dumps(
+                    {
+                        "object": "list",
+                        "data": [
+                            {"id": m, "object": "model", "owned_by": "fake"} for m in self.engine.models
+                        ],
+                    }
+                )
+                transport.write(_head(200, b"application/json", len(listed)) + listed)
+                return
             text = b"" if url != b"/metrics" else b"# no metrics\n"
             transport.write(_head(200, b"text/plain", len(text)) + text)
             return
@@ -167,6 +188,11 @@ class _Request(asyncio.Protocol):
         status = request.get("fake_status")
         if isinstance(status, int) and status != 200:
             error = b'{"error":{"message":"fake failure","type":"server_error","param":null,"code":null}}'
+            if request.get("fake_echo_auth"):  # a server whose error repeats the key it was sent
+                said = headers.get(b"authorization", b"").decode("latin-1")
+                error = orjson.dumps(
+                    {"error": {"message": f"key {said} refused", "type": "invalid_request_error"}}
+                )
             transport.write(_head(status, b"application/json", len(error)) + error)
             return
         per_choice, choices = tokens_asked(request)
@@ -243,8 +269,10 @@ class _Request(asyncio.Protocol):
 class FakeEngine:
     """A fake OpenAI-compatible engine on 127.0.0.1, in the running event loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, key: str | None = None, models: tuple[str, ...] = ("fake",)) -> None:
         self.served = Served()
+        self.key = key
+        self.models = models
         self.port = 0
         self._server: asyncio.base_events.Server | None = None
 

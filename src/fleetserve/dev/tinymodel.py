@@ -5,11 +5,16 @@ Two layers, 64 wide, 4 heads, 256 tokens of context, F32 weights from a seeded g
 SentencePiece-style vocabulary of the 256 byte-fallback tokens plus ``<unk>``/``<s>``/``</s>``,
 the two ChatML control tokens and printable pieces; a ChatML chat template. About 0.8 MB. It
 generates gibberish, fast — which is what a control plane's tests need.
+
+``write_tiny_model(path, shape)`` writes the same vocabulary and template with another shape
+(``TinyShape``): ``bench/gpu_check.py`` serves a larger random one (``LARGER``, about 0.8 GB)
+beside the tiny one, so that a GPU has real work.
 """
 
 from __future__ import annotations
 
 import string
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -21,6 +26,33 @@ LAYERS = 2
 CONTEXT = 256
 FEED_FORWARD = 128
 SEED = 20261202
+
+
+@dataclass(frozen=True)
+class TinyShape:
+    """A model's shape: layers, width (embedding), attention heads, feed-forward width, context."""
+
+    layers: int = LAYERS
+    embed: int = EMBED
+    heads: int = HEADS
+    feed_forward: int = FEED_FORWARD
+    context: int = CONTEXT
+
+    def __post_init__(self) -> None:
+        if min(self.layers, self.embed, self.heads, self.feed_forward, self.context) < 1:
+            raise ValueError(f"every dimension of a model shape is at least 1: {self}")
+        if self.embed % self.heads:
+            raise ValueError(f"the width {self.embed} is not a multiple of the {self.heads} heads")
+
+    def parameters(self, vocab: int) -> int:
+        """Weights in the model (F32 each): embeddings, output, and per layer attention and MLP."""
+        per_layer = 4 * self.embed * self.embed + 3 * self.embed * self.feed_forward + 2 * self.embed
+        return 2 * vocab * self.embed + self.layers * per_layer + self.embed
+
+
+TINY = TinyShape()
+# 12 layers 1024 wide (16 heads, 4096 feed-forward, 2048 tokens of context): ~200 M F32 weights.
+LARGER = TinyShape(layers=12, embed=1024, heads=16, feed_forward=4096, context=2048)
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -58,25 +90,26 @@ def vocabulary() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, [int(t) for t in types]
 
 
-def write_tiny_model(path: Path) -> Path:
-    """Write the tiny model to ``path`` (parent folders created); return the path."""
+def write_tiny_model(path: Path, shape: TinyShape = TINY) -> Path:
+    """Write the tiny model (or one of another ``shape``) to ``path`` (parent folders created);
+    return the path."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tokens, scores, types = vocabulary()
     rng = np.random.default_rng(SEED)
 
-    def weights(*shape: int) -> np.ndarray:
-        return (rng.standard_normal(shape) * 0.02).astype(np.float32)
+    def weights(*dims: int) -> np.ndarray:
+        return (rng.standard_normal(dims) * 0.02).astype(np.float32)
 
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name("fleetserve-tiny")
-    writer.add_context_length(CONTEXT)
-    writer.add_embedding_length(EMBED)
-    writer.add_block_count(LAYERS)
-    writer.add_feed_forward_length(FEED_FORWARD)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(HEADS)
+    writer.add_context_length(shape.context)
+    writer.add_embedding_length(shape.embed)
+    writer.add_block_count(shape.layers)
+    writer.add_feed_forward_length(shape.feed_forward)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(shape.heads)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_dimension_count(EMBED // HEADS)
+    writer.add_rope_dimension_count(shape.embed // shape.heads)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
@@ -89,17 +122,17 @@ def write_tiny_model(path: Path) -> Path:
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHATML_TEMPLATE)
     vocab = len(tokens)
-    writer.add_tensor("token_embd.weight", weights(vocab, EMBED))
-    for i in range(LAYERS):
-        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(EMBED, dtype=np.float32))
+    writer.add_tensor("token_embd.weight", weights(vocab, shape.embed))
+    for i in range(shape.layers):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(shape.embed, dtype=np.float32))
         for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
-            writer.add_tensor(f"blk.{i}.{name}.weight", weights(EMBED, EMBED))
-        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(EMBED, dtype=np.float32))
-        writer.add_tensor(f"blk.{i}.ffn_gate.weight", weights(FEED_FORWARD, EMBED))
-        writer.add_tensor(f"blk.{i}.ffn_up.weight", weights(FEED_FORWARD, EMBED))
-        writer.add_tensor(f"blk.{i}.ffn_down.weight", weights(EMBED, FEED_FORWARD))
-    writer.add_tensor("output_norm.weight", np.ones(EMBED, dtype=np.float32))
-    writer.add_tensor("output.weight", weights(vocab, EMBED))
+            writer.add_tensor(f"blk.{i}.{name}.weight", weights(shape.embed, shape.embed))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(shape.embed, dtype=np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_gate.weight", weights(shape.feed_forward, shape.embed))
+        writer.add_tensor(f"blk.{i}.ffn_up.weight", weights(shape.feed_forward, shape.embed))
+        writer.add_tensor(f"blk.{i}.ffn_down.weight", weights(shape.embed, shape.feed_forward))
+    writer.add_tensor("output_norm.weight", np.ones(shape.embed, dtype=np.float32))
+    writer.add_tensor("output.weight", weights(vocab, shape.embed))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

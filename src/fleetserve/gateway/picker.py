@@ -44,12 +44,17 @@ DEFAULT_BOUNDED_LOAD = 1.25
 @dataclass(frozen=True)
 class Endpoint:
     """One Ready replica the gateway can send requests to, with its relative capacity and its
-    engine's API key."""
+    engine's API key; or an Endpoint (``replica`` is ``endpoint/NAME``), with its API key and the
+    name its server calls the model by (``upstream_model``: the request's ``"model"`` is sent as it)."""
 
     replica: str
     url: str
     weight: float = 1.0
     engine_key: str | None = field(default=None, repr=False)
+    upstream_model: str | None = None
+    # An Endpoint's key is a secret of someone else's server: an answer held whole that repeats it
+    # has it replaced (``upstream.relay_answer``). A replica's engine key is fleetserve's own.
+    redact: bool = False
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.weight) and self.weight > 0):

@@ -24,6 +24,7 @@ import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from fleetserve.gateway.accounting import Exchange
 from fleetserve.gateway.openai_errors import broken_stream_event, engine_error_body, send_error
@@ -71,10 +72,20 @@ BEFORE_ANY_ANSWER = (ConnectFailed, NoAnswer, UpstreamTimeout)
 
 @functools.lru_cache(maxsize=4096)
 def origin_of(url: str) -> tuple[Origin, bytes]:
-    """An endpoint URL's origin and its Host header value (cached: URLs repeat)."""
-    scheme, _, authority = url.partition("://")
-    host, _, port = authority.rpartition(":")
-    return Origin(host.strip("[]"), int(port), scheme == "https"), authority.encode()
+    """An endpoint URL's origin and its Host header value (cached: URLs repeat). A replica's URL is
+    ``http://HOST:PORT``; an Endpoint's may be ``https://`` on the scheme's default port, with a
+    path its server's routes live under (``base_path``)."""
+    parts = urlsplit(url)
+    tls = parts.scheme == "https"
+    host = parts.hostname or ""
+    port = parts.port or (443 if tls else 80)
+    return Origin(host, port, tls), parts.netloc.rpartition("@")[2].encode("ascii")
+
+
+@functools.lru_cache(maxsize=4096)
+def base_path(url: str) -> bytes:
+    """The path an endpoint URL's server's routes live under (an Endpoint's ``/openai``), or b""."""
+    return urlsplit(url).path.rstrip("/").encode("ascii")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -159,8 +170,11 @@ def upstream_request(endpoint: Endpoint, call: Call | bytes, body: bytes) -> tup
     if isinstance(call, bytes):
         call = post(call)
     origin, host = origin_of(endpoint.url)
-    # The replica's own engine key: the engine refuses any request without it.
+    # The replica's own engine key (an Endpoint's key): the engine refuses any request without it.
     auth = auth_line(endpoint.engine_key)
+    base = base_path(endpoint.url)
+    if base:
+        call = Call(call.method, base + call.target, call.headers, call.body)
     if not call.body:
         head = b"%s %s HTTP/1.1\r\nHost: %s\r\n%s%s\r\n" % (
             call.method,
@@ -221,6 +235,9 @@ async def answer_failed(send: Send, replica: str, error: UpstreamError) -> int:
     return status
 
 
+REDACTED = b"[redacted]"
+"""What an Endpoint's key is replaced by in an answer held whole that repeats it."""
+
 HOLD_BYTES = 1 << 20
 """A non-streamed answer up to this size is held whole before it is relayed (its usage read, an
 error put in OpenAI's shape); a larger one passes in pieces as it comes (``relay_answer``)."""
@@ -267,6 +284,9 @@ async def relay_answer(send: Send, response: Response, ex: Exchange, limit: int)
         return await _relay_in_pieces(send, response, ex, limit, parts)
     response.close()
     content = parts[0] if len(parts) == 1 else b"".join(parts)
+    if ex.endpoint is not None and ex.endpoint.redact and ex.endpoint.engine_key:
+        # A server that repeats the key it was sent (an error naming it) never shows it to a client.
+        content = content.replace(ex.endpoint.engine_key.encode("latin-1"), REDACTED)
     status = response.status
     headers = relayed(response)
     if status >= 400:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from fleetserve.errors import AllocationConflict
+from fleetserve.inventory.approval import HardwareHeld
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.snapshot import ClusterSnapshot
 from fleetserve.spec.resources import DeviceClass, Fabric, Node, NodeState, Replica
@@ -21,11 +22,13 @@ from fleetserve.spec.resources import DeviceClass, Fabric, Node, NodeState, Repl
 
 @dataclass(frozen=True)
 class Registration:
-    """The outcome of registering a node: the node as stored, its epoch, and whether it was new."""
+    """The outcome of registering a node: the node as stored, its epoch, whether it was new, and
+    the hardware claim held for an operator's approval (``inventory.approval``; None: none)."""
 
     node: Node
     epoch: int
     created: bool
+    held: HardwareHeld | None = None
 
 
 class Inventory(Protocol):

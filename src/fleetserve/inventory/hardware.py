@@ -54,6 +54,11 @@ class GpuFacts:
     busy_percent: int | None = None
     # An APU whose GPU shares the host's memory (its ``memory`` includes the GTT pool).
     integrated: bool = False
+    # GPU cores where the driver counts them (Apple Silicon: system_profiler's sppci_cores).
+    gpu_cores: int | None = None
+    # Bytes of ``memory`` that are the host's own RAM, not on top of it (unified memory: all of
+    # it on Apple Silicon): the node's host memory is offered without them, so none counts twice.
+    host_memory_shared: int = 0
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,13 @@ the class gives holds: ``productName`` (a regular expression that must match the
 ``pciDeviceIds`` beats ``gfxTarget`` alone); two winners at the same count are ambiguous. A class with
 no rules at all is never matched by discovery: it is for devices declared in an inventory file.
 
+Unified memory. A GPU whose memory is a share of the host's RAM (``GpuFacts.host_memory_shared``,
+an Apple Silicon GPU: the share macOS lets it wire) has as much memory as that machine's OS gives
+it, not as much as its model has: a class claiming more than the GPU may use does not match it
+(placement would size replicas against memory the GPU cannot have). The node's host memory is
+offered without that share, so what a replica claims of the host (``cpu.memory``) and what the
+GPU holds are never the same bytes counted twice.
+
 Device indices. A GPU keeps its driver's ordinal as its node index, so on a node with one GPU vendor
 index 3 is ``CUDA_VISIBLE_DEVICES=3`` (or HIP's 3). On a node with GPUs of several drivers the
 drivers are numbered one after the other in driver-table order (NVIDIA, then AMD), and the node
@@ -37,6 +44,7 @@ from fleetserve.spec.base import Name
 from fleetserve.spec.loader import problems_from_pydantic
 from fleetserve.spec.nodeparts import CpuCapacity, Device, DeviceHealth, Hca
 from fleetserve.spec.resources import DeviceClass, DeviceMatch, Node
+from fleetserve.units import format_bytes
 
 _ECC_MAX = 2**31 - 1  # DeviceHealth stores the count in a 32-bit column
 _HEX16 = re.compile(r"^(0x)?[0-9a-fA-F]{1,4}$")
@@ -160,6 +168,7 @@ class Mismatch(StrEnum):
     PCI_DEVICE_ID = "PciDeviceId"
     GFX_TARGET = "GfxTarget"
     BAD_PATTERN = "BadPattern"
+    MEMORY = "Memory"
 
 
 @dataclass(frozen=True)
@@ -269,6 +278,13 @@ def _check(gpu: GpuFacts, cls: DeviceClass) -> ClassRejection | int:
             cls.name,
             Mismatch.GFX_TARGET,
             f"gfxTarget {match.gfx_target} is not the GPU's {gpu.gfx_target or 'unknown target'}",
+        )
+    if gpu.host_memory_shared and cls.memory > gpu.memory:
+        return ClassRejection(
+            cls.name,
+            Mismatch.MEMORY,
+            f"memory {format_bytes(cls.memory)} is more than the {format_bytes(gpu.memory)} of unified "
+            f"memory this GPU may use; declare memory: {gpu.memory >> 20}MiB or less",
         )
     return rules
 
@@ -439,13 +455,15 @@ def to_node(
     hcas, hca_problems = _attach_hcas(discovery.hcas, fabric_map)
     unmatched.extend(hca_problems)
     host = discovery.host
+    # Unified memory the GPUs may take is not the host's to offer as well.
+    shared = sum(gpu.host_memory_shared for _, gpu in matched)
     try:
         node = Node(
             name=name,
             labels=dict(labels),
             cpu=CpuCapacity(
                 cores=max(1, host.physical_cores),
-                memory=host.memory_total,
+                memory=max(0, host.memory_total - shared),
                 numa_nodes=max(1, host.numa_nodes),
             ),
             devices=tuple(devices),

@@ -31,8 +31,11 @@ from fleetserve.kube.objects import (
 from fleetserve.kube.pods import image_problems, model_args
 from fleetserve.kube.render import ReplicaInput, render_replica
 from fleetserve.kube.stack import (
+    AGENTS_ONLY_FIX,
     CPU_CLASS,
     StackPlan,
+    agents_only,
+    cluster_problems,
     components_recorded,
     compose,
     stack_configmap,
@@ -122,6 +125,27 @@ def _existing_stack(existing: Sequence[Mapping[str, Any]], cluster: Cluster) -> 
     return None
 
 
+def agents_only_profiles(
+    deployments: Sequence[Deployment], classes: Mapping[str, DeviceClass]
+) -> list[Problem]:
+    """Every profile whose class claims a driver the Kubernetes backend has no path for (the driver
+    table's ``kube_supported``: Apple Silicon), named with the fix."""
+    out = []
+    for dep in deployments:
+        for profile in dep.profiles:
+            cls = classes.get(profile.device_class or "")
+            why = agents_only(cls.driver) if cls is not None else None
+            if cls is not None and why is not None:
+                out.append(
+                    Problem(
+                        f"Deployment {dep.name}",
+                        f"profiles.{profile.name}",
+                        f"profile {profile.name} uses class {cls.name}, whose {why}; {AGENTS_ONLY_FIX}",
+                    )
+                )
+    return out
+
+
 def _why_not_renderable(
     replica: Replica,
     deployments: Mapping[str, Deployment],
@@ -154,6 +178,10 @@ def render_cluster(
     replicas are kept, and its stack's components are never dropped.
     """
     classes = {c.name: c for c in docs.classes}
+    # What only agents can serve, and the cluster's own class errors, all in one answer.
+    refused = cluster_problems(cluster, classes) + agents_only_profiles(docs.deployments, classes)
+    if refused:
+        raise ConfigError(refused)
     stack = compose(cluster, classes, components_recorded(_existing_stack(existing, cluster)))
     problems = image_problems(cluster)
     if problems:

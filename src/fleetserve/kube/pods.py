@@ -8,7 +8,7 @@ points its cache there), so a replica needs nothing but its volume and the netwo
 
 from __future__ import annotations
 
-from fleetserve.drivers import RuntimeVariant
+from fleetserve.drivers import DRIVERS, RuntimeVariant
 from fleetserve.engines.registry import ENGINES, formats_text, weights_for
 from fleetserve.engines.spec import EngineKind
 from fleetserve.errors import ConfigError, InternalError, Problem, SourceError
@@ -25,8 +25,13 @@ def image_key(engine: EngineKind, variant: RuntimeVariant) -> str:
 
 
 def image_keys() -> list[str]:
-    """Every valid key of a Cluster's ``images``."""
-    return [image_key(e, v) for e, caps in ENGINES.items() for v in caps.variants]
+    """Every valid key of a Cluster's ``images``: the variants whose driver Kubernetes can serve."""
+    return [
+        image_key(e, v)
+        for e, caps in ENGINES.items()
+        for v, d in caps.variants.items()
+        if DRIVERS[d].kube_supported
+    ]
 
 
 def image_problems(cluster: Cluster) -> list[Problem]:

@@ -19,7 +19,7 @@ from typing import Any
 from kubernetes import client
 
 from fleetserve.conditions import Condition, ConditionReason, ConditionType
-from fleetserve.drivers import DRIVERS, Driver, host_driver, parse_driver, stack_for
+from fleetserve.drivers import DRIVERS, Driver, host_driver, kube_drivers, parse_driver, stack_for
 from fleetserve.errors import ConfigError, InternalError, Problem
 from fleetserve.kube.objects import CLUSTER_LABEL, MANAGED_BY_KEY, MANAGER
 from fleetserve.spec.cluster import Cluster
@@ -93,15 +93,40 @@ def class_driver(name: str, classes: Mapping[str, DeviceClass]) -> str | None:
     return None
 
 
+AGENTS_ONLY_FIX = (
+    "serve it through agents instead (`fleetserve agent` on the machine, joined to `fleetserve "
+    "server`) and leave it out of what `fleetserve kube` renders"
+)
+
+
+def agents_only(driver_name: str) -> str | None:
+    """Why the Kubernetes backend cannot claim ``driver_name``'s devices, from the driver table
+    (``DriverSpec.kube_supported``); None where it can, or where the name is no driver (the gate's)."""
+    driver = parse_driver(driver_name)
+    if driver is None or driver in kube_drivers():
+        return None
+    return (
+        f"driver {driver.value} has no DRA driver or device plugin, so Kubernetes cannot give a pod "
+        f"its devices"
+    )
+
+
 def cluster_problems(cluster: Cluster, classes: Mapping[str, DeviceClass]) -> list[Problem]:
-    """A Cluster's references to classes that do not exist, and repeated classes."""
+    """A Cluster's references to classes that do not exist or whose driver has no Kubernetes path,
+    and repeated classes."""
     out = []
     seen: set[str] = set()
     for i, name in enumerate(cluster.classes):
         if name in seen:
             out.append(Problem(f"Cluster {cluster.name}", f"classes[{i}]", f"class {name!r} is listed twice"))
         seen.add(name)
-        if class_driver(name, classes) is None:
+        driver = class_driver(name, classes)
+        why = agents_only(driver) if driver is not None else None
+        if why is not None:
+            out.append(
+                Problem(f"Cluster {cluster.name}", f"classes[{i}]", f"class {name}: {why}; {AGENTS_ONLY_FIX}")
+            )
+        if driver is None:
             known = sorted({*classes, CPU_CLASS})
             out.append(
                 Problem(

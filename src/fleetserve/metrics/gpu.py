@@ -17,6 +17,10 @@ NVIDIA (``NvmlReading``, in NVML's units) and sysfs for AMD (``AmdSysfsReading``
 units). ``from_nvml`` and ``from_amd_sysfs`` turn those readings into the same canonical samples
 through the same table, so nothing downstream can tell an exporter node from a homelab box.
 
+Apple Silicon has no exporter: the agent reads ``ioreg``'s ``PerformanceStatistics`` of the GPU
+(``AppleIoregReading``, no root needed): utilisation and memory in use. macOS exposes no power,
+energy or temperature of the GPU without root (``powermetrics`` needs it), so those are absent.
+
 Labels. ``device`` is the driver's ordinal (DCGM ``gpu``, AMD ``gpu_id``, the reading's
 ``index``), as fleetserve's inventory numbers devices. ``node`` is the caller's node name; without
 one, the exporter's hostname label (in Kubernetes often the exporter pod's name, so callers that
@@ -84,6 +88,7 @@ class GpuSource(StrEnum):
     AMD_EXPORTER = "amd-exporter"
     NVML = "nvml"
     AMD_SYSFS = "amd-sysfs"
+    APPLE_IOREG = "apple-ioreg"
 
 
 @dataclass(frozen=True)
@@ -185,6 +190,19 @@ SOURCES: Mapping[GpuSource, SourceSpec] = MappingProxyType(
                 }
             ),
         ),
+        GpuSource.APPLE_IOREG: SourceSpec(
+            driver=Driver.APPLE,
+            device_labels=("index",),
+            node_labels=(),
+            model_labels=("name",),
+            partial_labels=(),
+            readings=MappingProxyType(
+                {
+                    GpuSignal.UTILIZATION: Reading(("device_utilization_percent",), divide=100),
+                    GpuSignal.MEMORY_USED: Reading(("in_use_system_memory",)),
+                }
+            ),
+        ),
     }
 )
 
@@ -282,7 +300,30 @@ class AmdSysfsReading:
         )
 
 
-def _as_samples(readings: Iterable[NvmlReading | AmdSysfsReading]) -> list[Sample]:
+@dataclass(frozen=True)
+class AppleIoregReading:
+    """An Apple GPU's ``PerformanceStatistics`` in ``ioreg -c IOAccelerator``: ``"Device
+    Utilization %"`` (percent) and ``"In use system memory"`` (bytes)."""
+
+    index: int
+    name: str = ""
+    device_utilization_percent: int | None = None
+    in_use_system_memory: int | None = None
+
+    @classmethod
+    def from_facts(cls, facts: GpuFacts) -> AppleIoregReading:
+        """The readings discovery took (``fleetserve.agent.discovery.macos``)."""
+        if facts.driver is not Driver.APPLE:
+            raise ValueError(f"GPU {facts.index} ({facts.name}) is not an Apple GPU: {facts.driver}")
+        return cls(
+            index=facts.index,
+            name=facts.name,
+            device_utilization_percent=facts.busy_percent,
+            in_use_system_memory=facts.memory_used,
+        )
+
+
+def _as_samples(readings: Iterable[NvmlReading | AmdSysfsReading | AppleIoregReading]) -> list[Sample]:
     # A reading becomes samples named after its fields, so the SOURCES rows apply unchanged.
     out: list[Sample] = []
     for reading in readings:
@@ -305,3 +346,13 @@ def from_amd_sysfs(
     """Canonical GPU samples from the agent's own sysfs reads (no AMD exporter on the node)."""
     as_readings = [r if isinstance(r, AmdSysfsReading) else AmdSysfsReading.from_facts(r) for r in readings]
     return normalize_gpu(_as_samples(as_readings), GpuSource.AMD_SYSFS, context)
+
+
+def from_apple_ioreg(
+    readings: Iterable[AppleIoregReading | GpuFacts], context: GpuContext | None = None
+) -> tuple[Sample, ...]:
+    """Canonical GPU samples from the agent's own ioreg reads of an Apple GPU (utilisation, memory)."""
+    as_readings = [
+        r if isinstance(r, AppleIoregReading) else AppleIoregReading.from_facts(r) for r in readings
+    ]
+    return normalize_gpu(_as_samples(as_readings), GpuSource.APPLE_IOREG, context)

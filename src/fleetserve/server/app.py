@@ -21,6 +21,7 @@ from pathlib import Path
 from fastapi import APIRouter, FastAPI, Request, Response
 
 from fleetserve import __version__
+from fleetserve.endpointkeys import EndpointKeys
 from fleetserve.gateway.app import Gateway
 from fleetserve.gateway.asgi import OpenAIApi, ServingApp
 from fleetserve.gateway.bodylimits import DEFAULT_GATEWAY_LIMITS, GatewayLimits
@@ -37,6 +38,8 @@ from fleetserve.server.agents.door import AgentDoor
 from fleetserve.server.agents.enrolment import EnrolmentPolicy
 from fleetserve.server.agents.modelfiles import ModelFiles
 from fleetserve.server.agents.routes import build_agent_router
+from fleetserve.server.endpointprobe import EndpointProber
+from fleetserve.server.gpu_exporters import ExporterScrape
 from fleetserve.server.observer import Observer
 from fleetserve.store.sql import SqlStore
 from fleetserve.tls import CA_PATH
@@ -54,6 +57,9 @@ class Serving:
     observer: Observer
     gateway: Gateway | None
     cors: Cors | None = None
+    # The control plane's health checks of Endpoints (None in an extra gateway: one checker, the
+    # server's, records what every gateway routes by).
+    prober: EndpointProber | None = None
 
     @classmethod
     def build(
@@ -64,12 +70,18 @@ class Serving:
         redis_namespace: str = "fleetserve",
         cors: Cors | None = None,
         limits: GatewayLimits = DEFAULT_GATEWAY_LIMITS,
+        exporters: ExporterScrape | None = None,
+        endpoint_keys: EndpointKeys | None = None,
+        probe_endpoints: bool = False,
     ) -> Serving:
         """Metrics, an observer over ``store`` and, unless told not, a gateway fed by the observer;
         with ``redis_url``, its rate-limit windows are shared in that Redis; with ``cors``, its
-        /v1 answers browsers of those origins; ``limits``: what its gateway takes and holds."""
+        /v1 answers browsers of those origins; ``limits``: what its gateway takes and holds;
+        ``exporters``: GPU metrics exporters the observer scrapes too; ``endpoint_keys``: where
+        Endpoints' keys are read; ``probe_endpoints``: check their health (the control plane's)."""
+        keys = endpoint_keys or EndpointKeys()
         metrics = FleetMetrics()
-        observer = Observer(store, metrics)
+        observer = Observer(store, metrics, exporters=exporters)
 
         def engine_waiting(replica: str) -> tuple[float, float] | None:
             load = observer.loads.get(replica)
@@ -88,11 +100,13 @@ class Serving:
                 windows=windows,
                 usage=store,
                 limits=limits,
+                endpoint_keys=keys,
             )
             if gateway
             else None
         )
-        return cls(metrics, observer, gw, cors)
+        prober = EndpointProber(store, keys) if probe_endpoints else None
+        return cls(metrics, observer, gw, cors, prober)
 
 
 def _assemble(
@@ -134,6 +148,7 @@ def _serving_lifespan(serving: Serving, lifespan: Lifespan | None) -> Lifespan:
     async def combined(app: FastAPI) -> AsyncIterator[None]:
         stop = asyncio.Event()
         observing = asyncio.create_task(serving.observer.run(stop))
+        probing = asyncio.create_task(serving.prober.run(stop)) if serving.prober is not None else None
         if serving.gateway is not None:
             await serving.gateway.start()
         try:
@@ -145,6 +160,8 @@ def _serving_lifespan(serving: Serving, lifespan: Lifespan | None) -> Lifespan:
         finally:
             stop.set()
             await observing
+            if probing is not None:
+                await probing
             if serving.gateway is not None:
                 await serving.gateway.stop()
 
@@ -168,7 +185,7 @@ def create_app(
     join-token enrolments (default: new names need an approval)."""
     files = ModelFiles(models_dir or Path("fleetserve-models"))
     if serving is None:
-        serving = Serving.build(store, gateway)
+        serving = Serving.build(store, gateway, probe_endpoints=True)
     gw = serving.gateway
     app = ServingApp(
         lifespan=_serving_lifespan(serving, lifespan),

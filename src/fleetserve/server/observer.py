@@ -23,6 +23,7 @@ from fleetserve.metrics.promtext import ExpositionError
 from fleetserve.metrics.scraper import Scraper
 from fleetserve.metrics.targets import Target
 from fleetserve.routing import routable
+from fleetserve.server.gpu_exporters import ExporterScrape
 from fleetserve.store.protocols import AgentReports
 
 log = logging.getLogger("fleetserve.observer")
@@ -41,8 +42,16 @@ class ReplicaLoad:
 class Observer:
     """Follows the replicas' engine metrics."""
 
-    def __init__(self, store: AgentReports, metrics: FleetMetrics, interval: float = 1.0) -> None:
+    def __init__(
+        self,
+        store: AgentReports,
+        metrics: FleetMetrics,
+        interval: float = 1.0,
+        exporters: ExporterScrape | None = None,
+    ) -> None:
         self.store = store
+        # The GPU metrics exporters the control plane scrapes itself (``--kube-exporters``).
+        self.exporters = exporters
         self.metrics = metrics
         self.interval = interval
         self.scraper = Scraper(interval=interval, timeout=min(2.0, interval * 2))
@@ -57,7 +66,8 @@ class Observer:
         self.reads = 0  # whole-fleet reads of the targets made, for tests and the curious
 
     def gpu_samples(self) -> list[SeriesValue]:
-        """The GPU samples agents read themselves (blocking: reads the store)."""
+        """The GPU samples agents reported, read by them or relayed from an exporter beside them
+        (blocking: reads the store)."""
         out: list[SeriesValue] = []
         for status in self.store.agent_statuses().values():
             for sample in status.gpu_metrics:
@@ -146,11 +156,14 @@ class Observer:
     async def run(self, stop: asyncio.Event) -> None:
         """Scrape in the background; refresh targets and the published values every interval."""
         scraping = asyncio.create_task(self.scraper.run(stop))
+        exporting = None if self.exporters is None else asyncio.create_task(self.exporters.run(stop))
         try:
             while not stop.is_set():
                 try:
                     self.scraper.set_targets(await run_in_threadpool(self.targets))
                     gpus = await run_in_threadpool(self.gpu_samples)
+                    if self.exporters is not None:  # on the loop: the scraper is the loop's
+                        gpus += self.exporters.gpu_samples()
                     try:
                         self.metrics.set_gpu_samples(gpus)
                     except ValueError as exc:
@@ -163,4 +176,6 @@ class Observer:
         finally:
             stop.set()
             await scraping
+            if exporting is not None:
+                await exporting
             await self.scraper.aclose()

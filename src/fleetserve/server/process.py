@@ -14,7 +14,7 @@ import asyncio
 import logging
 import math
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -29,16 +29,19 @@ from fastapi import FastAPI
 from rich.console import Console
 from starlette.concurrency import run_in_threadpool
 
+from fleetserve.endpointkeys import EndpointKeys
 from fleetserve.errors import ConfigError, Problem
 from fleetserve.gateway.bodylimits import DEFAULT_GATEWAY_LIMITS, GatewayLimits
 from fleetserve.gateway.cors import Cors
 from fleetserve.listener import ListenerLimits, uvicorn_config
+from fleetserve.metrics.exporters import REFRESH_SECONDS, Classes, ExporterTarget
 from fleetserve.reconcile.health import DisruptionPolicy, HeartbeatPolicy
 from fleetserve.secretfile import write_secret
 from fleetserve.server.admin.retention import RetentionPolicy, prune_forever
 from fleetserve.server.agents.enrolment import EnrolmentPolicy
 from fleetserve.server.app import Lifespan, Serving, create_app, create_gateway_app
 from fleetserve.server.collector import collect_paced, tune_collector
+from fleetserve.server.gpu_exporters import ExporterScrape
 from fleetserve.server.reconciler.loop import Reconciler, holder_name
 from fleetserve.server.reconciler.process import ReconcilerConfig, ReconcilerProcess
 from fleetserve.server.reconciler.signals import autoscale_signals, signal_answers
@@ -95,6 +98,50 @@ class ControlPlane:
     token_file: Path | None
     enrolment: EnrolmentPolicy = field(default_factory=EnrolmentPolicy)
     retention: RetentionPolicy = field(default_factory=RetentionPolicy)
+    # Find the GPU metrics exporters through this Kubernetes API and scrape them (None: do not).
+    kube_exporters: KubeAccess | None = None
+    # Where Endpoints' API keys are read from (``--endpoint-keys``), for the health checks and the
+    # server's gateway.
+    endpoint_keys: EndpointKeys = field(default_factory=EndpointKeys)
+
+
+@dataclass(frozen=True)
+class KubeAccess:
+    """Which Kubernetes API to talk to: a kubeconfig file and context (None: the defaults, or the
+    pod's service account inside a cluster)."""
+
+    kubeconfig: Path | None = None
+    context: str | None = None
+
+
+def kube_exporter_scrape(store: SqlStore, access: KubeAccess) -> ExporterScrape:
+    """The GPU exporters of the cluster ``access`` names, found through its API every 30 s; each
+    exporter pod's node is the fleetserve node of that name, whose device classes label its GPUs.
+    KubeError at once when the kubeconfig cannot be loaded."""
+    from fleetserve.kube.apply import api_client
+    from fleetserve.kube.exporters import discover_exporters
+
+    api = api_client(access.kubeconfig, access.context)
+
+    said: list[str] = []
+
+    def discover() -> list[ExporterTarget]:
+        found = discover_exporters(api)
+        if found.skipped != said:  # each pod that cannot be scraped, said when it changes
+            for line in found.skipped:
+                logging.getLogger("fleetserve.exporters").warning("%s", line)
+            said[:] = found.skipped
+        return found.targets
+
+    def node_classes(names: Sequence[str]) -> dict[str, Classes]:
+        wanted = set(names)
+        return {
+            n.name: {str(d.index): d.device_class for d in n.devices}
+            for n in store.nodes()
+            if n.name in wanted
+        }
+
+    return ExporterScrape(discover, node_classes)
 
 
 def heartbeat_policy(
@@ -245,8 +292,18 @@ def server_app(
     or with ``process`` a process of its own); it publishes ``ca_pem`` (a generated CA) for
     clients that pin it, and answers browsers of ``cors``'s origins on /v1."""
     windows = windows or SharedWindows()
+    exporters = (
+        None if control.kube_exporters is None else kube_exporter_scrape(store, control.kube_exporters)
+    )
     serving = Serving.build(
-        store, redis_url=windows.redis_url, redis_namespace=windows.namespace, cors=cors, limits=limits
+        store,
+        redis_url=windows.redis_url,
+        redis_namespace=windows.namespace,
+        cors=cors,
+        limits=limits,
+        exporters=exporters,
+        endpoint_keys=control.endpoint_keys,
+        probe_endpoints=True,
     )
     return create_app(
         store,
@@ -264,11 +321,18 @@ def gateway_app(
     windows: SharedWindows | None = None,
     cors: Cors | None = None,
     limits: GatewayLimits = DEFAULT_GATEWAY_LIMITS,
+    endpoint_keys: EndpointKeys | None = None,
 ) -> FastAPI:
-    """An extra gateway's app: the same gateway, observer and ``/metrics`` as the control plane's."""
+    """An extra gateway's app: the same gateway, observer and ``/metrics`` as the control plane's;
+    Endpoints' keys read from ``endpoint_keys`` (its own copy of the server's directory)."""
     windows = windows or SharedWindows()
     serving = Serving.build(
-        store, redis_url=windows.redis_url, redis_namespace=windows.namespace, cors=cors, limits=limits
+        store,
+        redis_url=windows.redis_url,
+        redis_namespace=windows.namespace,
+        cors=cors,
+        limits=limits,
+        endpoint_keys=endpoint_keys,
     )
     return create_gateway_app(store, serving=serving, ca_pem=ca_pem)
 
@@ -378,6 +442,12 @@ def run_server(
         )
         print_tls(listen, console, "server")
         print_cors(cors, console)
+        if control.kube_exporters is not None:
+            console.print(
+                "  GPU metrics exporters: found through the Kubernetes API every "
+                f"{REFRESH_SECONDS:.0f} s, scraped onto fleetserve_gpu_*",
+                markup=False,
+            )
         serve(app, listen, access_log=False)
     finally:
         store.close()
@@ -390,9 +460,10 @@ def run_gateway(
     access_log: bool = False,
     cors: Cors | None = None,
     limits: GatewayLimits = DEFAULT_GATEWAY_LIMITS,
+    endpoint_keys: EndpointKeys | None = None,
 ) -> None:
     """Open the control plane's store, then serve the gateway over it until stopped; with
-    ``cors``, /v1 answers browsers of its origins."""
+    ``cors``, /v1 answers browsers of its origins; Endpoints' keys from ``endpoint_keys``."""
     logging.basicConfig(
         level=listen.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
@@ -402,7 +473,9 @@ def run_gateway(
         console.print(f"fleetserve gateway: {listen.url}/v1", markup=False)
         print_tls(listen, console, "gateway")
         print_cors(cors, console)
-        app = gateway_app(store, listen.tls.ca_pem if listen.tls else None, windows, cors, limits)
+        app = gateway_app(
+            store, listen.tls.ca_pem if listen.tls else None, windows, cors, limits, endpoint_keys
+        )
         if not serve(app, listen, access_log=access_log):
             raise SystemExit(STARTUP_FAILURE)
     finally:

@@ -18,6 +18,7 @@ from pydantic import ValidationError as PydanticValidationError
 
 from fleetserve.errors import ConfigError, Problem
 from fleetserve.spec.cluster import Cluster
+from fleetserve.spec.endpoint import Endpoint
 from fleetserve.spec.resources import Deployment, DeviceClass, Fabric, Model, Node, Replica
 from fleetserve.spec.yamlbounds import safe_load_all
 
@@ -29,6 +30,7 @@ KINDS: Mapping[str, type[BaseModel]] = {
     "Deployment": Deployment,
     "Replica": Replica,
     "Cluster": Cluster,
+    "Endpoint": Endpoint,
 }
 
 
@@ -43,6 +45,7 @@ class Documents:
     deployments: list[Deployment] = field(default_factory=list)
     replicas: list[Replica] = field(default_factory=list)
     clusters: list[Cluster] = field(default_factory=list)
+    endpoints: list[Endpoint] = field(default_factory=list)
 
     def add(self, resource: BaseModel) -> None:
         """Append one parsed resource to the list of its kind."""
@@ -54,6 +57,7 @@ class Documents:
             Deployment: self.deployments,
             Replica: self.replicas,
             Cluster: self.clusters,
+            Endpoint: self.endpoints,
         }
         buckets[type(resource)].append(resource)
 
@@ -67,6 +71,7 @@ class Documents:
             deployments=self.deployments + other.deployments,
             replicas=self.replicas + other.replicas,
             clusters=self.clusters + other.clusters,
+            endpoints=self.endpoints + other.endpoints,
         )
 
     def all(self) -> Iterable[BaseModel]:
@@ -78,6 +83,7 @@ class Documents:
         yield from self.deployments
         yield from self.replicas
         yield from self.clusters
+        yield from self.endpoints
 
 
 def _loc_path(loc: tuple[int | str, ...]) -> str:

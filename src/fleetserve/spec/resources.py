@@ -317,6 +317,9 @@ class Deployment(Spec):
     rollout: RolloutPolicy = RolloutPolicy()
     # The longest a stopping replica waits for its in-flight requests before its engine stops.
     drain_seconds: float = Field(default=DEFAULT_DRAIN_SECONDS, ge=0, le=86_400)
+    # Endpoints (``kind: Endpoint``, servers fleetserve did not start) routed beside its replicas;
+    # omitted when empty, so a deployment without them serialises as before they existed.
+    endpoints: tuple[Name, ...] = Field(default=(), max_length=64, exclude_if=lambda v: not v)
 
     @field_validator("replicas")
     @classmethod

@@ -1,5 +1,6 @@
 """The audit log over SQL: every admin action, who did it (the admin token's actor name), what, on
 what, from where and when. Written by the admin API after an action succeeded; read newest first.
+A node's registration writes what an operator must know of its hardware claim (actor ``node NAME``).
 ``detail`` is what else an operator needs to read the event, and never holds a secret.
 """
 
@@ -34,6 +35,10 @@ class AuditAction(StrEnum):
     TOKEN_CREATE = "token.create"
     TOKEN_REVOKE = "token.revoke"
     NODE_APPROVE = "node.approve"
+    # Written by a registration, not an admin: a node's hardware claim held for an approval, or
+    # accepted with less than approved (``store.identity``).
+    NODE_HARDWARE_HELD = "node.hardware.held"
+    NODE_HARDWARE_LESS = "node.hardware.less"
     MODEL_UPLOAD = "model.upload"
 
 

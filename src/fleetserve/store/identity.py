@@ -7,19 +7,33 @@ credential, or a node an operator declared, is refused until an operator approve
 enrolment under it (``approve``); a new name is refused too unless the server's policy approves
 new names. A refused request is recorded (time, source address) so an operator sees what waits.
 Expected refusals are values (``Refused``), not exceptions.
+
+A node's hardware is not its word (``inventory.approval``): every registration — an enrolment, or
+a registration again with the node's credential (``reregister``) — is judged against the hardware
+the operator approved. An enrolment that finds none recorded approves what it claims; an operator's
+``apply`` of a Node approves what it declares (``_approve_hardware``). A claim with more devices,
+cores or memory, or another device class, is held: the node stays registered, placed with its
+claim cut down to the approved facts, and the claim waits until ``approve`` applies it. Less is
+accepted; the approved facts stay the ceiling. Both are written to the audit log
+(``node.hardware.held``, ``node.hardware.less``) in the registration's transaction. A node enrolled
+before approvals were recorded is judged, at its next registration, against the facts its node row
+holds then, which become its approved facts.
 """
 
 from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from enum import StrEnum
 
 from sqlalchemy import Connection, bindparam, func, select, update
 from sqlalchemy.orm import Session
 
+from fleetserve.errors import UnknownNode
+from fleetserve.inventory import approval
+from fleetserve.inventory.approval import Hardware, HardwareHeld, Verdict, cap
 from fleetserve.inventory.base import Registration
 from fleetserve.spec.resources import Node
 from fleetserve.store.acceptance import (
@@ -36,8 +50,10 @@ from fleetserve.store.acceptance import (
     locked_nodes,
     one_claim,
 )
+from fleetserve.store.audit import AuditAction
+from fleetserve.store.base import doc, node_of
 from fleetserve.store.inventory import SqlInventory
-from fleetserve.store.tables import NodeCredentialRow, NodeRow, stamp
+from fleetserve.store.tables import AuditEventRow, NodeCredentialRow, NodeRow, stamp
 
 # Enrolment requests of new names kept for an operator to look at; beyond this, not recorded.
 MAX_PENDING = 1000
@@ -77,6 +93,20 @@ class EnrolmentRecord:
     approved: bool
     requested_at: datetime | None
     requested_from: str | None
+    # The hardware approved (None: none recorded yet), and a registration's claim beyond it that
+    # waits for ``approve`` (None: nothing waits), since ``held_at``.
+    approved_hardware: Hardware | None = None
+    claimed_hardware: Hardware | None = None
+    held_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class Approval:
+    """What ``approve`` did: the name's identity after it, and the hardware it applied (the claim
+    that waited), or None when it let the next enrolment through."""
+
+    record: EnrolmentRecord
+    hardware: Hardware | None
 
 
 # The agents' per-request statements, built once: building one cost more CPU than running it
@@ -121,7 +151,18 @@ def _record(row: NodeCredentialRow) -> EnrolmentRecord:
         row.approved,
         row.requested_at,
         row.requested_from,
+        _approved(row),
+        _claimed(row),
+        row.held_at,
     )
+
+
+def _approved(row: NodeCredentialRow) -> Hardware | None:
+    return None if row.approved_hardware is None else Hardware.model_validate(row.approved_hardware)
+
+
+def _claimed(row: NodeCredentialRow) -> Hardware | None:
+    return None if row.claimed_spec is None else Hardware.of(Node.model_validate(row.claimed_spec))
 
 
 class SqlIdentity(SqlInventory):
@@ -147,7 +188,80 @@ class SqlIdentity(SqlInventory):
             row.token_hash, row.issued_at, row.approved = credential_hash(plaintext), when, False
             row.requested_at = row.requested_from = None
             s.flush()
-            return Enrolled(self._register(s, node), plaintext)
+            return Enrolled(self._register_claim(s, row, node, when, source), plaintext)
+
+    def reregister(self, node: Node, now: datetime, *, source: str) -> Registration:
+        """Register ``node`` again, for the caller holding its credential (from ``source``): its
+        claim judged against its approved hardware; a claim beyond it is held (``held`` on the
+        answer) and the node registered with the approved facts as its ceiling."""
+        when = stamp(now)
+        with self._write(f"registering node {node.name}") as s:
+            row = s.scalars(
+                select(NodeCredentialRow).where(NodeCredentialRow.node == node.name).with_for_update()
+            ).one_or_none()
+            if row is None or row.token_hash is None:  # deleted since its credential was checked
+                raise UnknownNode(f"node {node.name} has no credential any more; it must enrol again")
+            return self._register_claim(s, row, node, when, source)
+
+    def _register_claim(
+        self, s: Session, row: NodeCredentialRow, node: Node, when: datetime, source: str
+    ) -> Registration:
+        """Register ``node`` under its identity ``row``: judged, capped and held as the module says."""
+        stored = s.get(NodeRow, node.name)
+        before = Hardware.of(node_of(stored)) if stored is not None else None
+        claim = Hardware.of(node)
+        if row.approved_hardware is None:  # first enrolment, or enrolled before approvals were kept
+            row.approved_hardware = (before or claim).model_dump(mode="json")
+        approved = Hardware.model_validate(row.approved_hardware)
+        judged = approval.judge(claim, approved)
+        held = None
+        placed = node
+        if judged.verdict is Verdict.MORE:
+            already = _claimed(row)
+            row.claimed_spec = doc(node, exclude={"state", "cordon"})
+            row.held_at = row.held_at if already == claim else when
+            held = HardwareHeld(approved=approved, claimed=claim)
+            placed = cap(node, approved)
+            if already != claim:
+                self._log_claim(
+                    s, AuditAction.NODE_HARDWARE_HELD, node.name, held, judged.describe(), when, source
+                )
+        else:
+            row.claimed_spec = row.held_at = None
+            if judged.verdict is Verdict.LESS and before != claim:
+                less = HardwareHeld(approved=approved, claimed=claim)
+                self._log_claim(
+                    s, AuditAction.NODE_HARDWARE_LESS, node.name, less, judged.describe(), when, source
+                )
+        return replace(self._register(s, placed), held=held)
+
+    @staticmethod
+    def _log_claim(
+        s: Session,
+        action: AuditAction,
+        name: str,
+        claim: HardwareHeld,
+        what: str,
+        when: datetime,
+        source: str,
+    ) -> None:
+        s.add(
+            AuditEventRow(
+                at=when, actor=f"node {name}", action=action.value, target=f"Node/{name}",
+                detail={**claim.model_dump(mode="json"), "differences": what}, source=source[:64] or None,
+            )
+        )  # fmt: skip
+
+    @staticmethod
+    def _approve_hardware(s: Session, node: Node) -> None:
+        """Record ``node``'s facts as its approved hardware (an operator declared them), in the
+        caller's transaction; a claim that waited is settled by them."""
+        row = s.get(NodeCredentialRow, node.name)
+        if row is None:
+            row = NodeCredentialRow(node=node.name, approved=False)
+            s.add(row)
+        row.approved_hardware = Hardware.of(node).model_dump(mode="json")
+        row.claimed_spec = row.held_at = None
 
     @staticmethod
     def _record_request(
@@ -157,7 +271,7 @@ class SqlIdentity(SqlInventory):
             pending = s.scalar(
                 select(func.count())
                 .select_from(NodeCredentialRow)
-                .where(NodeCredentialRow.token_hash.is_(None))
+                .where(NodeCredentialRow.token_hash.is_(None), NodeCredentialRow.requested_at.is_not(None))
             )
             if (pending or 0) >= MAX_PENDING:
                 return
@@ -241,18 +355,31 @@ class SqlIdentity(SqlInventory):
                 c.execute(_BEAT[beats[i].credential is not None], {**claim_values(beats[i]), "b_at": at})
             out[i] = judged
 
-    def approve(self, name: str, now: datetime) -> EnrolmentRecord:
-        """Let the next enrolment under ``name`` through (a new name, or one enrolled already:
-        the new credential then replaces the old one, which stops working)."""
+    def approve(self, name: str, now: datetime) -> Approval:
+        """Apply the hardware claim that waits under ``name`` (the node is registered with it as
+        claimed, which becomes its approved hardware; no enrolment is let through). With no claim
+        waiting: let the next enrolment under ``name`` through (a new name, or one enrolled
+        already: the new credential then replaces the old one, which stops working)."""
         stamp(now)
-        with self._write(f"approving the enrolment of node {name}") as s:
-            row = s.get(NodeCredentialRow, name)
+        with self._write(f"approving node {name}") as s:
+            row = s.scalars(
+                select(NodeCredentialRow).where(NodeCredentialRow.node == name).with_for_update()
+            ).one_or_none()
             if row is None:
                 row = NodeCredentialRow(node=name, approved=True)
                 s.add(row)
+            elif row.claimed_spec is not None:
+                claimed = Node.model_validate(row.claimed_spec)
+                node = s.get(NodeRow, name)
+                if node is not None:
+                    self._locked_node(s, name).spec = doc(claimed, exclude={"state", "cordon"})
+                row.approved_hardware = Hardware.of(claimed).model_dump(mode="json")
+                row.claimed_spec = row.held_at = None
+                s.flush()
+                return Approval(_record(row), Hardware.of(claimed))
             row.approved = True
             s.flush()
-            return _record(row)
+            return Approval(_record(row), None)
 
     def enrolments(self) -> list[EnrolmentRecord]:
         """Every name with a credential, an approval or a request waiting, by name."""

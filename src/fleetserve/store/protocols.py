@@ -5,7 +5,8 @@ a database, and ``SqlStore`` is checked (below) to provide every view. They live
 beside the store that implements them, because several consumers share views (the gateway and
 the observer both read routes); each is small enough to fake in a few lines.
 
-    RouteSource      the gateway's endpoint table     deployments + replica endpoints
+    RouteSource      the gateway's endpoint table     deployments + replica endpoints + Endpoints
+    EndpointHealth   the Endpoints' health checks     Endpoints, and their health recorded
     ApiKeys          the gateway's key check          verify an API key
     AgentReports     the observer                     routes + the agents' GPU samples
     Tokens           auth, token bootstrap            verify, create, list tokens; node credentials
@@ -35,12 +36,14 @@ from typing import TYPE_CHECKING, Protocol
 from fleetserve.inventory.base import Inventory
 from fleetserve.protocol import AgentStatus
 from fleetserve.routing import ReplicaEndpoint
+from fleetserve.spec.endpoint import Endpoint, EndpointState
 from fleetserve.spec.resources import DeviceClass, Model, Node, Replica
 from fleetserve.spec.status import DecisionRecord, DeploymentStatus
 from fleetserve.store.acceptance import Claim, Judgement
 from fleetserve.store.audit import AuditEntry
 from fleetserve.store.credentials import ApiKey, IssuedToken, TokenKind, TokenRecord
 from fleetserve.store.deployments import StoredDeployment
+from fleetserve.store.endpoints import StoredEndpoint
 from fleetserve.store.reports import AgentReport, AssignmentInputs, NodeHeartbeat
 from fleetserve.store.sessions import OpenedSession, UiSession
 from fleetserve.store.usage import UsageRecord
@@ -56,7 +59,19 @@ class RouteSource(Protocol):
 
     def replica_endpoints(self) -> list[ReplicaEndpoint]: ...
 
+    def list_endpoints(self) -> list[StoredEndpoint]: ...
+
     def fleet_changes(self) -> int: ...
+
+
+class EndpointHealth(Protocol):
+    """What the control plane's Endpoint health checks read and write."""
+
+    def list_endpoints(self) -> list[StoredEndpoint]: ...
+
+    def set_endpoint_health(
+        self, name: str, spec: Endpoint, state: EndpointState, error: str | None, now: datetime
+    ) -> bool: ...
 
 
 class ApiKeys(Protocol):
@@ -235,6 +250,7 @@ if TYPE_CHECKING:
         UsageSink,
         AuditLog,
         Retention,
+        EndpointHealth,
     ]:
         # mypy checks that SqlStore provides every view
-        return store, store, store, store, store, store, store, store, store, store
+        return store, store, store, store, store, store, store, store, store, store, store

@@ -8,6 +8,7 @@
     │   └── SqlIdentity store/identity.py  enrolment, node credentials, approvals
     ├── SqlReports   store/reports.py      heartbeats, assignments, agents' status reports
     ├── SqlDeployments store/deployments.py  models, deployments, decisions
+    ├── SqlEndpoints store/endpoints.py    endpoints fleetserve did not start, their health
     ├── SqlCredentials store/credentials.py  tokens, API keys
     ├── SqlUsage     store/usage.py        the gateways' usage per minute, key and model
     ├── SqlAudit     store/audit.py        the audit log of admin actions
@@ -30,6 +31,7 @@ from fleetserve.store.base import doc
 from fleetserve.store.credentials import SqlCredentials
 from fleetserve.store.db import make_engine
 from fleetserve.store.deployments import SqlDeployments
+from fleetserve.store.endpoints import SqlEndpoints
 from fleetserve.store.identity import SqlIdentity
 from fleetserve.store.lease import SqlLease
 from fleetserve.store.reports import SqlReports
@@ -48,7 +50,15 @@ if TYPE_CHECKING:
 
 
 class SqlStore(
-    SqlIdentity, SqlReports, SqlDeployments, SqlCredentials, SqlUsage, SqlAudit, SqlSessions, SqlLease
+    SqlIdentity,
+    SqlReports,
+    SqlDeployments,
+    SqlEndpoints,
+    SqlCredentials,
+    SqlUsage,
+    SqlAudit,
+    SqlSessions,
+    SqlLease,
 ):
     """The state store over a SQLAlchemy engine (SQLite or PostgreSQL), schema already migrated.
 
@@ -85,8 +95,9 @@ class SqlStore(
 
     def apply_documents(self, docs: Documents) -> list[tuple[str, str, str]]:
         """Write classes, fabrics, nodes, models and deployments in ONE transaction (all or
-        nothing); per document (kind, name, created|configured|unchanged). Nodes are registered
-        (hardware facts updated, cordon kept). The caller checks references first."""
+        nothing), and endpoints; per document (kind, name, created|configured|unchanged). Nodes are
+        registered (hardware facts updated, cordon kept) and the hardware they declare is approved.
+        The caller checks references first."""
         out: list[tuple[str, str, str]] = []
         with self._write(f"applying {sum(1 for _ in docs.all())} documents") as s:
             for cls in docs.classes:
@@ -95,11 +106,14 @@ class SqlStore(
                 out.append(("Fabric", fabric.name, self._put_spec(s, FabricRow, fabric.name, doc(fabric))))
             for node in docs.nodes:
                 reg = self._register(s, node)
+                self._approve_hardware(s, node)  # what an operator declares is approved
                 out.append(("Node", node.name, "created" if reg.created else "configured"))
             for model in docs.models:
                 out.append(("Model", model.name, self._put_model(s, model)))
             for dep in docs.deployments:
                 out.append(("Deployment", dep.name, self._put_deployment(s, dep)[1]))
+            for endpoint in docs.endpoints:
+                out.append(("Endpoint", endpoint.name, self._put_endpoint(s, endpoint)))
         return out
 
 

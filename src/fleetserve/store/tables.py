@@ -119,6 +119,21 @@ class DeploymentRow(Base):
     previous_spec: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
 
+class EndpointRow(Base):
+    """An Endpoint (a server fleetserve did not start): its spec, and the control plane's last health
+    check of it. Its API key is never here: the control plane reads it from its key file."""
+
+    __tablename__ = "endpoints"
+
+    name: Mapped[str] = mapped_column(NAME, primary_key=True)
+    spec: Mapped[dict[str, Any]]
+    # Unknown | Ready | NotReady: a change of state moves the change counter (the gateways'
+    # routes), a check that only confirms it does not.
+    state: Mapped[str] = mapped_column(String(16))
+    last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    checked_at: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
+
+
 class ReplicaOrdinalRow(Base):
     """The next replica ordinal per deployment name. Identities are never reused — not after a
     release, not after the deployment is deleted and made again — so a replica moved away can
@@ -197,8 +212,8 @@ class TokenRow(Base):
 
 class NodeCredentialRow(Base):
     """A node's identity: the sha256 of its per-node credential (issued at enrolment, bound to the
-    name), whether an operator approved the next enrolment under the name, and the last enrolment
-    request that waits for that approval."""
+    name), whether an operator approved the next enrolment under the name, the last enrolment
+    request that waits for that approval, and the node's approved hardware with a claim beyond it."""
 
     __tablename__ = "node_credentials"
 
@@ -209,6 +224,12 @@ class NodeCredentialRow(Base):
     approved: Mapped[bool] = mapped_column(Boolean, default=False)
     requested_at: Mapped[datetime | None] = mapped_column(nullable=True)
     requested_from: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # The hardware an operator approved (``inventory.approval.Hardware``; None: enrolled before
+    # approvals were recorded), and a registration's claim beyond it that waits (the node document
+    # as claimed, and since when; None when nothing waits).
+    approved_hardware: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    claimed_spec: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    held_at: Mapped[datetime | None] = mapped_column(nullable=True)
 
 
 class ApiKeyRow(Base):

@@ -22,6 +22,7 @@ from fleetserve.server.app import create_app
 from fleetserve.spec.nodeparts import MAX_ENGINE_DEVICES, MAX_ENGINES
 from fleetserve.spec.resources import Node, NodeState
 from fleetserve.store import SqlStore, TokenKind
+from fleetserve.store.audit import AuditAction
 
 AGENT = "/api/v1/agent"
 SOURCE = ("10.0.0.5", 40000)  # where the test client's requests come from
@@ -149,6 +150,67 @@ def test_an_approval_lets_one_re_enrolment_through_and_retires_the_old_credentia
     assert "not a node credential" in error["message"]
     # One approval, one enrolment: the next one is refused again.
     assert error_of(plane.enrol(cpu_8c_32g("n1")), 409)["type"] == "name_taken"
+
+
+def test_an_enrolled_node_re_registering_with_1000_cores_is_held_and_draws_nothing(plane: Plane) -> None:
+    """The audit's attack: a node enrolled (approved) as 8 cores registers again, with its own
+    credential, claiming 1,000. It stays registered as 8 cores, the answer says what is held,
+    `nodes enrolments` shows both, and three 16-core replicas are not placed on it; the operator's
+    approval applies the claim."""
+    from fleetserve.server.reconciler.loop import Reconciler
+
+    docs = [
+        {"kind": "Model", "name": "tiny", "source": "/models/tiny.gguf", "format": "gguf", "size": "1MB"},
+        {
+            "kind": "Deployment", "name": "tiny", "model": "tiny", "replicas": 3,
+            "profiles": [{"name": "cpu", "engine": "llama.cpp", "cpu": {"cores": 16}}],
+        },
+    ]  # fmt: skip
+    assert (
+        plane.client.post("/api/v1/apply", json={"documents": docs}, headers=plane.admin).status_code == 200
+    )
+    assert plane.enrol(cpu_8c_32g("n1")).status_code == 200
+    inflated = cpu_8c_32g("n1", cpu={"cores": 1000, "memory": "32Gi"}, labels={"gpu": "lots"})
+
+    answer = plane.enrol(inflated, plane.nodes["n1"])
+
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body["held"] == {
+        "approved": {"cores": 8, "memory": 32 << 30, "devices": {}},
+        "claimed": {"cores": 1000, "memory": 32 << 30, "devices": {}},
+    }
+    assert body["node"]["cpu"]["cores"] == 8
+    assert plane.client.get("/api/v1/nodes/n1", headers=plane.admin).json()["cpu"]["cores"] == 8
+    (listed,) = plane.client.get("/api/v1/enrolments", headers=plane.admin).json()
+    assert (listed["approvedHardware"]["cores"], listed["claimedHardware"]["cores"]) == (8, 1000)
+    assert listed["heldAt"] is not None
+    plane.client.post(
+        f"{AGENT}/heartbeat", json={"node": "n1", "epoch": body["epoch"]}, headers=plane.nodes["n1"]
+    )
+    Reconciler(plane.store).run_once()
+    assert plane.store.replicas() == []  # 0 of 3 replicas drawn
+    (held,) = plane.store.events(action=AuditAction.NODE_HARDWARE_HELD)
+    assert (held.actor, held.target, held.source) == ("node n1", "Node/n1", SOURCE[0])
+
+    approved = plane.client.post("/api/v1/nodes/n1/approve", headers=plane.admin)
+    assert approved.status_code == 200, approved.text
+    assert (approved.json()["appliedHardware"]["cores"], approved.json()["claimedHardware"]) == (1000, None)
+    assert approved.json()["approved"] is False  # no re-enrolment was let through
+    assert error_of(plane.enrol(cpu_8c_32g("n1")), 409)["type"] == "name_taken"
+    assert plane.client.get("/api/v1/nodes/n1", headers=plane.admin).json()["cpu"]["cores"] == 1000
+    (event,) = plane.store.events(action=AuditAction.NODE_APPROVE)
+    assert event.detail == {"hardware": {"cores": 1000, "memory": 32 << 30, "devices": {}}}
+
+
+def test_an_operators_apply_approves_the_hardware_of_the_node_it_declares(plane: Plane) -> None:
+    assert plane.enrol(cpu_8c_32g("n1")).status_code == 200
+    declared = cpu_8c_32g("n1", cpu={"cores": 64, "memory": "32Gi"}).model_dump(mode="json", by_alias=True)
+    applied = plane.client.post("/api/v1/apply", json={"documents": [declared]}, headers=plane.admin)
+    assert applied.status_code == 200, applied.text
+    answer = plane.enrol(cpu_8c_32g("n1", cpu={"cores": 64, "memory": "32Gi"}), plane.nodes["n1"])
+    assert answer.status_code == 200, answer.text
+    assert (answer.json()["held"], answer.json()["node"]["cpu"]["cores"]) == (None, 64)
 
 
 def test_a_node_an_operator_declared_is_a_taken_name(plane: Plane) -> None:
@@ -369,7 +431,7 @@ def test_a_node_document_over_a_cap_is_a_422_naming_the_field_and_the_cap(
     "engine",
     [
         pytest.param({"engine": "sglang", "variants": ["cuda"]}, id="an-engine-no-row-has"),
-        pytest.param({"engine": "vllm", "variants": ["metal"]}, id="a-variant-no-row-has"),
+        pytest.param({"engine": "vllm", "variants": ["sycl"]}, id="a-variant-no-row-has"),
         pytest.param({"engine": "vllm", "version": "x" * 129}, id="a-version-over-its-cap"),
         pytest.param({"engine": "vllm", "version": "0.1\x00"}, id="a-version-holding-nul"),
     ],

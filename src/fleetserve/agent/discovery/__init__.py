@@ -1,6 +1,6 @@
 """Hardware discovery for the node agent: one module per source, combined by ``discover``.
 
-    discovery = discover()                       # this machine: CPU, NVIDIA, AMD, InfiniBand
+    discovery = discover()                       # this machine: CPU, NVIDIA, AMD, Apple, InfiniBand
     node, unmatched = to_node(discovery, ...)    # fleetserve.inventory.matching
 
 No source raises for hardware or drivers that are absent; what could not be read is listed in
@@ -17,6 +17,7 @@ from fleetserve.agent.discovery.amd import AmdDiscoverer, AmdSysfsDiscoverer
 from fleetserve.agent.discovery.base import Discoverer, Findings, combine
 from fleetserve.agent.discovery.cpu import CpuDiscoverer
 from fleetserve.agent.discovery.infiniband import InfinibandDiscoverer
+from fleetserve.agent.discovery.macos import MacDiscoverer
 from fleetserve.agent.discovery.nvidia import NvidiaDiscoverer, NvmlLibrary
 from fleetserve.inventory.hardware import Discovery
 
@@ -27,6 +28,7 @@ __all__ = [
     "Discoverer",
     "Findings",
     "InfinibandDiscoverer",
+    "MacDiscoverer",
     "NvidiaDiscoverer",
     "NvmlLibrary",
     "default_discoverers",
@@ -35,11 +37,13 @@ __all__ = [
 
 
 def default_discoverers(root: Path | str = "/") -> tuple[Discoverer, ...]:
-    """Every source, reading the machine under ``root``: CPU, NVIDIA (NVML), AMD, InfiniBand."""
+    """Every source, reading the machine under ``root``: CPU, NVIDIA (NVML), AMD, Apple Silicon
+    (macOS only: elsewhere it finds nothing), InfiniBand."""
     return (
         CpuDiscoverer(root),
         NvidiaDiscoverer(root=root),
         AmdDiscoverer(root),
+        MacDiscoverer(),
         InfinibandDiscoverer(root),
     )
 

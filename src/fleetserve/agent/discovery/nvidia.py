@@ -13,11 +13,14 @@ one of this machine's GPUs counts as a direct peer and anything else is ignored.
 NVML that cannot start is a problem only where an NVIDIA GPU is there to find: the PCI bus (sysfs,
 under a configurable root) is asked whether it holds an NVIDIA display controller. Without one, the
 missing driver is a fact of a machine with no NVIDIA GPU (a CPU-only node), not a fault of it.
+On macOS, which has no NVIDIA driver and no sysfs to ask, it is a fact too (a Mac's GPU is Apple's,
+``fleetserve.agent.discovery.macos``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import platform
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -115,15 +118,22 @@ class NvidiaDiscoverer:
         nvml: NvmlLibrary | None = None,
         max_links: int = NVML_NVLINK_MAX_LINKS,
         root: Path | str = "/",
+        system: str | None = None,
     ) -> None:
         self.nvml: NvmlLibrary = pynvml if nvml is None else nvml
         self.max_links = max_links
         self.root = Path(root)
+        # platform.system(): on Darwin no NVIDIA driver exists to be missing.
+        self.system = platform.system() if system is None else system
 
     def discover(self) -> Findings:
         try:
             self.nvml.nvmlInit()
         except _START_ERRORS as exc:
+            if self.system == "Darwin":
+                return Findings(
+                    facts=(f"nvidia: macOS has no NVIDIA driver (NVML: {exc}); no NVIDIA GPU here",)
+                )
             if nvidia_gpu_on_pci_bus(self.root) is False:
                 return Findings(
                     facts=(f"nvidia: no NVIDIA GPU on the PCI bus, and no NVIDIA driver (NVML: {exc})",)

@@ -91,6 +91,7 @@ def check_batch(docs: Documents, store: SqlStore) -> None:
         nodes=_overlay(list(snapshot.nodes), docs.nodes),
         models=_overlay(store.list_models(), docs.models),
         deployments=_overlay([d.deployment for d in store.list_deployments()], docs.deployments),
+        endpoints=_overlay([e.endpoint for e in store.list_endpoints()], docs.endpoints),
     )
     incoming = {_key(r) for r in docs.all()}
     problems = [p for p in check_documents(merged) if p.location in incoming]

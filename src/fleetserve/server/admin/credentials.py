@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi import Path as FastApiPath
 
 from fleetserve.adminapi.credentials import (
+    ApprovalView,
     CreatedKey,
     CreatedToken,
     EnrolmentView,
@@ -53,6 +54,8 @@ def enrolment_view(record: EnrolmentRecord) -> EnrolmentView:
     return EnrolmentView(
         node=record.node, enrolled=record.enrolled, issued_at=record.issued_at, approved=record.approved,
         requested_at=record.requested_at, requested_from=record.requested_from,
+        approved_hardware=record.approved_hardware, claimed_hardware=record.claimed_hardware,
+        held_at=record.held_at,
     )  # fmt: skip
 
 
@@ -121,20 +124,28 @@ def build_credentials_router(store: SqlStore, on_key_revoked: Callable[[], None]
         )  # fmt: skip
         return Revoked(revoked=token_id)
 
-    @api.get("/enrolments", tags=["nodes"], summary="Node identities: enrolled, approved, waiting")
+    @api.get(
+        "/enrolments",
+        tags=["nodes"],
+        summary="Node identities: enrolled, approved, waiting; hardware approved and claimed",
+    )
     def list_enrolments() -> list[EnrolmentView]:
         return [enrolment_view(r) for r in store.enrolments()]
 
     @api.post(
         "/nodes/{name}/approve",
         tags=["nodes"],
-        summary="Let the next enrolment under a name through (a new name, or one enrolled already)",
+        summary="Apply the hardware claim that waits under a name; with none, let the next enrolment "
+        "through (a new name, or one enrolled already)",
     )
-    def approve(name: NameParam, request: Request) -> EnrolmentView:
-        approved = store.approve(name, datetime.now(UTC))
-        audit.record(
-            store, request, AuditAction.NODE_APPROVE, f"Node/{name}", {"reEnrolment": approved.enrolled}
+    def approve(name: NameParam, request: Request) -> ApprovalView:
+        approval = store.approve(name, datetime.now(UTC))
+        detail: dict[str, object] = (
+            {"reEnrolment": approval.record.enrolled}
+            if approval.hardware is None
+            else {"hardware": approval.hardware.model_dump(mode="json")}
         )
-        return enrolment_view(approved)
+        audit.record(store, request, AuditAction.NODE_APPROVE, f"Node/{name}", detail)
+        return ApprovalView(**dict(enrolment_view(approval.record)), applied_hardware=approval.hardware)
 
     return api

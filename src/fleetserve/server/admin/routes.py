@@ -13,6 +13,7 @@ from fleetserve.server.admin.apply import build_apply_router
 from fleetserve.server.admin.catalog import build_catalog_router
 from fleetserve.server.admin.credentials import build_credentials_router
 from fleetserve.server.admin.deployments import build_deployments_router
+from fleetserve.server.admin.endpoints import build_endpoints_router
 from fleetserve.server.admin.models import build_models_router
 from fleetserve.server.admin.nodes import build_nodes_router
 from fleetserve.server.admin.replicas import build_replicas_router
@@ -40,6 +41,7 @@ def build_admin_router(
         build_models_router(store, files),
         build_deployments_router(store),
         build_replicas_router(store, engine_values),
+        build_endpoints_router(store),
     ):
         api.include_router(router)
     return api

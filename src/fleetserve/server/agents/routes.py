@@ -7,7 +7,9 @@ Identity: the join token only enrols (``POST /register`` for a name, under the s
 ``EnrolmentPolicy``) and its answer carries the node's credential; every other call is made with
 that credential and speaks for its own node only: its heartbeats, its assignments, its replicas'
 states, samples of its own GPUs, and the models its own replicas serve. The address a node gives
-must be its connection's source address or an allowed one.
+must be its connection's source address or an allowed one. A node's hardware is not its word: a
+registration claiming more than the operator approved is held (``Registered.held``) and the node
+placed with the approved facts until ``fleetserve nodes approve NAME`` (``store.identity``).
 
 Fencing: every registration bumps the node's epoch. Heartbeats and reports name the epoch they
 speak for (it is required); an older one, or any from a node judged Lost, gets 409
@@ -94,7 +96,8 @@ def build_agent_router(store: SqlStore, files: ModelFiles, policy: EnrolmentPoli
         credential = None
         if caller.node is not None:
             speaks_for(request, node.name)
-            registration = store.register(node)
+            # Judged against its approved hardware: a claim beyond it is held (``held``).
+            registration = store.reregister(node, datetime.now(UTC), source=source)
         else:
             outcome = store.enrol(node, datetime.now(UTC), approve_new=policy.approve_new, source=source)
             if isinstance(outcome, Refused):
@@ -112,6 +115,7 @@ def build_agent_router(store: SqlStore, files: ModelFiles, policy: EnrolmentPoli
             keep=keep,
             revision=revision_of(entries, keep),
             credential=credential,
+            held=registration.held,
         )
 
     @api.get("/classes", summary="Device classes, for matching discovered devices")

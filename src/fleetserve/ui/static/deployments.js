@@ -1,6 +1,6 @@
 // Deployments: the list, and one deployment in detail (?name=): its replicas with profile, node
 // and devices; conditions; the placement explanation; rollout state; the decision and
-// autoscaler logs.
+// autoscaler logs. Endpoints (servers fleetserve did not start) beside them, with their health.
 
 import {
   POLL_MS,
@@ -30,15 +30,37 @@ function replicaRows(replicas) {
   ]);
 }
 
+// Endpoints as replicas are shown: name, where, what it serves, weight, health.
+function endpointRows(endpoints) {
+  return endpoints.map((e) => [
+    e.name,
+    e.url,
+    (e.models || []).map((m) => (m.name === m.upstream ? m.name : `${m.name} → ${m.upstream}`)).join(", "),
+    String(e.weight),
+    badge(e.status.state),
+    e.status.lastError || "",
+    e.status.checkedAt ? fmtAgo(e.status.checkedAt) : "never",
+  ]);
+}
+
+function endpointTable(endpoints) {
+  return table(["Endpoint", "URL", "Models", "Weight", "State", "Last error", "Checked"], endpointRows(endpoints), { id: "endpoints" });
+}
+
 function listPage(main, status) {
   const body = el("div", {});
   main.append(el("h1", { text: "Deployments" }), body);
   every(
     POLL_MS,
     async () => {
-      const [deps, replicas] = await Promise.all([api("GET", "/deployments"), api("GET", "/replicas")]);
+      const [deps, replicas, endpoints] = await Promise.all([
+        api("GET", "/deployments"),
+        api("GET", "/replicas"),
+        api("GET", "/endpoints"),
+      ]);
+      const outside = endpoints.length ? section("Endpoints", endpointTable(endpoints)) : null;
       if (!deps.length) {
-        body.replaceChildren(empty("No deployment yet: `fleetserve apply -f` one."));
+        body.replaceChildren(empty("No deployment yet: `fleetserve apply -f` one."), outside || "");
         return;
       }
       const rows = deps.map((d) => {
@@ -55,6 +77,7 @@ function listPage(main, status) {
       });
       body.replaceChildren(
         table(["Name", "Model", "State", "Running", "Profiles", "Placement"], rows, { id: "deployments" }),
+        outside || "",
       );
     },
     status,
@@ -179,10 +202,12 @@ function detailPage(main, status, name) {
         body.replaceChildren(errorBox(e));
         return;
       }
-      const [explain, decisions] = await Promise.all([
+      const [explain, decisions, endpoints] = await Promise.all([
         api("GET", `/deployments/${path}/explain`),
         api("GET", `/decisions?deployment=${path}&limit=20`),
+        api("GET", "/endpoints"),
       ]);
+      const listed = endpoints.filter((e) => (dep.endpoints || []).includes(e.name));
       const replicas = dep.replicas || [];
       const state = deploymentState(dep, replicas);
       const st = dep.status || {};
@@ -201,6 +226,7 @@ function detailPage(main, status, name) {
       ]);
       body.replaceChildren(
         section("Replicas", replicas.length ? table(["Replica", "Profile", "Node", "Devices", "Revision", "State"], replicaRows(replicas), { id: "replicas" }) : empty("No replica placed.")),
+        listed.length ? section("Endpoints", endpointTable(listed)) : "",
         section("Conditions", conditions.length ? table(["Type", "Status", "Reason", "Message"], conditions) : empty("Not reconciled yet.")),
         section("Placement explanation", explanation(explain)),
         section("Rollout", keyValues(st.rollout)),
