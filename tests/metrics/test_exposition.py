@@ -289,6 +289,7 @@ def test_a_full_render_exposes_exactly_the_declared_names() -> None:
     m.gateway_stream("chat", "chat-0", "vllm", 0.05, 0.01)
     m.gateway_key_request("team-a", "chat", 0.1, 10, 20)
     m.set_ratelimit_shared(False)
+    m.gateway_cache_pick("chat", 2000, 1600)
     assert names(m) == exposed_series_names()
     for name, d in METRICS.items():
         assert name.startswith("fleetserve_")

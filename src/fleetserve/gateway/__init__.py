@@ -17,7 +17,10 @@ The data path, a request in the order it meets the modules:
 What the proxy asks:
 
 - ``endpoints``: the routes (model → Ready replicas), refreshed from the store; outlier ejection.
-- ``picker``: which replica, by load and prefix affinity.
+- ``picker``: which replica, by the deployment's ``routing.policy``: cache-aware (expected cached
+  prefix against load, with a balance guard), least load, prefix hash, round robin.
+- ``prefixcache``: what this gateway believes each replica caches, in blocks of the prompt, from
+  what it routed; cleared when a replica's engine restarted.
 - ``admission``: concurrency per replica, the FIFO queue, the hold for a replica to come up.
 - ``ratelimit``, ``windows``: per-key requests and tokens per minute, in memory or in Redis.
 - ``sse``: the usage event of a stream (asked for, counted, stripped) and of a whole body.

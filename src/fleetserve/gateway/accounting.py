@@ -174,8 +174,8 @@ class Exchange:
     """One request's bookkeeping across its tries: what was sent where, when, and what came back."""
 
     __slots__ = (
-        "broken", "completion", "counts", "endpoint", "first_at", "last_at", "prompt", "sent_at", "tap",
-        "usage_total",
+        "broken", "completion", "counts", "endpoint", "first_at", "last_at", "pick_header", "prompt",
+        "sent_at", "tap", "usage_total",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -190,6 +190,8 @@ class Exchange:
         self.broken = False  # a stream whose upstream broke off after its first byte
         # The answer counts its tokens llama.cpp's own way (``UsageBy.COUNTS``), not in a usage object.
         self.counts = False
+        # Why the replica was picked, for a client that asked (``x-fleetserve-debug: pick``).
+        self.pick_header: bytes | None = None
 
 
 class Accounting:

@@ -61,7 +61,21 @@ from fleetserve.gateway.bodylimits import DEFAULT_GATEWAY_LIMITS, GatewayLimits
 from fleetserve.gateway.endpoints import EndpointTable, Route
 from fleetserve.gateway.modelinfo import ModelInfo, merged
 from fleetserve.gateway.openai_errors import send_error
-from fleetserve.gateway.picker import Endpoint, Load, pick, prefix_key_for
+from fleetserve.gateway.picker import (
+    Endpoint,
+    Load,
+    pick,
+    pick_cache_aware,
+    pick_round_robin,
+    prefix_key_for,
+)
+from fleetserve.gateway.prefixcache import (
+    BLOCK_BYTES,
+    BYTES_PER_TOKEN,
+    PrefixCaches,
+    block_keys,
+    prompt_bytes,
+)
 from fleetserve.gateway.ratelimit import Limits
 from fleetserve.gateway.sse import UsageTap
 from fleetserve.gateway.upstream import (
@@ -141,6 +155,7 @@ class Gateway:
         seed: int | None = None,
         metrics: FleetMetrics | None = None,
         engine_waiting: Callable[[str], tuple[float, float] | None] | None = None,
+        engine_cache: Callable[[str], tuple[int, float | None]] | None = None,
         windows: Windows | None = None,
         usage: UsageSink | None = None,
         usage_flush_seconds: float = FLUSH_SECONDS,
@@ -161,13 +176,22 @@ class Gateway:
         self.metrics = metrics
         # replica → (engine-reported waiting requests, age of that figure in seconds), if known
         self.engine_waiting = engine_waiting
+        # replica → (its engine's epoch, its KV usage 0-1 or None): an epoch that moved clears
+        # the replica's cache model (``gateway.prefixcache``)
+        self.engine_cache = engine_cache
+        # What this gateway believes each replica caches, from what it routed (no other's).
+        self.caches = PrefixCaches()
+        # Per deployment, the next round-robin turn.
+        self.turns: dict[str, int] = defaultdict(int)
+        # Whether replicas left the routes since the cache models were last pruned.
+        self._prune = False
         self.last_request: dict[str, float] = {}
         self.admission = Admission()
         # Where the Endpoints' API keys are read (``endpointkeys``): never from the store.
         self.table = EndpointTable(
             store,
             refresh_seconds=refresh_seconds,
-            on_change=self.admission.notify,
+            on_change=self._changed,
             keys=endpoint_keys or EndpointKeys(),
         )
         self.windows: Windows = windows if windows is not None else LocalWindows()
@@ -256,6 +280,11 @@ class Gateway:
         self._policies[route.deployment] = (route, policy)
         return policy
 
+    def _changed(self, deployment: str) -> None:
+        """A deployment's endpoints changed: wake its waiters; forget replicas no longer routed."""
+        self.admission.notify(deployment)
+        self._prune = True  # once, at the next cache-aware pick, however many changed at once
+
     def _ready(self, model: str) -> int:
         route = self.table.routes.get(model)
         return len(route.endpoints) if route else 0
@@ -265,15 +294,62 @@ class Gateway:
         waiting = self.engine_waiting(replica) if self.engine_waiting is not None else None
         if waiting is None:
             return Load(self.in_flight[replica])
-        return Load(self.in_flight[replica], int(waiting[0]), waiting[1])
+        kv = self.engine_cache(replica)[1] if self.engine_cache is not None else None
+        return Load(self.in_flight[replica], int(waiting[0]), waiting[1], kv)
 
-    def _pick(self, model: str, exclude: frozenset[str], prefix: str | None) -> Endpoint | None:
+    def _pick(
+        self, model: str, exclude: frozenset[str], steer: Steer, ex: Exchange | None = None
+    ) -> Endpoint | None:
+        """The replica for the next try of a request, by its route's policy; the cache-aware pick
+        learns the prompt's blocks for the replica chosen. With ``ex.pick_header`` asked for (not
+        None), the pick's reason goes there: its own replica and deployment only."""
         route = self.table.routes.get(model)
         if route is None:
             return None
-        loads = {e.replica: self._load(e.replica) for e in route.endpoints}
         exclude = exclude | self.table.ejected(model)  # outlier ejection: connect failures, backoff
-        return pick(route.endpoints, loads, self.rng, exclude=exclude, prefix_key=prefix)
+        policy = route.routing
+        if policy == "round-robin":
+            turn = self.turns[model]
+            self.turns[model] = turn + 1
+            chosen = pick_round_robin(route.endpoints, turn, exclude=exclude)
+            if chosen is not None and ex is not None and ex.pick_header is not None:
+                ex.pick_header = _reason(chosen.replica, policy, self.in_flight[chosen.replica])
+            return chosen
+        loads = {e.replica: self._load(e.replica) for e in route.endpoints}
+        keys = steer.keys
+        if policy == "cache-aware" and keys is not None:
+            caches = self.caches
+            if self._prune:
+                self._prune = False
+                caches.keep_only(e.replica for r in self.table.routes.values() for e in r.endpoints)
+            cached: dict[str, int] = {}
+            for e in route.endpoints:
+                epoch = self.engine_cache(e.replica)[0] if self.engine_cache is not None else None
+                held = caches.sync(e.replica, e.kv_tokens, epoch).matched(keys)
+                cached[e.replica] = held * _BLOCK_TOKENS
+            chosen_pick = pick_cache_aware(
+                route.endpoints, loads, cached, steer.tokens, self.rng, exclude=exclude
+            )
+            if chosen_pick is None:
+                return None
+            caches.learn(chosen_pick.endpoint.replica, keys)
+            if self.metrics is not None:
+                self.metrics.gateway_cache_pick(model, steer.tokens, chosen_pick.cached_tokens)
+            if ex is not None and ex.pick_header is not None:
+                ex.pick_header = _reason(
+                    chosen_pick.endpoint.replica,
+                    policy,
+                    chosen_pick.outstanding,
+                    cached=chosen_pick.cached_tokens,
+                    prompt=steer.tokens,
+                )
+            return chosen_pick.endpoint
+        prefix = steer.prefix if policy == "prefix-hash" else None
+        chosen = pick(route.endpoints, loads, self.rng, exclude=exclude, prefix_key=prefix)
+        if chosen is not None and ex is not None and ex.pick_header is not None:
+            shown = policy if policy != "cache-aware" else "least-load"  # one replica, or no prompt
+            ex.pick_header = _reason(chosen.replica, shown, loads[chosen.replica].outstanding())
+        return chosen
 
     # --- GET /v1/models ---------------------------------------------------------------------------
 
@@ -305,6 +381,7 @@ class Gateway:
         the request's method and path are for each engine that serves them (``gateway.asgi``)."""
         started = time.monotonic()
         authorization = declared = None
+        debug_pick = False
         for name, value in scope["headers"]:
             if name == b"authorization":
                 authorization = value
@@ -312,6 +389,8 @@ class Gateway:
                 declared = value
             elif name == b"x-api-key" and authorization is None:
                 authorization = b"Bearer " + value  # Anthropic clients send their key so
+            elif name == b"x-fleetserve-debug" and b"pick" in value.lower():
+                debug_pick = True
         if authorization is None and all(r.kind is RouteKind.HEALTH for r in routes.values()):
             # A probe without credentials (a load balancer's, a client's readiness wait), as
             # llama-server's /health needs no key: the gateway's own readiness, naming no model.
@@ -473,10 +552,10 @@ class Gateway:
                 }
                 body = orjson.dumps(data)
                 strip = True
-        prefix = None
-        if route.prefix_affinity:
-            prefix = prefix_key_for(data.get("messages") or data.get("prompt") or data.get("input") or "")
+        steer = steer_of(route.routing, len(route.endpoints), data)
         exchange = Exchange()
+        if debug_pick:
+            exchange.pick_header = b""
         exchange.counts = all(routes[e].usage is UsageBy.COUNTS for e in route.engine_kinds if e in routes)
         status = 500
         exits = AsyncExitStack()
@@ -502,9 +581,7 @@ class Gateway:
                 exchange.tap = UsageTap(strip, exchange.counts)
             status = await unless_gone(
                 receive,
-                self._forward(
-                    send, model, call, body, prefix, exchange, retry, data if json_object else None
-                ),
+                self._forward(send, model, call, body, steer, exchange, retry, data if json_object else None),
             )
         except ClientGone:
             status = 499
@@ -526,7 +603,7 @@ class Gateway:
         model: str,
         path: Call | bytes,
         body: bytes,
-        prefix: str | None,
+        steer: Steer,
         ex: Exchange,
         retry: bool = True,
         data: dict[str, Any] | None = None,
@@ -553,7 +630,7 @@ class Gateway:
         # The last try that reached a replica and got no answer: the replica and what happened.
         unanswered: tuple[str, UpstreamError] | None = None
         for _ in range(2):
-            endpoint = self._pick(model, frozenset(tried), prefix)
+            endpoint = self._pick(model, frozenset(tried), steer, ex)
             if endpoint is None:
                 break
             tried.add(endpoint.replica)
@@ -607,3 +684,54 @@ class Gateway:
             retry_after=1,
         )
         return 503
+
+
+_BLOCK_TOKENS = BLOCK_BYTES // BYTES_PER_TOKEN
+
+
+class Steer:
+    """What a request's prompt says for picking its replica: its prefix key (``prefix-hash``),
+    or its chained block keys and estimated tokens (``cache-aware``); computed once per request."""
+
+    __slots__ = ("keys", "prefix", "tokens")
+
+    def __init__(self, prefix: str | None = None, keys: list[int] | None = None, tokens: int = 0) -> None:
+        self.prefix = prefix
+        self.keys = keys
+        self.tokens = tokens
+
+
+NO_STEER = Steer()
+
+
+def steer_of(policy: str, replicas: int, data: Mapping[str, Any]) -> Steer:
+    """The request's ``Steer`` under ``policy``: nothing to compute with one replica or fewer,
+    nor for least-load and round-robin."""
+    if replicas < 2:
+        return NO_STEER
+    if policy == "prefix-hash":
+        return Steer(
+            prefix=prefix_key_for(data.get("messages") or data.get("prompt") or data.get("input") or "")
+        )
+    if policy == "cache-aware":
+        raw = prompt_bytes(data)
+        return Steer(keys=block_keys(raw), tokens=len(raw) // BYTES_PER_TOKEN)
+    return NO_STEER
+
+
+def _reason(
+    replica: str,
+    policy: str,
+    outstanding: int,
+    *,
+    cached: int | None = None,
+    prompt: int | None = None,
+) -> bytes:
+    """The ``x-fleetserve-pick`` value: the replica picked, the policy, and what the pick weighed."""
+    parts = [f"replica={replica}", f"policy={policy}"]
+    if cached is not None:
+        parts.append(f"cached_tokens={cached}")
+    if prompt is not None:
+        parts.append(f"prompt_tokens={prompt}")
+    parts.append(f"outstanding={outstanding}")
+    return "; ".join(parts).encode("ascii", "replace")

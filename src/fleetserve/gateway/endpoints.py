@@ -38,7 +38,7 @@ from fleetserve.httpclient import ConnectFailed
 from fleetserve.routing import ROUTE_REFRESH_SECONDS, routable
 from fleetserve.spec.endpoint import Endpoint as EndpointSpec
 from fleetserve.spec.endpoint import EndpointState, upstream_id
-from fleetserve.spec.policies import AdmissionPolicy
+from fleetserve.spec.policies import AdmissionPolicy, RoutePolicy
 from fleetserve.spec.resources import Deployment, Profile
 from fleetserve.store.endpoints import StoredEndpoint
 from fleetserve.store.protocols import RouteSource
@@ -54,7 +54,9 @@ class Route:
     endpoints: tuple[Endpoint, ...]
     policy: AdmissionPolicy
     scales_from_zero: bool
-    prefix_affinity: bool = False
+    # How a replica is picked (``routing.policy``); the Endpoints of a model no deployment
+    # serves (servers fleetserve did not start) by least outstanding work.
+    routing: RoutePolicy = "least-load"
     concurrency_per_replica: int = 8
     created: int = 0
     # replica → its engine's name, for metrics labels
@@ -217,10 +219,19 @@ class EndpointTable:
             profile = next((p for p in dep.profiles if p.name == replica.profile), None) if dep else None
             if profile is not None:
                 engines[replica.deployment][replica.name] = profile.engine.value
+            # The tokens placement sized its KV cache for: its profile's context (the cache-aware
+            # picker's capacity for it); unknown when left to the model's own.
+            kv_tokens = profile_context(profile) if profile is not None else None
             # Capacity across mixed hardware: a replica on more devices serves more at once.
             weight = float(max(1, sum(len(s.devices) for s in replica.shards)))
             endpoints.setdefault(replica.deployment, []).append(
-                Endpoint(replica=replica.name, url=served.url, weight=weight, engine_key=served.engine_key)
+                Endpoint(
+                    replica=replica.name,
+                    url=served.url,
+                    weight=weight,
+                    engine_key=served.engine_key,
+                    kv_tokens=kv_tokens,
+                )
             )
         declared = {e.endpoint.name: e for e in self.store.list_endpoints()}
         upstreams = self._upstreams(declared.values())
@@ -230,7 +241,7 @@ class EndpointTable:
                 endpoints=(*endpoints.get(name, ()), *self._listed(upstreams, dep.endpoints, name)),
                 policy=dep.admission,
                 scales_from_zero=not isinstance(dep.replicas, int) and dep.replicas.min == 0,
-                prefix_affinity=dep.routing.prefix_affinity,
+                routing=dep.routing.effective_policy,
                 concurrency_per_replica=min(ENGINES[p.engine].concurrency_per_replica for p in dep.profiles),
                 engines={
                     **engines.get(name, {}),

@@ -6,11 +6,19 @@ Two ways to choose, both pure functions of (endpoints, loads, rng):
   it plus the engine's reported waiting requests when that metric is fresh. Its score is that work
   divided by its weight (relative capacity: an H100 replica 4.0, a CPU replica 1.0); the lowest
   score wins and ties are broken by the rng, so equal replicas share the load.
-- **Prefix affinity.** With a ``prefix_key`` the request goes to the key's replica on a consistent
-  hash ring, so requests sharing a prompt prefix reuse one replica's KV cache, unless that replica
-  is over its bounded-load capacity (Mirrokni, Thorup, Zadimoghaddam, "Consistent Hashing with
-  Bounded Loads", 2018): then the next replica clockwise that is under it. Removing or adding one
-  of n replicas moves only the keys of that replica (about 1/n of them).
+- **Prefix affinity** (``prefix-hash``). With a ``prefix_key`` the request goes to the key's
+  replica on a consistent hash ring, so requests sharing a prompt prefix reuse one replica's KV
+  cache, unless that replica is over its bounded-load capacity (Mirrokni, Thorup, Zadimoghaddam,
+  "Consistent Hashing with Bounded Loads", 2018): then the next replica clockwise that is under
+  it. Removing or adding one of n replicas moves only the keys of that replica (about 1/n of them).
+
+- **Cache-aware** (``pick_cache_aware``). Each replica's cost is the share of the prompt it would
+  prefill (the tokens not in its cache, as ``gateway.prefixcache`` models it) plus its load
+  (outstanding work and KV usage) times ``load_weight``, divided by its weight; the cheapest wins.
+  A replica whose outstanding work per weight exceeds ``(1 + epsilon) * mean + 1`` is not chosen
+  for its cache (balance guard): it counts as holding nothing, so a hot prefix spills to the
+  next-best replica, which then learns it too.
+- **Round robin** (``pick_round_robin``): the benchmark's baseline, in turn regardless of load.
 
 The gateway's in-flight count and the engine's waiting count can overlap (a request this gateway
 sent may be waiting inside the engine): the overlap counts twice, which errs towards spreading.
@@ -40,6 +48,14 @@ counts only the gateway's own in-flight requests, the autoscaler counts the repl
 
 DEFAULT_BOUNDED_LOAD = 1.25
 
+DEFAULT_EPSILON = 0.25
+"""The cache-aware balance guard's slack: a replica may hold 25% more than the mean, plus one."""
+
+DEFAULT_LOAD_WEIGHT = 0.5
+"""What one outstanding request costs against a whole prompt's prefill: a full cache hit is worth
+two requests' queue on the same replica (an engine batches, so a queued request is not a whole
+wait; the prefill of a long prompt is most of a request's time to its first token)."""
+
 
 @dataclass(frozen=True)
 class Endpoint:
@@ -55,6 +71,8 @@ class Endpoint:
     # An Endpoint's key is a secret of someone else's server: an answer held whole that repeats it
     # has it replaced (``upstream.relay_answer``). A replica's engine key is fleetserve's own.
     redact: bool = False
+    # The tokens its KV cache was sized for (placement's context for its profile); None: unknown.
+    kv_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.weight) and self.weight > 0):
@@ -74,6 +92,8 @@ class Load:
     in_flight: int
     engine_waiting: int | None = None
     metric_age: float | None = None
+    # The engine's KV cache in use, 0-1, when it reports it (fresh with ``metric_age``).
+    kv_usage: float | None = None
 
     def __post_init__(self) -> None:
         if self.in_flight < 0:
@@ -138,6 +158,77 @@ def pick(
         if chosen is not None:
             return chosen
     return _least_outstanding(candidates, work, rng)
+
+
+@dataclass(frozen=True)
+class Pick:
+    """A cache-aware pick and why: the replica, its expected cached tokens and its load."""
+
+    endpoint: Endpoint
+    cached_tokens: int
+    outstanding: int
+
+
+def pick_cache_aware(
+    endpoints: Sequence[Endpoint],
+    loads: Mapping[str, Load],
+    cached: Mapping[str, int],
+    prompt_tokens: int,
+    rng: random.Random,
+    *,
+    exclude: frozenset[str] = frozenset(),
+    epsilon: float = DEFAULT_EPSILON,
+    load_weight: float = DEFAULT_LOAD_WEIGHT,
+    fresh_seconds: float = FRESH_SECONDS,
+) -> Pick | None:
+    """The endpoint with the lowest expected cost for a prompt of ``prompt_tokens`` tokens, of
+    which ``cached[replica]`` are believed cached there; None when every endpoint is excluded.
+
+    cost = ((prompt - cached) / prompt + load_weight * (outstanding + kv_usage)) / weight, a
+    guarded replica's cached taken as 0 (see the module's docstring); ties broken by ``rng``.
+    With nothing cached anywhere this is least outstanding work, the KV usage breaking ties.
+    """
+    if epsilon < 0 or not math.isfinite(epsilon):
+        raise ValueError(f"epsilon must be a non-negative number, got {epsilon}")
+    if load_weight <= 0 or not math.isfinite(load_weight):
+        raise ValueError(f"load_weight must be a positive number, got {load_weight}")
+    repeated = sorted(name for name, n in Counter(e.replica for e in endpoints).items() if n > 1)
+    if repeated:
+        raise ValueError(f"endpoints repeat replica names: {repeated}")
+    candidates = [e for e in endpoints if e.replica not in exclude]
+    if not candidates:
+        return None
+    work = {e.replica: loads.get(e.replica, IDLE).outstanding(fresh_seconds) for e in candidates}
+    mean = sum(work.values()) / sum(e.weight for e in candidates)
+    bound = (1 + epsilon) * mean + 1
+    prompt = max(1, prompt_tokens)
+    scored: list[tuple[float, Endpoint, int]] = []
+    for e in candidates:
+        load = loads.get(e.replica, IDLE)
+        guarded = work[e.replica] / e.weight > bound
+        hit = 0 if guarded else min(prompt, max(0, cached.get(e.replica, 0)))
+        kv = load.kv_usage if _fresh(load, fresh_seconds) and load.kv_usage is not None else 0.0
+        kv = min(1.0, max(0.0, kv)) if math.isfinite(kv) else 0.0
+        cost = ((prompt - hit) / prompt + load_weight * (work[e.replica] + kv)) / e.weight
+        scored.append((cost, e, hit))
+    best = min(s[0] for s in scored)
+    # Ties keep the endpoints' order, so one seeded rng gives one answer.
+    tied = [s for s in scored if s[0] == best]
+    chosen = tied[0] if len(tied) == 1 else rng.choice(tied)
+    _, endpoint, hit = chosen
+    return Pick(endpoint, hit, work[endpoint.replica])
+
+
+def pick_round_robin(
+    endpoints: Sequence[Endpoint], turn: int, *, exclude: frozenset[str] = frozenset()
+) -> Endpoint | None:
+    """The ``turn``-th endpoint in turn among those not excluded, or None when all are."""
+    candidates = [e for e in endpoints if e.replica not in exclude]
+    return candidates[turn % len(candidates)] if candidates else None
+
+
+def _fresh(load: Load, fresh_seconds: float) -> bool:
+    return load.metric_age is not None and load.metric_age <= fresh_seconds
 
 
 def _least_outstanding(

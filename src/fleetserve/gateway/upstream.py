@@ -198,10 +198,15 @@ def upstream_request(endpoint: Endpoint, call: Call | bytes, body: bytes) -> tup
     return origin, head + body
 
 
-def relayed(response: Response) -> list[Header]:
+PICK_HEADER = b"x-fleetserve-pick"
+"""The answer header saying why its replica was picked, sent to a client that asked for it."""
+
+
+def relayed(response: Response, pick: bytes | None = None) -> list[Header]:
     """The engine's answer headers the client gets: ``RELAYED_HEADERS`` and ``RELAYED_PREFIXES``,
-    a content type outside ``SAFE_TYPES`` as plain text, and ``nosniff``."""
-    out: list[Header] = [NOSNIFF]
+    a content type outside ``SAFE_TYPES`` as plain text, ``nosniff``, and the pick's reason when
+    given (``PICK_HEADER``)."""
+    out: list[Header] = [NOSNIFF] if pick is None else [NOSNIFF, (PICK_HEADER, pick)]
     for name, value in response.headers:
         lower = name.lower()
         if lower == b"content-type":
@@ -288,7 +293,7 @@ async def relay_answer(send: Send, response: Response, ex: Exchange, limit: int)
         # A server that repeats the key it was sent (an error naming it) never shows it to a client.
         content = content.replace(ex.endpoint.engine_key.encode("latin-1"), REDACTED)
     status = response.status
-    headers = relayed(response)
+    headers = relayed(response, ex.pick_header)
     if status >= 400:
         kind = next((v for n, v in headers if n.lower() == b"content-type"), b"")
         shaped = engine_error_body(status, content, kind)
@@ -309,7 +314,7 @@ async def _relay_in_pieces(
     send: Send, response: Response, ex: Exchange, limit: int, held: list[bytes]
 ) -> int:
     """Relay a large answer in pieces: ``held`` first, then the rest as it comes."""
-    headers = relayed(response)
+    headers = relayed(response, ex.pick_header)
     declared = _declared_length(response)
     if declared is not None:
         headers.append((b"content-length", b"%d" % declared))
@@ -352,7 +357,13 @@ async def _relay_in_pieces(
 
 async def relay_stream(send: Send, response: Response, ex: Exchange, tap: UsageTap) -> None:
     """Pass the engine's events through as they come; a broken upstream is told, not hidden."""
-    await send({"type": "http.response.start", "status": response.status, "headers": relayed(response)})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": response.status,
+            "headers": relayed(response, ex.pick_header),
+        }
+    )
     try:
         while True:
             piece = await response.next_piece()

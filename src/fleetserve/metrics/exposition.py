@@ -188,6 +188,19 @@ _DEFS = (
         "Tokens of answered requests by API key name, model and kind (prompt or completion).",
     ),
     _own(
+        "fleetserve_gateway_prompt_tokens_routed_total",
+        Kind.COUNTER,
+        ("deployment",),
+        "Prompt tokens (estimated, about 4 bytes a token) of requests a cache-aware pick routed.",
+    ),
+    _own(
+        "fleetserve_gateway_prompt_tokens_cached_expected_total",
+        Kind.COUNTER,
+        ("deployment",),
+        "Of those, the tokens the picked replica was expected to hold cached: over the routed "
+        "tokens, the deployment's expected prefix-cache hit ratio.",
+    ),
+    _own(
         "fleetserve_ratelimit_shared",
         Kind.GAUGE,
         (),
@@ -347,6 +360,9 @@ class FleetMetrics:
         self.gateway_itl = histogram("fleetserve_gateway_inter_token_seconds", ITL_BUCKETS)
         self.gateway_key_seconds = histogram("fleetserve_gateway_key_request_seconds", REQUEST_BUCKETS)
         self.gateway_tokens = counter("fleetserve_gateway_tokens_total")
+        self.prompt_routed = counter("fleetserve_gateway_prompt_tokens_routed_total")
+        self.prompt_cached = counter("fleetserve_gateway_prompt_tokens_cached_expected_total")
+        self._hot_cache: dict[str, tuple[Counter, Counter]] = {}
         self.ratelimit_shared = gauge("fleetserve_ratelimit_shared")
         self.ratelimit_fallbacks = counter("fleetserve_ratelimit_fallbacks_total")
         # The gateway's labelled children, looked up once per label set (its hot path).
@@ -460,6 +476,19 @@ class FleetMetrics:
         self._child("fleetserve_gateway_rejections_total", deployment, reason)
         self.gateway_rejections.labels(deployment, reason).inc()
 
+    def gateway_cache_pick(self, deployment: str, prompt_tokens: int, cached_tokens: int) -> None:
+        """Count one cache-aware pick's prompt tokens and those expected cached where it went."""
+        hot = self._hot_cache.get(deployment)
+        if hot is None:
+            self._child("fleetserve_gateway_prompt_tokens_routed_total", deployment)
+            self._child("fleetserve_gateway_prompt_tokens_cached_expected_total", deployment)
+            hot = self._hot_cache[deployment] = (
+                self.prompt_routed.labels(deployment),
+                self.prompt_cached.labels(deployment),
+            )
+        hot[0].inc(prompt_tokens)
+        hot[1].inc(cached_tokens)
+
     def engine_restart(self, deployment: str, replica: str) -> None:
         self._child("fleetserve_engine_restarts_total", deployment, replica)
         self.engine_restarts.labels(deployment, replica).inc()
@@ -474,6 +503,8 @@ class FleetMetrics:
             "fleetserve_engine_restarts_total": self.engine_restarts,
             "fleetserve_gateway_ttft_seconds": self.gateway_ttft,
             "fleetserve_gateway_inter_token_seconds": self.gateway_itl,
+            "fleetserve_gateway_prompt_tokens_routed_total": self.prompt_routed,
+            "fleetserve_gateway_prompt_tokens_cached_expected_total": self.prompt_cached,
         }
         by_model = {
             "fleetserve_gateway_key_request_seconds": self.gateway_key_seconds,
@@ -481,6 +512,7 @@ class FleetMetrics:
         }
         self._hot.clear()
         self._hot_keys.clear()
+        self._hot_cache.clear()
         with self._children_lock:
             for name, metric in by_model.items():
                 children = self._children.get(name, set())

@@ -87,6 +87,10 @@ class Serving:
             load = observer.loads.get(replica)
             return None if load is None else (load.waiting, time.monotonic() - load.at)
 
+        def engine_cache(replica: str) -> tuple[int, float | None]:
+            load = observer.loads.get(replica)
+            return observer.epochs.get(replica, 0), None if load is None else load.kv_usage
+
         windows: Windows | None = None
         if gateway and redis_url:
             windows = RedisWindows(
@@ -97,6 +101,7 @@ class Serving:
                 store,
                 metrics=metrics,
                 engine_waiting=engine_waiting,
+                engine_cache=engine_cache,
                 windows=windows,
                 usage=store,
                 limits=limits,

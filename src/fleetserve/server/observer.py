@@ -1,6 +1,11 @@
 """The control plane's view of its engines: scrape every Running replica's ``/metrics``, map it
 onto the canonical names (one mapping per engine), publish it on ``/metrics``, and keep each
 replica's running and waiting requests for the gateway's picking and the autoscaler.
+
+It also tells each replica's engine epoch (``epochs``), a count that moves when the engine lost
+its caches: its agent reported a restart, or its prompt-token counter went backwards (a counter
+resets only when its process starts again). The gateway's cache model of a replica is cleared
+when its epoch moves (``gateway.prefixcache``).
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ class ReplicaLoad:
     running: float
     waiting: float
     at: float
+    # The engine's KV cache in use, 0-1, when it reports it.
+    kv_usage: float | None = None
 
 
 class Observer:
@@ -60,6 +67,9 @@ class Observer:
         self.engine_values: dict[str, dict[str, float]] = {}
         self._engines: dict[str, EngineKind] = {}
         self._restarts: dict[str, int] = {}
+        # Per replica, its engine's epoch (see the module's docstring) and last prompt-token count.
+        self.epochs: dict[str, int] = {}
+        self._prompt_tokens: dict[str, float] = {}
         # The targets are read again only when the fleet changed (``changegate``).
         self.gate = ChangeGate()
         self._targets: list[Target] = []
@@ -82,6 +92,7 @@ class Observer:
             if seen is not None and restarts > seen:
                 for _ in range(restarts - seen):
                     self.metrics.engine_restart(deployment, replica)
+                self.epochs[replica] = self.epochs.get(replica, 0) + 1
             self._restarts[replica] = restarts
 
     def targets(self) -> list[Target]:
@@ -139,12 +150,14 @@ class Observer:
             # Only the series the surface defines (the TTFT histogram is mapped but not yet exposed).
             samples.extend((s.name, dict(s.labels), s.value) for s in mapped if s.name in ENGINE_METRICS)
             values = {s.name: s.value for s in mapped}
+            self._count_prompt_tokens(key, values.get("fleetserve_prompt_tokens_total"))
             values_of[key] = {n: v for n, v in values.items() if n in ENGINE_METRICS}
             loads[key] = ReplicaLoad(
                 deployment=labels.deployment,
                 running=values.get("fleetserve_requests_running", 0.0),
                 waiting=values.get("fleetserve_requests_waiting", 0.0),
                 at=time.monotonic() - (scrape.age or 0.0),
+                kv_usage=values.get("fleetserve_kv_cache_usage_ratio"),
             )
         self.loads = loads
         self.engine_values = values_of
@@ -152,6 +165,15 @@ class Observer:
             self.metrics.set_engine_samples(samples)
         except ValueError as exc:
             log.warning("engine metrics refused: %s", exc)
+
+    def _count_prompt_tokens(self, replica: str, count: float | None) -> None:
+        """A prompt-token counter lower than its last value: the engine started again."""
+        if count is None:
+            return
+        seen = self._prompt_tokens.get(replica)
+        if seen is not None and count < seen:
+            self.epochs[replica] = self.epochs.get(replica, 0) + 1
+        self._prompt_tokens[replica] = count
 
     async def run(self, stop: asyncio.Event) -> None:
         """Scrape in the background; refresh targets and the published values every interval."""

@@ -27,15 +27,39 @@ class ReplicaRange(Spec):
         return self
 
 
+RoutePolicy = Literal["cache-aware", "least-load", "prefix-hash", "round-robin"]
+"""How the gateway picks among a deployment's replicas (``gateway.picker``): by what each replica's
+prompt cache is believed to hold against its load, by least outstanding work alone, by a
+consistent-hash ring of the prompt's prefix (bounded load), or in turn (a benchmark's baseline)."""
+
+
 class RoutingPolicy(Spec):
     """How the gateway picks a replica for a request."""
 
+    # None: cache-aware (``prefixAffinity: true``, the older spelling, means prefix-hash).
+    policy: RoutePolicy | None = None
     prefix_affinity: bool = False
     # The fleet's default deployment: it serves requests that name no model, or a model no
     # deployment serves, as a lone llama-server serves whatever name it is sent (clients with a
     # model name built in). At most one deployment of a fleet; none by default, where such a
     # request gets 400 (no model) or 404 (an unknown one).
     default: bool = False
+
+    @model_validator(mode="after")
+    def _one_policy(self) -> RoutingPolicy:
+        if self.prefix_affinity and self.policy not in (None, "prefix-hash"):
+            raise ValueError(
+                f"routing.prefixAffinity: true means policy prefix-hash, not {self.policy}: set one of them"
+            )
+        return self
+
+    @property
+    def effective_policy(self) -> RoutePolicy:
+        """The policy the gateway uses: ``policy``, else prefix-hash for ``prefixAffinity``, else
+        cache-aware."""
+        if self.policy is not None:
+            return self.policy
+        return "prefix-hash" if self.prefix_affinity else "cache-aware"
 
 
 class AdmissionPolicy(Spec):

@@ -1,0 +1,182 @@
+"""What one gateway believes each replica holds in its prompt (KV) cache, in blocks of tokens.
+
+A prompt becomes comparable blocks without a tokenizer: its chat messages serialised canonically
+(``prompt_bytes``: sorted keys, no chat template applied) are cut into blocks of ``BLOCK_BYTES``
+bytes, about ``BLOCK_TOKENS`` tokens at ``BYTES_PER_TOKEN`` bytes a token (English text under a
+BPE tokenizer runs 3.5-4.5 bytes a token). Each block's key is a chained hash, the hash of the
+previous block's key and this block's bytes (``block_keys``), so equal keys mean equal prefixes
+and a prompt's longest cached prefix is found by walking its keys until the first miss, as vLLM's
+prefix cache finds its blocks. Only whole blocks count; a partial last block is never cached, and
+no more than ``MAX_PROMPT_BLOCKS`` are cut from one prompt, so a huge prompt costs a bounded time.
+The hash is Python's own 64-bit ``hash`` (SipHash, seeded per process: about 3x cheaper than
+blake2b here); keys are never compared across processes, since each gateway models only what it
+routed itself.
+
+``ReplicaCache`` is one replica's model: its blocks in LRU order, at most its KV capacity
+(``capacity_blocks``: the tokens placement sized the replica's KV cache for, carried on the route
+as ``Endpoint.kv_tokens``, else ``DEFAULT_KV_TOKENS``). A prompt's blocks are touched last block
+first, so the LRU end evicts a prompt's tail before its head, as vLLM frees a finished request's
+blocks in reverse: the shared head of many prompts outlives their suffixes.
+
+``PrefixCaches`` holds one model per replica, learned only from what this gateway routed: on each
+pick the prompt's blocks are inserted for the chosen replica (``learn``). Several gateways each
+hold their own models, each knowing only the requests it sent; none sees another's. A replica's
+model is corrected where the engine tells cheaply: its engine's epoch (``sync``: bumped by the
+observer when the engine restarted, its prompt-token counter reset or its agent reporting a
+restart) or a new KV capacity clears it, since a restarted engine has lost its cache.
+
+Pure apart from the clock-free state it holds: no I/O, no locks (the gateway's event loop owns it).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+BYTES_PER_TOKEN = 4
+"""The byte-level approximation of a token: 4 bytes of serialised prompt."""
+
+BLOCK_TOKENS = 16
+"""Tokens in one block, as vLLM's default block size."""
+
+BLOCK_BYTES = BLOCK_TOKENS * BYTES_PER_TOKEN
+"""Bytes of serialised prompt in one block."""
+
+DEFAULT_KV_TOKENS = 4096
+"""A replica's KV capacity in tokens when the route does not carry one (``modelfacts.DEFAULT_CONTEXT``)."""
+
+MAX_BLOCKS = 1 << 18
+"""The most blocks one replica's model holds (4M tokens), so a huge KV cannot make the model huge."""
+
+MAX_PROMPT_BLOCKS = 1024
+"""The most blocks cut from one prompt (16,384 tokens): a longer prompt's tail is not modelled, so
+what routing costs is bounded (about 0.5 ms) however long the prompt."""
+
+
+def prompt_bytes(data: Mapping[str, Any]) -> bytes:
+    """A request body's prompt as bytes to cut into blocks: its ``messages`` (chat), else its
+    ``prompt`` or ``input``, serialised canonically (JSON with sorted keys; a string prompt as its
+    UTF-8). A follow-up turn's messages start with the bytes of the earlier turns' messages, up to
+    the list's closing bracket, so a conversation's blocks extend its earlier ones. b"" when there is none."""
+    prompt = data.get("messages")
+    if prompt is None:
+        prompt = data.get("prompt")
+        if prompt is None:
+            prompt = data.get("input")
+    if prompt is None:
+        return b""
+    if isinstance(prompt, str):
+        return prompt.encode("utf-8", "surrogatepass")
+    try:
+        return orjson.dumps(prompt, option=orjson.OPT_SORT_KEYS)
+    except (TypeError, orjson.JSONEncodeError):
+        return b""
+
+
+def block_keys(data: bytes, block_bytes: int = BLOCK_BYTES, limit: int = MAX_PROMPT_BLOCKS) -> list[int]:
+    """The chained keys of ``data``'s whole blocks, at most ``limit``: key i hashes key i-1 and
+    block i's bytes."""
+    if block_bytes < 1:
+        raise ValueError(f"block_bytes must be at least 1, got {block_bytes}")
+    keys: list[int] = []
+    append = keys.append
+    previous = 0
+    end = min(len(data) // block_bytes, limit) * block_bytes
+    for start in range(0, end, block_bytes):
+        previous = hash((previous, data[start : start + block_bytes]))
+        append(previous)
+    return keys
+
+
+def capacity_blocks(kv_tokens: int | None, block_tokens: int = BLOCK_TOKENS) -> int:
+    """How many blocks a replica whose KV holds ``kv_tokens`` tokens keeps (the default when unknown)."""
+    tokens = kv_tokens if kv_tokens is not None and kv_tokens > 0 else DEFAULT_KV_TOKENS
+    return max(1, min(MAX_BLOCKS, tokens // block_tokens))
+
+
+@dataclass
+class ReplicaCache:
+    """One replica's cached blocks, least recently used first, at most ``capacity`` of them."""
+
+    capacity: int
+    blocks: OrderedDict[int, None] = field(default_factory=OrderedDict)
+
+    def __post_init__(self) -> None:
+        if self.capacity < 1:
+            raise ValueError(f"capacity must be at least 1 block, got {self.capacity}")
+
+    def matched(self, keys: Sequence[int]) -> int:
+        """How many of ``keys``' leading blocks are held: the prompt's cached prefix, in blocks."""
+        blocks = self.blocks
+        n = 0
+        for key in keys:
+            if key not in blocks:
+                break
+            n += 1
+        return n
+
+    def insert(self, keys: Sequence[int]) -> None:
+        """Hold ``keys`` as most recently used, the head most recent of all; evict past capacity."""
+        blocks = self.blocks
+        # Beyond capacity only the head can stay: the engine keeps the latest tokens it computed
+        # only while they fit, and a prefix is useful only from its first block.
+        for key in reversed(keys[: self.capacity]):
+            blocks[key] = None
+            blocks.move_to_end(key)
+        while len(blocks) > self.capacity:
+            blocks.popitem(last=False)
+
+    def clear(self) -> None:
+        self.blocks.clear()
+
+
+@dataclass
+class PrefixCaches:
+    """One gateway's model of every replica's prompt cache, learned from what it routed."""
+
+    replicas: dict[str, ReplicaCache] = field(default_factory=dict)
+    # replica → (engine epoch, capacity in blocks) the model was last synced at
+    synced: dict[str, tuple[int | None, int]] = field(default_factory=dict)
+    # Cache resets by cause, for tests and the curious.
+    resets: int = 0
+
+    def sync(self, replica: str, kv_tokens: int | None, epoch: int | None) -> ReplicaCache:
+        """``replica``'s model, cleared when its engine's ``epoch`` changed (a restart lost the
+        engine's cache) or its capacity did; created empty for a replica not seen before."""
+        capacity = capacity_blocks(kv_tokens)
+        state = (epoch, capacity)
+        cache = self.replicas.get(replica)
+        if cache is None:
+            cache = self.replicas[replica] = ReplicaCache(capacity)
+            self.synced[replica] = state
+            return cache
+        if self.synced.get(replica) != state:
+            if cache.blocks:
+                self.resets += 1
+            cache.clear()
+            cache.capacity = capacity
+            self.synced[replica] = state
+        return cache
+
+    def cached_tokens(self, replica: str, keys: Sequence[int]) -> int:
+        """Tokens of the prompt ``keys`` cut that ``replica`` is believed to hold (0 if unknown)."""
+        cache = self.replicas.get(replica)
+        return 0 if cache is None else cache.matched(keys) * BLOCK_TOKENS
+
+    def learn(self, replica: str, keys: Sequence[int]) -> None:
+        """``replica`` was sent the prompt ``keys`` cut: it holds its blocks now."""
+        cache = self.replicas.get(replica)
+        if cache is None:
+            cache = self.sync(replica, None, None)
+        cache.insert(keys)
+
+    def keep_only(self, replicas: Iterable[str]) -> None:
+        """Forget the replicas no longer routed (replica names are never reused)."""
+        live = set(replicas)
+        for name in [n for n in self.replicas if n not in live]:
+            del self.replicas[name]
+            self.synced.pop(name, None)
