@@ -10,12 +10,14 @@ address; the server on the bridge; the tiny model with 2 replicas (a whole host 
 host is spare). Heartbeat deadlines are short (NotReady after 2 s, Lost after 6 s, reports every
 0.5 s), as in the tests. In every scenario two clients (four in the partition) send non-streamed
 chat completions and one sends streamed ones, back to back, from a second before the fault until
-a second after recovery.
+a second after recovery; but when most hosts are cut at once (both replicas' hosts: disruption
+mode, nothing re-placed), which runs without load (no replica is reachable until the heal).
 
 Figures per scenario: requests and streams sent / completed / failed / truncated; the slowest
 non-streamed request (a connect timeout paid shows there); recovered, the seconds from the fault
 until the deployment had all its replicas Running and answering again (for a partition: the
-replica re-placed on another host after the Lost deadline); fenced, for a partition, the seconds
+replica re-placed on another host after the Lost deadline; for most hosts cut, until both serve
+again after the heal, from the engines they had); fenced, for a partition, the seconds
 from the heal until the old engine on the healed host was stopped.
 
 This prints figures; it asserts nothing (the machine may be shared and noisy).

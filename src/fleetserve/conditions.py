@@ -20,6 +20,7 @@ class ConditionType(StrEnum):
     STACK_READY = "StackReady"  # a cluster's serving stack provides every driver its classes claim
     REPLICA_FAILURE = "ReplicaFailure"  # a replica of the deployment failed; it is being replaced
     PROGRESSING = "Progressing"  # every replica runs the deployment's current template revision
+    DISRUPTION_MODE = "DisruptionMode"  # so much of the fleet is silent that nothing is re-placed
 
 
 class ConditionReason(StrEnum):
@@ -37,6 +38,8 @@ class ConditionReason(StrEnum):
     REPLICA_FAILED = "ReplicaFailed"
     NO_FAILURE = "NoFailure"
     ROLLING_OUT = "RollingOut"
+    NODES_SILENT = "NodesSilent"  # DisruptionMode: the share of silent nodes is over the threshold
+    HEARTBEATS_HEARD = "HeartbeatsHeard"  # DisruptionMode off
     COMPLETE = "Complete"
 
 

@@ -45,6 +45,9 @@ T = TypeVar("T")
 # Short deadlines keep the lab fast: NotReady after 2 s of silence, Lost (re-placed) after 6 s.
 NOT_READY_AFTER = 2.0
 LOST_AFTER = 6.0
+# Disruption mode from two silent hosts (of three): the lab's "most hosts" (the default floor is
+# three nodes, Kubernetes'; a lab of three hosts could never reach it with one host left).
+DISRUPTION_MIN_NODES = 2
 AGENT_INTERVAL = 0.5
 RECONCILE_INTERVAL = 0.2
 
@@ -215,6 +218,7 @@ class Lab:
             "--host", f"{self.prefix}.1", "--port", str(port),
             "--reconcile-interval", str(RECONCILE_INTERVAL),
             "--not-ready-after", str(NOT_READY_AFTER), "--lost-after", str(LOST_AFTER),
+            "--disruption-min-nodes", str(DISRUPTION_MIN_NODES),
             "--token-file", str(token_file), "--models-dir", str(self.workdir / "server-models"),
             "--tls-dir", str(self.ca_file.parent),
             "--approve-new-nodes",  # the lab's hosts are new names, enrolled without an operator
@@ -324,6 +328,29 @@ class Lab:
 
     def node_state(self, name: str) -> str:
         return str(self.api("GET", f"/nodes/{name}")["state"])
+
+    def epoch(self, name: str) -> int:
+        """The node's registration: a new one for every time its agent registered again."""
+        return int(self.api("GET", f"/nodes/{name}")["status"]["epoch"])
+
+    def disruption(self) -> tuple[str | None, float | None]:
+        """The fleet's DisruptionMode condition's message while it is True (None: it is not), and
+        the server's ``fleetserve_disruption_mode`` gauge (None: not exposed)."""
+        conditions = self.api("GET", "/fleet")["conditions"]
+        message = next(
+            (c["message"] for c in conditions if c["type"] == "DisruptionMode" and c["status"] == "True"),
+            None,
+        )
+        text = httpx.get(f"{self.server_url}/metrics", timeout=30, verify=self.verify or True).text
+        gauge = next(
+            (
+                float(line.split()[1])
+                for line in text.splitlines()
+                if line.startswith("fleetserve_disruption_mode ")
+            ),
+            None,
+        )
+        return message, gauge
 
     # --- engines ----------------------------------------------------------------------------------
 

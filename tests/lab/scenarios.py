@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from fleetserve.dev.tinymodel import write_tiny_model
-from lab import FLEETSERVE, Lab, wait_until
+from lab import FLEETSERVE, LOST_AFTER, Lab, wait_until
 from load import LoadCounts, one_request
 
 MODEL = "tiny"
@@ -308,6 +308,56 @@ def partition(lab: Lab) -> Result:
     return result
 
 
+def partition_most(lab: Lab) -> Result:
+    """Cut most hosts at once — both replicas' hosts, two of three — as a network fault or the
+    control plane's own trouble would: disruption mode. Both are marked NotReady, but past the
+    Lost deadline neither is judged Lost and nothing is re-placed on the spare host; the condition
+    and the gauge say so. Healed, each is Ready again at the registration it held (no agent
+    registers again) and its replica serves from the engine it had all along."""
+    result = Result("partition most hosts")
+    running = settled(lab)
+    cut = sorted(set(running.values()))
+    spare = sorted(set(lab.hosts) - set(cut))
+    pids = {replica: engine_pid(lab, replica) for replica in running}
+    epochs = {host: lab.epoch(host) for host in lab.hosts}
+    t0 = result.fault_at = time.monotonic()
+    for host in cut:
+        lab.cut(host)
+    try:
+        wait_until(
+            lambda: all(lab.node_state(h) == "NotReady" for h in cut), 30, f"{cut} NotReady", interval=0.05
+        )
+        result.not_ready_at = time.monotonic()
+        message, gauge = wait_until(lambda: (d := lab.disruption())[0] and d, 10, "disruption mode")
+        result.notes.append(f"NotReady after {result.not_ready_at - t0:.1f} s; DisruptionMode: {message}")
+        if gauge != 1.0:
+            raise AssertionError(f"fleetserve_disruption_mode is {gauge} in disruption mode")
+        # Well past the Lost deadline: nobody Lost, nothing moved, nothing started on the spare.
+        time.sleep(max(0.0, LOST_AFTER + 3.0 - (time.monotonic() - t0)))
+        states = {h: lab.node_state(h) for h in cut}
+        if states != dict.fromkeys(cut, "NotReady"):
+            raise AssertionError(f"past the Lost deadline in disruption mode: {states}")
+        names = {r["name"]: r["shards"][0]["node"] for r in lab.replicas(MODEL)}
+        if names != running:
+            raise AssertionError(f"replicas moved in disruption mode: {running} -> {names}")
+        if any(lab.engines(h) for h in spare):
+            raise AssertionError(f"an engine started on the spare host {spare}: {lab.engines()}")
+    finally:
+        result.healed_at = time.monotonic()
+        for host in cut:
+            lab.heal(host)
+    wait_until(lambda: all(lab.node_state(h) == "Ready" for h in cut), 30, f"{cut} Ready again")
+    result.notes.append(f"Ready again {time.monotonic() - result.healed_at:.1f} s after the heal")
+    after = settled(lab)
+    result.recovered = time.monotonic() - t0
+    if after != running or {r: engine_pid(lab, r) for r in after} != pids:
+        raise AssertionError(f"replicas or engines changed: {running} {pids} -> {after}")
+    if {host: lab.epoch(host) for host in lab.hosts} != epochs:
+        raise AssertionError(f"agents registered again: {epochs} -> {[lab.epoch(h) for h in lab.hosts]}")
+    wait_until(lambda: lab.disruption() == (None, 0.0), 10, "disruption mode to end")
+    return result
+
+
 def drain(lab: Lab) -> Result:
     """Drain one host under load: its replica moves elsewhere; uncordoned afterwards."""
     result = Result("drain a host")
@@ -344,4 +394,11 @@ def roll(lab: Lab) -> Result:
     return result
 
 
-SCENARIOS: tuple[Callable[[Lab], Result], ...] = (kill_engine, kill_agent, partition, drain, roll)
+SCENARIOS: tuple[Callable[[Lab], Result], ...] = (
+    kill_engine,
+    kill_agent,
+    partition,
+    partition_most,
+    drain,
+    roll,
+)

@@ -110,6 +110,15 @@ def test_a_partitioned_host_is_replaced_after_the_deadline_and_fenced_on_heal(la
     no_orphans(lab)
 
 
+def test_most_hosts_cut_at_once_are_marked_not_ready_but_nothing_is_re_placed(lab, capsys):
+    """Disruption mode (``reconcile/disruption.py``); the test above is its other half: a single
+    cut host is still re-placed after the Lost deadline."""
+    result = scenarios.partition_most(lab)
+    report(result, capsys)
+    assert result.recovered is not None and result.not_ready_at is not None
+    no_orphans(lab)
+
+
 def test_a_drained_host_hands_its_replicas_over_without_failing_a_request(lab, capsys):
     result = scenarios.drain(lab)
     report(result, capsys)

@@ -5,7 +5,8 @@ Every row is judged the three ways the store applies the rule: the read that exp
 (``judge``), a heartbeat (``judge_beats``: written exactly when accepted) and a status report
 (``judge_reports``); each gives the row's verdict, alone and in one batch with every other row.
 
-The fleet: n1 (Ready, registered twice: epoch 2), n2 (Ready, epoch 1), n3 (NotReady), n4 (Lost),
+The fleet: n1 (Ready, registered twice: epoch 2), n2 (Ready, epoch 1), n3 (NotReady: a call at its
+epoch is accepted and makes it Ready), n4 (Lost: must register again),
 n5 (enrolled again: its first credential retired), and a credential bound to "ghost", a name
 with no node.
 """
@@ -55,14 +56,16 @@ ROWS = [
         Verdict.UNKNOWN_CREDENTIAL),
     Row("n5's new credential naming n5 at its new epoch is accepted", "n5", "n5", 2, Verdict.ACCEPTED),
     Row("n5's new credential naming n5 at its first epoch is stale", "n5", "n5", 1, Verdict.STALE_EPOCH),
-    Row("n3's credential naming n3, NotReady, at its epoch must register again", "n3", "n3", 1, Verdict.NOT_READY),
+    Row("n3's credential naming n3, NotReady, at its epoch is accepted (and makes it Ready)", "n3", "n3", 1,
+        Verdict.ACCEPTED),
     Row("n4's credential naming n4, Lost, at its epoch must register again", "n4", "n4", 1, Verdict.NOT_READY),
     Row("n3's credential naming n3, NotReady, at a stale epoch is stale first", "n3", "n3", 9, Verdict.STALE_EPOCH),
     Row("a credential bound to a name with no node names an unknown node", "ghost", "ghost", 1,
         Verdict.UNKNOWN_NODE),
     Row("the server's own call for n1 at its epoch (no credential) is accepted", None, "n1", 2, Verdict.ACCEPTED),
     Row("the server's own call for n1 at an older epoch is stale", None, "n1", 1, Verdict.STALE_EPOCH),
-    Row("the server's own call for n3, NotReady, must register again", None, "n3", 1, Verdict.NOT_READY),
+    Row("the server's own call for n3, NotReady, is accepted", None, "n3", 1, Verdict.ACCEPTED),
+    Row("the server's own call for n4, Lost, must register again", None, "n4", 1, Verdict.NOT_READY),
     Row("the server's own call for a node never registered names an unknown node", None, "nobody", 1,
         Verdict.UNKNOWN_NODE),
 ]  # fmt: skip
@@ -120,6 +123,8 @@ def test_the_rule_gives_each_call_its_verdict_in_every_statement_that_applies_it
     assert beat.verdict is row.verdict
     moved = {n for n, at in heartbeats(store).items() if at != before[n]}
     assert moved == ({row.node} if row.verdict is Verdict.ACCEPTED else set())
+    if row.verdict is Verdict.ACCEPTED:  # an accepted call is a heartbeat: the node is Ready again
+        assert store.get_node(row.node).state is NodeState.READY
     report = AgentReport(row.node, row.epoch, {}, credential=claim.credential)
     (reported,) = store.judge_reports([report], T1)
     assert (reported == []) if row.verdict is Verdict.ACCEPTED else (reported.verdict is row.verdict)  # type: ignore[union-attr]
@@ -128,9 +133,9 @@ def test_the_rule_gives_each_call_its_verdict_in_every_statement_that_applies_it
 def test_a_refusal_names_the_credentials_node_and_the_named_nodes_state(
     store: SqlStore, fleet: dict[str, str | None]
 ) -> None:
-    another, not_ready = store.judge([Claim(fleet["n1"], "n2", 1), Claim(fleet["n3"], "n3", 1)])
+    another, lost = store.judge([Claim(fleet["n1"], "n2", 1), Claim(fleet["n4"], "n4", 1)])
     assert (another.bound, another.state) == ("n1", NodeState.READY)
-    assert (not_ready.bound, not_ready.state) == ("n3", NodeState.NOT_READY)
+    assert (lost.bound, lost.state) == ("n4", NodeState.LOST)
 
 
 @pytest.mark.parametrize("with_status", [False, True], ids=["bare reports", "reports with agent status"])

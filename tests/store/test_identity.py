@@ -90,7 +90,7 @@ def test_a_heartbeat_by_credential_is_written_only_for_the_credentials_own_ready
     assert beats["n1"] is not None and beats["n1"].replace(tzinfo=UTC) == t1
     assert beats["n2"] == before["n2"]
 
-    store.set_state("n2", NodeState.NOT_READY)  # judged silent: its agent must register again
+    store.set_state("n2", NodeState.LOST)  # judged Lost: its agent must register again
     assert store.beat_with_credential(two.credential, "n2", 1, t1) is False
 
     store.approve("n1", T0)  # the name enrolled again: the first credential is retired
@@ -115,7 +115,7 @@ def test_a_batch_of_heartbeats_judges_each_beat_on_its_own_credential(store: Sql
         got = store.enrol(cpu_8c_32g(name), T0, approve_new=True, source="10.0.0.1")
         assert isinstance(got, Enrolled)
         enrolled[name] = got.credential
-    store.set_state("n4", NodeState.NOT_READY)
+    store.set_state("n4", NodeState.LOST)
     thief = enrolled["n1"]
 
     def last() -> dict[str, datetime | None]:
@@ -129,7 +129,7 @@ def test_a_batch_of_heartbeats_judges_each_beat_on_its_own_credential(store: Sql
         Beat(thief, "n3", 1),  # the thief claims n3, whose own beat follows
         Beat(enrolled["n3"], "n3", 1),  # n3's own: recorded
         Beat(thief + "x", "n1", 1),  # not a credential
-        Beat(enrolled["n4"], "n4", 1),  # NotReady
+        Beat(enrolled["n4"], "n4", 1),  # Lost
         Beat("fs_node_" + "A" * 43, "nobody", 1),
         Beat(enrolled["n3"], "n3", 1),  # the same beat twice: both recorded
     ]

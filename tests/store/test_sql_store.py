@@ -439,7 +439,7 @@ def test_a_batch_of_status_reports_is_judged_report_by_report(store: SqlStore, w
         store.allocate(
             Replica.model_validate({**base, "name": name, "shards": [{"node": where, "cpuCores": 2}]})
         )
-    store.set_state("n3", NodeState.NOT_READY)
+    store.set_state("n3", NodeState.LOST)
     t1 = datetime(2026, 1, 1, tzinfo=UTC)
     running, failed = (ReplicaState.RUNNING, ReplicaStatus(port=8001)), (ReplicaState.FAILED, ReplicaStatus())
     beats = {h.name: h.last_heartbeat for h in store.node_heartbeats()}

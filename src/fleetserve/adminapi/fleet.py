@@ -57,6 +57,25 @@ class NodeStatus(View):
     agent: AgentStatus
 
 
+class FleetCondition(View):
+    """A condition of the fleet as a whole, in the Kubernetes style: ``DisruptionMode`` is True
+    while so large a share of the nodes is silent that the control plane suspects itself or the
+    network (nodes marked NotReady, none judged Lost, nothing re-placed)."""
+
+    type: str
+    status: str  # "True" / "False"
+    reason: str
+    message: str
+    since: IsoTime | None = None
+
+
+class FleetView(View):
+    """The fleet's conditions, as the reconciler last judged them (``GET /api/v1/fleet``; the
+    server that runs the reconciler, in its thread or its process, knows them)."""
+
+    conditions: list[FleetCondition]
+
+
 class NodeView(Node):
     """A node: its document and its status."""
 

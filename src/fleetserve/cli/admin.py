@@ -19,6 +19,7 @@ from fleetserve.adminapi.fleet import (
     ApplyResult,
     DrainedNode,
     Explanation,
+    FleetView,
     ReplicaLogs,
     UploadedFile,
 )
@@ -179,6 +180,8 @@ def register(app: typer.Typer) -> None:
             data = call_all(views.VIEWS[k], server, token, "GET", f"/{k.value}")
         views.emit_kind(k, data, output, console)
         if k is views.Kind.NODES and name is None and output is Format.TABLE:
+            for line in views.fleet_lines(call_as(FleetView, server, token, "GET", "/fleet")):
+                console.print(line, markup=False)
             views.print_waiting_enrolments(
                 call_all(EnrolmentView, server, token, "GET", "/enrolments"), console
             )

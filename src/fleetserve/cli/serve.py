@@ -84,6 +84,28 @@ def server_command(
             min=0.2,
         ),
     ] = 300.0,
+    unhealthy_share: Annotated[
+        float,
+        typer.Option(
+            help="Disruption mode: when at least this share of the fleet is silent past "
+            "--not-ready-after at once (and at least --disruption-min-nodes nodes), the control plane "
+            "suspects itself or the network, as Kubernetes does: it marks them NotReady but judges none "
+            "Lost, re-places nothing and asks no node to register again until heartbeats resume.",
+            min=0.01,
+            max=1.0,
+        ),
+    ] = 0.55,
+    disruption_min_nodes: Annotated[
+        int, typer.Option(help="Silent nodes needed, at the least, for disruption mode.", min=1)
+    ] = 3,
+    replace_rate: Annotated[
+        float,
+        typer.Option(
+            help="Outside disruption mode, at most this many nodes per second are judged Lost and "
+            "have their replicas placed elsewhere (the longest silent first).",
+            min=0.001,
+        ),
+    ] = 0.1,
     token_file: Annotated[
         Path | None,
         typer.Option(
@@ -168,6 +190,7 @@ def server_command(
     With --kube-exporters it also scrapes the GPU metrics exporters (NVIDIA DCGM, AMD
     device-metrics-exporter) it finds through the Kubernetes API, onto fleetserve_gpu_*.
     """
+    from fleetserve.reconcile.health import DisruptionPolicy
     from fleetserve.server.agents.enrolment import EnrolmentPolicy, parse_networks
     from fleetserve.server.process import (
         ControlPlane,
@@ -195,7 +218,9 @@ def server_command(
     control = ControlPlane(
         models_dir,
         reconcile_interval,
-        heartbeat_policy(not_ready_after, lost_after),
+        heartbeat_policy(
+            not_ready_after, lost_after, DisruptionPolicy(unhealthy_share, disruption_min_nodes, replace_rate)
+        ),
         token_file,
         enrolment,
         retention(usage_retention, audit_retention),

@@ -16,7 +16,14 @@ from rich.console import Console
 
 from fleetserve.adminapi.credentials import EnrolmentView
 from fleetserve.adminapi.endpoints import EndpointView
-from fleetserve.adminapi.fleet import DeploymentDetail, DeploymentView, Explanation, NodeView, ReplicaView
+from fleetserve.adminapi.fleet import (
+    DeploymentDetail,
+    DeploymentView,
+    Explanation,
+    FleetView,
+    NodeView,
+    ReplicaView,
+)
 from fleetserve.cli.output import Column, Format, emit
 from fleetserve.conditions import ConditionType
 from fleetserve.errors import ConfigError, Problem
@@ -311,6 +318,11 @@ def print_waiting_enrolments(enrolments: list[EnrolmentView], console: Console) 
                 f"placed with the approved hardware until: fleetserve nodes approve {e.node}",
                 markup=False,
             )
+
+
+def fleet_lines(fleet: FleetView) -> list[str]:
+    """Below ``get nodes``: each fleet condition that is True, as ``Type: message``."""
+    return [f"{c.type}: {c.message}" for c in fleet.conditions if c.status == "True"]
 
 
 def emit_kind(kind: Kind, data: Any, fmt: Format, console: Console) -> None:

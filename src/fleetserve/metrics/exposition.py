@@ -30,6 +30,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from fleetserve.reconcile.disruption import Disruption
+
 SeriesValue = tuple[str, Mapping[str, str], float]
 """One series value handed over by the scraper: canonical name, labels, value."""
 
@@ -129,6 +131,13 @@ _DEFS = (
         (),
         "Reconcile cycles that found nothing changed since a cycle that changed nothing, and read"
         " and planned nothing again (not in fleetserve_reconcile_seconds).",
+    ),
+    _own(
+        "fleetserve_disruption_mode",
+        Kind.GAUGE,
+        (),
+        "1 while so large a share of the fleet is silent that the control plane suspects itself or"
+        " the network: nodes are marked NotReady, none is judged Lost, no replica is re-placed.",
     ),
     _own(
         "fleetserve_gateway_requests_total",
@@ -339,6 +348,9 @@ class FleetMetrics:
         self.reconcile_seconds = histogram("fleetserve_reconcile_seconds", CYCLE_BUCKETS)
         self.reconcile_phase_seconds = histogram("fleetserve_reconcile_phase_seconds", CYCLE_BUCKETS)
         self.reconcile_quiet = counter("fleetserve_reconcile_quiet_total")
+        self.disruption_mode = gauge("fleetserve_disruption_mode")
+        # Disruption mode as the reconciler last judged it (None: off), for the fleet's condition.
+        self.disruption: Disruption | None = None
         self.gateway_requests = counter("fleetserve_gateway_requests_total")
         self.gateway_request_seconds = histogram("fleetserve_gateway_request_seconds", REQUEST_BUCKETS)
         self.gateway_queue_depth = gauge("fleetserve_gateway_queue_depth")
@@ -388,6 +400,12 @@ class FleetMetrics:
     def count_quiet_cycle(self) -> None:
         """A reconcile cycle that found nothing changed (``server.reconciler``: it read nothing)."""
         self.reconcile_quiet.inc()
+
+    def set_disruption(self, disruption: Disruption | None) -> None:
+        """Disruption mode as a leader's cycle judged it (None: off): the gauge, and what the
+        fleet's condition says (``GET /api/v1/fleet``)."""
+        self.disruption = disruption
+        self.disruption_mode.set(0 if disruption is None else 1)
 
     def observe_reconcile_phase(self, phase: str, seconds: float) -> None:
         """One phase of a reconcile cycle (``server.reconciler.CyclePhase``: a closed set of labels)."""

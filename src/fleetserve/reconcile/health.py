@@ -6,18 +6,39 @@ A pure function of (last heartbeat, now, policy): the caller passes the clock in
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from fleetserve.spec.resources import NodeState
 
 
 @dataclass(frozen=True)
+class DisruptionPolicy:
+    """When the fleet's silence makes the control plane suspect itself (disruption mode: NotReady
+    marked, nothing re-placed), and how fast Lost nodes' replicas are re-placed otherwise
+    (``reconcile/disruption.py`` has the rules)."""
+
+    unhealthy_share: float = 0.55  # of the fleet silent at once (Kubernetes' --unhealthy-zone-threshold)
+    min_nodes: int = 3  # ... and at least this many nodes silent (Kubernetes' floor)
+    replace_rate: float = 0.1  # nodes per second judged Lost outside the mode (--node-eviction-rate)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.unhealthy_share <= 1:
+            raise ValueError(f"unhealthy_share must be in (0, 1], not {self.unhealthy_share}")
+        if self.min_nodes < 1:
+            raise ValueError(f"min_nodes must be at least 1, not {self.min_nodes}")
+        if self.replace_rate <= 0:
+            raise ValueError(f"replace_rate must be positive, not {self.replace_rate}")
+
+
+@dataclass(frozen=True)
 class HeartbeatPolicy:
-    """How long a node may stay silent before it is NotReady, and before it is Lost."""
+    """How long a node may stay silent before it is NotReady, and before it is Lost; and when the
+    fleet's silence is the control plane's suspicion instead."""
 
     not_ready_after: timedelta = timedelta(seconds=40)
     lost_after: timedelta = timedelta(minutes=5)
+    disruption: DisruptionPolicy = field(default_factory=DisruptionPolicy)
 
     def __post_init__(self) -> None:
         if self.lost_after <= self.not_ready_after:

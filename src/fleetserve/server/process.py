@@ -35,7 +35,7 @@ from fleetserve.gateway.bodylimits import DEFAULT_GATEWAY_LIMITS, GatewayLimits
 from fleetserve.gateway.cors import Cors
 from fleetserve.listener import ListenerLimits, uvicorn_config
 from fleetserve.metrics.exporters import REFRESH_SECONDS, Classes, ExporterTarget
-from fleetserve.reconcile.health import HeartbeatPolicy
+from fleetserve.reconcile.health import DisruptionPolicy, HeartbeatPolicy
 from fleetserve.secretfile import write_secret
 from fleetserve.server.admin.retention import RetentionPolicy, prune_forever
 from fleetserve.server.agents.enrolment import EnrolmentPolicy
@@ -144,9 +144,13 @@ def kube_exporter_scrape(store: SqlStore, access: KubeAccess) -> ExporterScrape:
     return ExporterScrape(discover, node_classes)
 
 
-def heartbeat_policy(not_ready_after: float, lost_after: float) -> HeartbeatPolicy:
-    """The liveness deadlines from command-line seconds."""
-    return HeartbeatPolicy(timedelta(seconds=not_ready_after), timedelta(seconds=lost_after))
+def heartbeat_policy(
+    not_ready_after: float, lost_after: float, disruption: DisruptionPolicy | None = None
+) -> HeartbeatPolicy:
+    """The liveness deadlines from command-line seconds, with the disruption rules."""
+    return HeartbeatPolicy(
+        timedelta(seconds=not_ready_after), timedelta(seconds=lost_after), disruption or DisruptionPolicy()
+    )
 
 
 # Where the first tokens go when no --token-file is named and the output is not a terminal.

@@ -1,6 +1,8 @@
 """The agents' accepted-call rule, stated once: a call is accepted when it is made with a node's
 credential, names that node, speaks for the node's current registration (epoch), and the node is
-Ready.
+not Lost. An accepted call is a heartbeat: it makes a NotReady node Ready again (as a kubelet's
+status does), because nothing was moved away from a NotReady node; a Lost node's replicas were
+re-placed, so only a registration (a new epoch, which tells its agent what moved) brings it back.
 
 Each condition is one SQL clause over the node's row (``NodeRow``) and the call's claim (node,
 epoch, credential hash: bound parameters, or the columns of a batch), paired with the verdict its
@@ -11,7 +13,7 @@ failure gives, in the order a refusal is explained:
     ... and that node is the one named               ANOTHER_NODE
     the named node is registered                     UNKNOWN_NODE
     the claim's epoch is the node's current one      STALE_EPOCH
-    the node is Ready                                NOT_READY
+    the node is not Lost                             NOT_READY
 
 ``accepts`` is their conjunction: the WHERE of every statement that writes an accepted call
 (heartbeats and status reports, one by one or a whole batch, on SQLite and PostgreSQL alike:
@@ -61,7 +63,7 @@ class Verdict(StrEnum):
     ANOTHER_NODE = "another_node"  # a node's credential, naming another node
     UNKNOWN_NODE = "unknown_node"  # the named node is not registered
     STALE_EPOCH = "stale_epoch"  # an older registration of the node
-    NOT_READY = "not_ready"  # judged NotReady or Lost while silent: it must register again
+    NOT_READY = "not_ready"  # judged Lost while silent (its replicas moved): it must register again
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,7 @@ def conditions(claim: ClaimColumns) -> list[tuple[Verdict, ColumnElement[bool]]]
         out.append((Verdict.ANOTHER_NODE, bound == claim.node))
     out.append((Verdict.UNKNOWN_NODE, NodeRow.name == claim.node))
     out.append((Verdict.STALE_EPOCH, NodeRow.epoch == claim.epoch))
-    out.append((Verdict.NOT_READY, NodeRow.state == NodeState.READY.value))
+    out.append((Verdict.NOT_READY, NodeRow.state != NodeState.LOST.value))
     return out
 
 
@@ -136,7 +138,7 @@ _IMPLIED = frozenset({Verdict.UNKNOWN_CREDENTIAL})
 
 
 def accepts(claim: ClaimColumns) -> ColumnElement[bool]:
-    """THE predicate: the node row is the named node's, at the claimed epoch, Ready, and (with a
+    """THE predicate: the node row is the named node's, at the claimed epoch, not Lost, and (with a
     credential) the credential is that node's."""
     return and_(*(condition for v, condition in conditions(claim) if v not in _IMPLIED))
 
@@ -148,6 +150,11 @@ def verdict(claim: ClaimColumns) -> ColumnElement[str]:
         *((condition.is_not(true()), literal(v.value)) for v, condition in conditions(claim)),
         else_=literal(Verdict.ACCEPTED.value),
     )
+
+
+# What every accepted call writes beside its own columns: the node heard from is Ready (a NotReady
+# one again; a Ready one unchanged, which no change-counter trigger counts).
+HEARD = {"state": NodeState.READY.value}
 
 
 # --- claims as SQL: one call's bound parameters, or a batch's arrays (PostgreSQL) --------------

@@ -38,6 +38,7 @@ from fleetserve.inventory.base import Registration
 from fleetserve.spec.resources import Node
 from fleetserve.store.acceptance import (
     ACCEPTED,
+    HEARD,
     Claim,
     Judgement,
     accepts,
@@ -125,7 +126,7 @@ _LOCKED = locked_nodes()
 _BEATS = (
     update(NodeRow)
     .where(NodeRow.name == _LOCKED.c.name, accepts(_CLAIM))
-    .values(last_heartbeat=_AT)
+    .values(last_heartbeat=_AT, **HEARD)
     .returning(NodeRow.name, NodeRow.epoch, _CLAIMS.c.credential)
 )
 # One heartbeat, with a credential or without (SQLite: one statement per beat in one transaction,
@@ -133,7 +134,7 @@ _BEATS = (
 _BEAT = {
     credential: update(NodeRow)
     .where(accepts(one_claim(credential)))
-    .values(last_heartbeat=_AT)
+    .values(last_heartbeat=_AT, **HEARD)
     .returning(NodeRow.name)
     for credential in (True, False)
 }

@@ -39,6 +39,7 @@ from fleetserve.spec.resources import (
     ReplicaState,
 )
 from fleetserve.store.acceptance import (
+    HEARD,
     Claim,
     Judgement,
     Verdict,
@@ -106,7 +107,7 @@ _AGENT = bindparam("b_agent", type_=NodeRow.agent_status.type)
 _REPORT_BEAT = {
     (credential, status): update(NodeRow)
     .where(accepts(one_claim(credential)))
-    .values(last_heartbeat=_AT, **({"agent_status": _AGENT} if status else {}))
+    .values(last_heartbeat=_AT, **HEARD, **({"agent_status": _AGENT} if status else {}))
     .returning(NodeRow.spec["modelCache"])
     for credential in (True, False)
     for status in (True, False)
@@ -128,7 +129,7 @@ def _beat_nodes_statement(credential: bool) -> Update:
     return (
         update(NodeRow)
         .where(NodeRow.name == locked.c.name, accepts(claim))
-        .values(last_heartbeat=_AT, agent_status=cast(claims.c.agent, JSON))
+        .values(last_heartbeat=_AT, agent_status=cast(claims.c.agent, JSON), **HEARD)
         .returning(NodeRow.name, NodeRow.epoch, NodeRow.spec["modelCache"], *hashes)
     )
 

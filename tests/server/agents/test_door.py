@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -355,3 +356,52 @@ def test_a_held_poll_whose_agent_goes_away_is_not_answered() -> None:
             await watch.aclose()
 
     assert asyncio.run(scenario()) is None
+
+
+@dataclass
+class SlowStore(FakeStore):
+    """A FakeStore whose first batch of each kind takes ``hold`` seconds (a busy database), and
+    that keeps the time every batch was written with."""
+
+    hold: float = 0.5
+    stamped: list[tuple[str, datetime]] = field(default_factory=list)
+
+    def _slow(self, kind: str, now: datetime) -> None:
+        if not any(k == kind for k, _ in self.stamped):
+            time.sleep(self.hold)
+        self.stamped.append((kind, now))
+
+    def judge_beats(self, beats: Sequence[Claim], now: datetime) -> list[Judgement]:
+        self._slow("heartbeat", now)
+        return super().judge_beats(beats, now)
+
+    def judge_reports(self, batch: Sequence[AgentReport], now: datetime) -> list[list[str] | Judgement]:
+        self._slow("report", now)
+        return super().judge_reports(batch, now)
+
+
+@pytest.mark.parametrize(("path", "kind"), [(HEARTBEAT, "heartbeat"), (STATUS, "report")])
+def test_a_call_queued_behind_a_slow_batch_is_stamped_when_it_arrived(path: str, kind: str) -> None:
+    """A heartbeat is judged by when it arrived, not when its write ran: the second call waits
+    out the first one's slow batch, but is written with its own arrival."""
+    store = SlowStore(credentials={"cred-n1": "n1", "cred-n2": "n2"})
+    store.nodes["n2"] = cpu_8c_32g("n2")
+
+    async def go() -> datetime:
+        watch = AssignmentWatch(store, tick=0.05)
+        door = AgentDoor(store, watch)
+        try:
+            first = asyncio.create_task(call(door, Call("POST", path, body=BEAT)))
+            await asyncio.sleep(0.1)  # the first batch is in the database now
+            arrived = datetime.now(UTC)
+            second = await call(door, Call("POST", path, token="cred-n2", body={"node": "n2", "epoch": 1}))
+            assert second is not None and second.status == 200, second
+            await first
+            return arrived
+        finally:
+            await watch.aclose()
+
+    arrived = asyncio.run(go())
+    ((_, written),) = [s for s in store.stamped[1:] if s[0] == kind]
+    # Written at least 0.4 s after it arrived, stamped with its arrival.
+    assert abs((written - arrived).total_seconds()) < 0.05, (written, arrived)

@@ -313,7 +313,7 @@ def test_a_report_naming_another_nodes_replica_changes_nothing_and_tells_to_stop
 
 def test_a_heartbeat_without_an_epoch_is_a_422_and_a_dead_node_stays_dead(plane: Plane) -> None:
     plane.enrol(cpu_8c_32g("n1"))
-    plane.store.set_state("n1", NodeState.NOT_READY)
+    plane.store.set_state("n1", NodeState.LOST)
     no_epoch = plane.client.post(f"{AGENT}/heartbeat", json={"node": "n1"}, headers=plane.nodes["n1"])
     error = error_of(no_epoch, 422)
     assert [p["field"] for p in error["problems"]] == ["epoch"]
@@ -321,12 +321,26 @@ def test_a_heartbeat_without_an_epoch_is_a_422_and_a_dead_node_stays_dead(plane:
         f"{AGENT}/heartbeat", json={"node": "n1", "epoch": 1}, headers=plane.nodes["n1"]
     )
     error = error_of(right, 409)
-    assert error["message"] == "node n1 was marked NotReady while silent; register again"
-    assert plane.store.get_node("n1").state is NodeState.NOT_READY
+    assert error["message"] == "node n1 was marked Lost while silent; register again"
+    assert plane.store.get_node("n1").state is NodeState.LOST
     stale = plane.client.post(
         f"{AGENT}/heartbeat", json={"node": "n1", "epoch": 7}, headers=plane.nodes["n1"]
     )
     assert "1" not in error_of(stale, 409)["message"].replace("n1", "")  # the epoch is never told
+
+
+def test_a_not_ready_nodes_heartbeat_at_its_epoch_makes_it_ready_without_registering(plane: Plane) -> None:
+    """Nothing is moved away from a NotReady node (only a Lost one's replicas are re-placed): its
+    agent's next call at its epoch is a heartbeat like any other, and the node is Ready again."""
+    plane.enrol(cpu_8c_32g("n1"))
+    plane.store.set_state("n1", NodeState.NOT_READY)
+    right = plane.client.post(
+        f"{AGENT}/heartbeat", json={"node": "n1", "epoch": 1}, headers=plane.nodes["n1"]
+    )
+    assert right.status_code == 200, right.text
+    node = plane.store.get_node("n1")
+    assert node.state is NodeState.READY
+    assert {h.name: h.epoch for h in plane.store.node_heartbeats()}["n1"] == 1  # no new registration
 
 
 # --- GPU samples ---------------------------------------------------------------------------------

@@ -224,6 +224,57 @@ def test_a_silent_node_goes_not_ready_then_lost_and_its_replicas_move_under_new_
     assert quiet(loop.run_once())
 
 
+def test_most_of_the_fleet_silent_past_the_lost_deadline_moves_nothing_and_lost_nodes_go_one_per_token(
+    store: SqlStore, clock: FakeClock
+) -> None:
+    """Disruption mode in the loop (``reconcile/disruption.py``): four of five nodes silent for
+    ten minutes are NotReady, none Lost, no replica released. Two come back at the registration
+    they hold (Ready again, no new epoch): the mode ends, and the two still silent are judged Lost
+    a Lost deadline later, one per token (0.1 node/s)."""
+    nodes = [gpu_node(f"gpu-{i}") for i in range(5)]
+    setup(store, nodes, [deployment("chat", replicas=3)])
+    for n in nodes:
+        store.heartbeat(n.name, clock.now(), epoch=1)
+    loop = reconciler(store, clock)
+    assert len(loop.run_once().allocated) == 3
+    before = placement(store)
+    hosting = sorted({node for shards in before.values() for node, _ in shards})
+    spare = [n.name for n in nodes if n.name not in hosting]
+    heard, silent = spare[0], sorted(set(n.name for n in nodes) - {spare[0]})
+    assert len(silent) == 4 and set(hosting) <= set(silent)
+    for _ in range(30):  # 600 s, heartbeats from one node only
+        clock.advance(20)
+        store.heartbeat(heard, clock.now(), epoch=1)
+        cycle = loop.run_once()
+        assert not (cycle.released or cycle.allocated), cycle
+        assert all(new != "Lost" for _, _, new in cycle.transitions), cycle
+    assert cycle.disruption is not None and (cycle.disruption.silent, cycle.disruption.fleet) == (4, 5)
+    assert sorted(cycle.held) == silent
+    assert placement(store) == before
+    assert {store.get_node(n).state for n in silent} == {NodeState.NOT_READY}
+
+    back, still = silent[:2], silent[2:]
+    for name in (heard, *back):
+        store.heartbeat(name, clock.now(), epoch=1)
+    assert {store.get_node(n).state for n in back} == {NodeState.READY}
+    ended = loop.run_once()
+    assert ended.disruption is None and not ended.transitions
+    # Judgement resumes counted from the mode's end: nothing Lost until a Lost deadline later.
+    clock.advance(299)
+    for name in (heard, *back):
+        store.heartbeat(name, clock.now(), epoch=1)
+    assert not loop.run_once().transitions
+    losts: list[tuple[int, str]] = []
+    for step in range(1, 5):  # then one per 10 s: 5 s cycles, a Lost at the first and the third
+        clock.advance(5)
+        for name in (heard, *back):
+            store.heartbeat(name, clock.now(), epoch=1)
+        losts += [(step, node) for node, _, new in loop.run_once().transitions if new == "Lost"]
+    assert [step for step, _ in losts] == [1, 3], losts
+    assert sorted(node for _, node in losts) == still
+    assert {h.name: h.epoch for h in store.node_heartbeats()} == dict.fromkeys((n.name for n in nodes), 1)
+
+
 def test_a_replica_name_moved_away_from_a_lost_node_is_never_handed_out_again(
     store: SqlStore, clock: FakeClock
 ) -> None:

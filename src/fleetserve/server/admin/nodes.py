@@ -7,8 +7,17 @@ from collections.abc import Mapping
 
 from fastapi import APIRouter, Request
 
-from fleetserve.adminapi.fleet import CordonRequest, DrainedNode, NodeStatus, NodeView
+from fleetserve.adminapi.fleet import (
+    CordonRequest,
+    DrainedNode,
+    FleetCondition,
+    FleetView,
+    NodeStatus,
+    NodeView,
+)
 from fleetserve.adminapi.values import Deleted, extend
+from fleetserve.conditions import ConditionReason, ConditionType
+from fleetserve.reconcile.disruption import Disruption
 from fleetserve.server.admin import audit
 from fleetserve.server.params import NameParam
 from fleetserve.spec.resources import Node, Replica
@@ -41,6 +50,26 @@ def node_view(
     return extend(NodeView, node, status=status)
 
 
+def fleet_view(disruption: Disruption | None) -> FleetView:
+    """The fleet's conditions: disruption mode as the reconciler last judged it."""
+    if disruption is None:
+        mode = FleetCondition(
+            type=ConditionType.DISRUPTION_MODE,
+            status="False",
+            reason=ConditionReason.HEARTBEATS_HEARD,
+            message="nodes are judged by their heartbeats",
+        )
+    else:
+        mode = FleetCondition(
+            type=ConditionType.DISRUPTION_MODE,
+            status="True",
+            reason=ConditionReason.NODES_SILENT,
+            message=disruption.message(),
+            since=disruption.since,
+        )
+    return FleetView(conditions=[mode])
+
+
 def build_nodes_router(store: SqlStore) -> APIRouter:
     """``/nodes``: a node's agent registers it; operators read, cordon, drain and forget it."""
     api = APIRouter()
@@ -51,6 +80,10 @@ def build_nodes_router(store: SqlStore) -> APIRouter:
         by_node = _replicas_by_node(store.replicas())
         beats = {h.name: h for h in store.node_heartbeats()}
         return [node_view(n, store, by_node.get(n.name, []), beats) for n in store.nodes()]
+
+    @api.get("/fleet", tags=["nodes"], summary="The fleet's conditions (disruption mode)")
+    def fleet(request: Request) -> FleetView:
+        return fleet_view(request.app.state.metrics.disruption)
 
     @api.get("/nodes/{name}", tags=["nodes"], response_model_exclude_unset=True)
     def get_node(name: NameParam) -> NodeView:

@@ -10,10 +10,15 @@ or of judgements, one transaction for a batch of status reports (``store.judge_r
 
 Each handler answers every case itself: the accepted call, and every refusal from the one table of
 problems (``refusals.py``), in the API's error shape. What is accepted is the store's one rule
-(``store/acceptance.py``: the credential's node is the node named, at its current epoch, Ready),
+(``store/acceptance.py``: the credential's node is the node named, at its current epoch, not Lost),
 applied by the very statement that writes the call; a refused call writes nothing, and the rule's
 verdict says why. Requests are read with the shared raw-ASGI pieces (``fleetserve.rawasgi``: the
 bearer token, ONE bounded body reader, the disconnect watch, whole answers).
+
+A heartbeat is judged by when it arrived, not by when its write ran: each call is stamped as its
+handler starts (``arrived``, before its body is read, before it queues for a batch or a thread),
+and a batch is written with its earliest arrival — no call is credited later than it came, none
+earlier than the batch's first (the reconciler's judgement: ``reconcile/disruption.py``).
 
 Order of the checks, as the FastAPI stack had them: the credential (401) before the body is judged
 (413 from its Content-Length or as it is read, 422 for one that does not validate, 405 for another
@@ -75,6 +80,11 @@ NOT_ALLOWED = Refusal(Reason.METHOD_NOT_ALLOWED)
 Reported = list[str] | Judgement | Refusal
 
 
+def arrived() -> datetime:
+    """When a call reached the server: the wall clock as its handler starts."""
+    return datetime.now(UTC)
+
+
 class AgentDoor:
     """Heartbeats, status reports and assignment polls over ``store``, every answer given here.
     Held polls wait on ``watch`` (the process's one); ``stopping`` tells whether the server is
@@ -93,10 +103,10 @@ class AgentDoor:
         # the curious.
         self.held = 0
         self.built = 0
-        self.beats: Gather[Claim, Judgement] = Gather(self._beats, name="heartbeats")
+        self.beats: Gather[tuple[Claim, datetime], Judgement] = Gather(self._beats, name="heartbeats")
         self.credentials: Gather[str, str | None] = Gather(store.nodes_for_credentials, name="credentials")
         self.judgements: Gather[Claim, Judgement] = Gather(store.judge, name="judgements")
-        self.reports: Gather[tuple[str, StatusReport], Reported] = Gather(
+        self.reports: Gather[tuple[str, StatusReport, datetime], Reported] = Gather(
             self._reports, limit=64, name="reports"
         )
 
@@ -108,11 +118,11 @@ class AgentDoor:
 
     async def heartbeat(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``POST /heartbeat``: the node is alive, at the registration it names."""
-        await self._answering(self._heartbeat(scope, receive, send), send)
+        await self._answering(self._heartbeat(scope, receive, send, arrived()), send)
 
     async def status(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``POST /status``: the node's replicas' states, cache, downloads and GPU samples."""
-        await self._answering(self._status(scope, receive, send), send)
+        await self._answering(self._status(scope, receive, send, arrived()), send)
 
     async def assignments(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``GET /assignments``: the replicas the node must run, held open until they change."""
@@ -127,7 +137,7 @@ class AgentDoor:
         if refusal is not None:
             await refuse(send, refusal)
 
-    async def _heartbeat(self, scope: Scope, receive: Receive, send: Send) -> Refusal | None:
+    async def _heartbeat(self, scope: Scope, receive: Receive, send: Send, at: datetime) -> Refusal | None:
         token = bearer_token(scope)
         if token is None:
             return Refusal(Reason.NO_CREDENTIAL)
@@ -141,13 +151,13 @@ class AgentDoor:
         )
         if isinstance(beat, Refusal):
             return await self._unless_unauthorized(token, beat)
-        judgement = await self.beats(Claim(token, beat.node, beat.epoch))
+        judgement = await self.beats((Claim(token, beat.node, beat.epoch), at))
         if not judgement.accepted:
             return await self._refusal(token, judgement, beat.node)
         await answer(send, 200, HeartbeatReply(node=beat.node).model_dump_json().encode())
         return None
 
-    async def _status(self, scope: Scope, receive: Receive, send: Send) -> Refusal | None:
+    async def _status(self, scope: Scope, receive: Receive, send: Send, at: datetime) -> Refusal | None:
         token = bearer_token(scope)
         if token is None:
             return Refusal(Reason.NO_CREDENTIAL)
@@ -162,7 +172,7 @@ class AgentDoor:
             return report
         if report.node != own:
             return Refusal(Reason.ANOTHER_NODE, {"own": own, "node": report.node})
-        reported = await self.reports((token, report))
+        reported = await self.reports((token, report, at))
         if isinstance(reported, Refusal):
             return reported
         if isinstance(reported, Judgement):
@@ -282,16 +292,17 @@ class AgentDoor:
 
     # --- batches (each on its gather's own thread) -------------------------------------------
 
-    def _beats(self, claims: Sequence[Claim]) -> list[Judgement]:
-        return self.store.judge_beats(claims, datetime.now(UTC))
+    def _beats(self, calls: Sequence[tuple[Claim, datetime]]) -> list[Judgement]:
+        return self.store.judge_beats([claim for claim, _ in calls], min(at for _, at in calls))
 
-    def _reports(self, calls: Sequence[tuple[str, StatusReport]]) -> list[Reported]:
-        """Per (credential, report), its outcome: reports whose GPU samples are their node's own are
-        judged and recorded together, in one transaction (``store.judge_reports``)."""
-        now = datetime.now(UTC)
+    def _reports(self, calls: Sequence[tuple[str, StatusReport, datetime]]) -> list[Reported]:
+        """Per (credential, report, arrival), its outcome: reports whose GPU samples are their
+        node's own are judged and recorded together, in one transaction (``store.judge_reports``),
+        stamped with the batch's earliest arrival."""
+        now = min(at for _, _, at in calls)
         out: list[Reported] = []
         taken: list[int] = []
-        for i, (_, report) in enumerate(calls):
+        for i, (_, report, _) in enumerate(calls):
             refusal = gpu_refusal(self.store, report)
             out.append([] if refusal is None else refusal)
             if refusal is None:

@@ -17,7 +17,7 @@ other routes (``server/auth.py``), and the 413's that of their body limits (``li
     ANOTHER_NODE        403     forbidden          a node's credential naming another node
     UNKNOWN_NODE        404     not_found          the named node is not registered
     STALE_EPOCH         409     stale_epoch        an older registration of the node
-    NOT_READY           409     stale_epoch        judged NotReady or Lost while silent
+    NOT_READY           409     stale_epoch        judged Lost while silent
     BODY_TOO_LARGE      413     body_too_large     over the call's limit (declared, or as read)
     INVALID_REQUEST     422     invalid_request    a body or query that does not validate
     INVALID_DOCUMENT    422     invalid_document   a report's GPU samples not its own
@@ -110,7 +110,8 @@ PROBLEMS: Mapping[Reason, ProblemRow] = MappingProxyType(
             "node {node} registered again since this registration; register again and stop every "
             "replica not assigned",
         ),
-        # Only a registration brings it back, and tells the agent which replicas moved meanwhile.
+        # A Lost node (its replicas re-placed): only a registration brings it back, and tells the
+        # agent which replicas moved meanwhile.
         Reason.NOT_READY: ProblemRow(
             409, "stale_epoch", "node {node} was marked {state} while silent; register again"
         ),

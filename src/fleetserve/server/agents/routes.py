@@ -12,7 +12,7 @@ registration claiming more than the operator approved is held (``Registered.held
 placed with the approved facts until ``fleetserve nodes approve NAME`` (``store.identity``).
 
 Fencing: every registration bumps the node's epoch. Heartbeats and reports name the epoch they
-speak for (it is required); an older one, or any from a node judged NotReady or Lost, gets 409
+speak for (it is required); an older one, or any from a node judged Lost, gets 409
 and the agent must register again — and stop every replica it runs that is not in the
 assignments it is then given, so a replica never runs twice under one identity. No answer but
 the registration's tells the epoch.

@@ -40,7 +40,8 @@ from fleetserve.gguf_facts import model_facts
 from fleetserve.metrics.exposition import FleetMetrics
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.reconcile.core import Planner
-from fleetserve.reconcile.health import HeartbeatPolicy, transitions
+from fleetserve.reconcile.disruption import Disruption, Liveness, judge
+from fleetserve.reconcile.health import HeartbeatPolicy
 from fleetserve.reconcile.lifecycle import FailureHistory
 from fleetserve.server.reconciler.signals import SignalSource
 from fleetserve.snapshot import ClusterSnapshot
@@ -96,6 +97,12 @@ class CycleResult:
     quiet: bool = False
     # The autoscaler's desired count of every deployment a full cycle planned (None: not planned).
     desired: dict[str, int] | None = None
+    # Disruption mode, as this cycle judged it (None: off), and the nodes past the Lost deadline
+    # not judged Lost (the mode, or the re-placement rate).
+    disruption: Disruption | None = None
+    held: tuple[str, ...] = ()
+    # Seconds the loop had not run before this cycle, when that was a stall of its own.
+    stalled: float | None = None
 
     def figures(self) -> CycleFigures:
         """What this cycle tells ``/metrics``."""
@@ -105,6 +112,7 @@ class CycleResult:
             quiet=self.quiet,
             phases=self.phases,
             desired=self.desired,
+            disruption=self.disruption,
         )
 
 
@@ -119,12 +127,14 @@ class CycleFigures(BaseModel):
     quiet: bool = False
     phases: dict[CyclePhase, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
     desired: dict[str, int] | None = None
+    disruption: Disruption | None = None
 
     def record(self, metrics: FleetMetrics) -> None:
-        """Count a quiet cycle; time a full one, its phases (placement is the plan), and set the
-        autoscaler's desired counts. A follower's cycle did nothing to tell."""
+        """Set disruption mode; count a quiet cycle; time a full one, its phases (placement is the
+        plan), and set the autoscaler's desired counts. A follower's cycle did nothing to tell."""
         if not self.leader:
             return
+        metrics.set_disruption(self.disruption)
         if self.quiet:
             metrics.count_quiet_cycle()
             return
@@ -165,8 +175,14 @@ class Reconciler:
         signals: SignalSource | None = None,
         metrics: FleetMetrics | None = None,
         quiet_cycles: bool = True,
+        ticker: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
+        # The loop's own clock, to find its own stalls (a gap between cycles); the pause between
+        # cycles is ``run_forever``'s (0: cycles run by hand).
+        self.ticker = ticker
+        self.interval = 0.0
+        self._liveness = Liveness()
         # False: every cycle reads and plans in full (bench/reconcile.py times such cycles).
         self.quiet_cycles = quiet_cycles
         self.signals = signals
@@ -203,18 +219,16 @@ class Reconciler:
     def run_once(self) -> CycleResult:
         """One cycle; a follower only renews its bid for the lease."""
         started = time.perf_counter()
+        tick = self.ticker()
         now = self.clock()
         if not self.store.try_acquire_leadership(LEASE, self.holder, now, self.lease_ttl):
             self._quiet = None  # another server may change the fleet in ways no counter shows
+            self._liveness = Liveness(tick=tick)  # a leader to be judges afresh, from its first cycle
             return CycleResult(leader=False)
         result = CycleResult(leader=True)
         # Taken before anything is read: a write that commits meanwhile moves it past this value.
         counter = self.store.fleet_changes()
-        beats = [(h.name, h.state, h.last_heartbeat) for h in self.store.node_heartbeats()]
-        for change in transitions(beats, now, self.policy):
-            self.store.set_state(change.node, change.new)
-            result.transitions.append((change.node, change.old.value, change.new.value))
-            log.info("node %s: %s -> %s", change.node, change.old.value, change.new.value)
+        self._judge_liveness(now, tick, result)
         if self.quiet_cycles and not result.transitions and self._still_quiet(counter, now):
             result.quiet = True
             result.seconds = time.perf_counter() - started
@@ -313,6 +327,29 @@ class Reconciler:
         self._record(result)
         return result
 
+    def _judge_liveness(self, now: datetime, tick: float, result: CycleResult) -> None:
+        """Judge every node's heartbeats (``reconcile/disruption.py``) and store the states that move."""
+        beats = [(h.name, h.state, h.last_heartbeat) for h in self.store.node_heartbeats()]
+        before = self._liveness
+        judged = judge(beats, now, tick, self.policy, before, self.interval)
+        self._liveness = judged.liveness
+        if judged.stalled is not None:
+            log.warning(
+                "the reconcile loop did not run for %.1f s (the server stopped or starved): every "
+                "node's heartbeat deadline counts from now",
+                judged.stalled,
+            )
+        mode = judged.disruption
+        if mode is not None and before.disrupted_since is None:
+            log.warning("disruption mode: %s (nodes are marked NotReady, none judged Lost)", mode.message())
+        elif mode is None and before.disrupted_since is not None:
+            log.warning("disruption mode ended: heartbeats resumed; deadlines count from now")
+        for change in judged.transitions:
+            self.store.set_state(change.node, change.new)
+            result.transitions.append((change.node, change.old.value, change.new.value))
+            log.info("node %s: %s -> %s", change.node, change.old.value, change.new.value)
+        result.disruption, result.held, result.stalled = mode, judged.held, judged.stalled
+
     def _autoscaler_log(self, deployment: str) -> list[AutoscalerEntry]:
         """The autoscaler's log of a deployment, as its status keeps it."""
         return [AutoscalerEntry.model_validate(e) for e in self.scale_log.entries(deployment)]
@@ -408,6 +445,7 @@ class Reconciler:
     ) -> None:
         """Cycle every ``interval`` seconds until ``stop`` is set; a failing cycle is logged, not
         fatal. ``on_cycle`` is given each cycle that ended (a reconciler process sends its figures)."""
+        self.interval = interval
         while not stop.is_set():
             try:
                 result = self.run_once()
