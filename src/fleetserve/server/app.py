@@ -12,6 +12,7 @@ extra gateway process; both apps answer ``/healthz``, ``/metrics`` and /v1 over 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -33,7 +34,8 @@ from fleetserve.server.admin.routes import build_admin_router
 from fleetserve.server.admin.ui import build_ui_router
 from fleetserve.server.agents import limits, openapi
 from fleetserve.server.agents.assignwatch import AssignmentWatch
-from fleetserve.server.agents.door import AgentDoor
+from fleetserve.server.agents.callcpu import CallCpu, CallKind
+from fleetserve.server.agents.door import REGISTER, AgentDoor
 from fleetserve.server.agents.enrolment import EnrolmentPolicy
 from fleetserve.server.agents.modelfiles import ModelFiles
 from fleetserve.server.agents.routes import build_agent_router
@@ -188,8 +190,11 @@ def create_app(
 
     # The agents' heartbeat, status report and assignments poll: answered by the door alone,
     # before FastAPI (its polls held on the process's one watch), and described in the OpenAPI.
-    app.state.agent_door = AgentDoor(store, AssignmentWatch(store, stopping=stopping), stopping)
-    app.raw_routes = app.state.agent_door.routes()
+    cpu = CallCpu(serving.metrics)
+    app.state.agent_door = AgentDoor(store, AssignmentWatch(store, stopping=stopping), stopping, cpu)
+    # Registrations stay FastAPI's; they are timed as they enter it (``callcpu``).
+    register = cpu.app(CallKind.REGISTER, functools.partial(FastAPI.__call__, app))
+    app.raw_routes = {**app.state.agent_door.routes(), REGISTER: register}
     openapi.document(app)
     problems.install(app)
     limits.install(app)

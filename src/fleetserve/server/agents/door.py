@@ -25,6 +25,9 @@ one bounded parse and its share of one statement that writes nothing for it.
 An assignments poll is answered at once when the agent's revision differs from the node's set;
 otherwise it is held in ONE loop (``_poll``) until the set moves (``AssignmentWatch``), its wait
 ends, the server stops (the set it holds is answered) or the agent goes away (nothing is).
+
+Each call's CPU is accounted by kind (``callcpu.CallCpu``: on ``/metrics`` as
+``fleetserve_agent_call_cpu_seconds_total`` and ``fleetserve_agent_calls_total``).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from fleetserve.rawasgi.types import App, Receive, Scope, Send
 from fleetserve.server.agents.assignments import assignment_set, rendered
 from fleetserve.server.agents.assignwatch import AssignmentWatch
 from fleetserve.server.agents.batching import Gather
+from fleetserve.server.agents.callcpu import CallCpu, CallKind, charged
 from fleetserve.server.agents.limits import limit_for
 from fleetserve.server.agents.parse import PollQuery, json_body, poll_query
 from fleetserve.server.agents.refusals import Reason, Refusal, judged, refuse, too_large
@@ -59,6 +63,7 @@ from fleetserve.store.protocols import AgentDoorStore
 HEARTBEAT = f"{AGENT_PREFIX}/heartbeat"
 STATUS = f"{AGENT_PREFIX}/status"
 ASSIGNMENTS = f"{AGENT_PREFIX}/assignments"
+REGISTER = f"{AGENT_PREFIX}/register"  # FastAPI's route (``routes.py``), timed as it enters it
 
 
 class Held(Enum):
@@ -78,15 +83,18 @@ Reported = list[str] | Judgement | Refusal
 class AgentDoor:
     """Heartbeats, status reports and assignment polls over ``store``, every answer given here.
     Held polls wait on ``watch`` (the process's one); ``stopping`` tells whether the server is
-    shutting down (held polls then answer at once)."""
+    shutting down (held polls then answer at once); ``cpu`` accounts each call's CPU (default: an
+    account of its own, exposed nowhere)."""
 
     def __init__(
         self,
         store: AgentDoorStore,
         watch: AssignmentWatch,
         stopping: Callable[[], bool] = lambda: False,
+        cpu: CallCpu | None = None,
     ) -> None:
         self.store = store
+        self.cpu = cpu if cpu is not None else CallCpu()
         self.watch = watch
         self.stopping = stopping
         # Assignment polls held (not answered at once), and assignment sets built: for tests and
@@ -108,15 +116,17 @@ class AgentDoor:
 
     async def heartbeat(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``POST /heartbeat``: the node is alive, at the registration it names."""
-        await self._answering(self._heartbeat(scope, receive, send), send)
+        await self.cpu.timed(CallKind.HEARTBEAT, self._answering(self._heartbeat(scope, receive, send), send))
 
     async def status(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``POST /status``: the node's replicas' states, cache, downloads and GPU samples."""
-        await self._answering(self._status(scope, receive, send), send)
+        await self.cpu.timed(CallKind.STATUS, self._answering(self._status(scope, receive, send), send))
 
     async def assignments(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``GET /assignments``: the replicas the node must run, held open until they change."""
-        await self._answering(self._assignments(scope, receive, send), send)
+        await self.cpu.timed(
+            CallKind.ASSIGNMENTS, self._answering(self._assignments(scope, receive, send), send)
+        )
 
     async def _answering(self, call: Awaitable[Refusal | None], send: Send) -> None:
         """Run a call's handling; send the refusal it returns (a store failure: 503)."""
@@ -205,7 +215,7 @@ class AgentDoor:
                     refused = None if judged_now else await self._judge(claim)
                     if refused is not None:
                         return refused
-                    held = await run_in_threadpool(assignment_set, self.store, node, claim.epoch)
+                    held = await run_in_threadpool(charged(assignment_set), self.store, node, claim.epoch)
                     self.built += 1
                     watch.remember(node, seen, held)
                     if held.revision != query.since:
@@ -277,7 +287,7 @@ class AgentDoor:
 
     async def _unauthorized(self, token: str) -> Refusal:
         """The 401 of a token that is no node's credential: the join token is told it only enrols."""
-        join = await run_in_threadpool(self.store.verify_token, token, TokenKind.JOIN)
+        join = await run_in_threadpool(charged(self.store.verify_token), token, TokenKind.JOIN)
         return Refusal(Reason.JOIN_TOKEN if join else Reason.NOT_A_CREDENTIAL)
 
     # --- batches (each on its gather's own thread) -------------------------------------------
