@@ -82,6 +82,16 @@ def server_command(
             min=0.2,
         ),
     ] = 300.0,
+    credential_cache_seconds: Annotated[
+        float,
+        typer.Option(
+            help="Seconds the agents' door keeps which node a credential is, for the checks before "
+            "a call is judged (whether a status report's body is read, whom a call speaks for). "
+            "Every heartbeat, report and poll is still judged against the database, so a revoked "
+            "credential is refused at its next call; 0 asks the database at every call.",
+            min=0.0,
+        ),
+    ] = 5.0,
     token_file: Annotated[
         Path | None,
         typer.Option(
@@ -197,6 +207,7 @@ def server_command(
         enrolment,
         retention(usage_retention, audit_retention),
         KubeAccess(kubeconfig, kube_context) if kube_exporters else None,
+        credential_cache_seconds,
     )
     try:
         served = listen_tls(host, tls_cert, tls_key, tls_dir, tls_san, tls, insecure, "server")

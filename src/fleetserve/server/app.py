@@ -35,6 +35,7 @@ from fleetserve.server.admin.ui import build_ui_router
 from fleetserve.server.agents import limits, openapi
 from fleetserve.server.agents.assignwatch import AssignmentWatch
 from fleetserve.server.agents.callcpu import CallCpu, CallKind
+from fleetserve.server.agents.credcache import DEFAULT_TTL
 from fleetserve.server.agents.door import REGISTER, AgentDoor
 from fleetserve.server.agents.enrolment import EnrolmentPolicy
 from fleetserve.server.agents.modelfiles import ModelFiles
@@ -164,13 +165,15 @@ def create_app(
     serving: Serving | None = None,
     ca_pem: bytes | None = None,
     enrolment: EnrolmentPolicy | None = None,
+    credential_ttl: float = DEFAULT_TTL,
 ) -> FastAPI:
     """The control plane's ASGI app over ``store``: admin API, agents' API and, unless told not,
     the OpenAI-compatible gateway. ``lifespan`` runs background work with it; ``models_dir``
     holds the model files it serves to agents (default ./fleetserve-models); ``serving`` is the
     metrics, observer and gateway to use (default: built here, with a gateway if ``gateway``);
     ``ca_pem`` the generated CA it publishes at ``CA_PATH``; ``enrolment`` the policy for
-    join-token enrolments (default: new names need an approval)."""
+    join-token enrolments (default: new names need an approval); ``credential_ttl`` how long the
+    agents' door keeps a credential's node for its checks before a call is judged (``credcache``)."""
     files = ModelFiles(models_dir or Path("fleetserve-models"))
     if serving is None:
         serving = Serving.build(store, gateway)
@@ -191,7 +194,9 @@ def create_app(
     # The agents' heartbeat, status report and assignments poll: answered by the door alone,
     # before FastAPI (its polls held on the process's one watch), and described in the OpenAPI.
     cpu = CallCpu(serving.metrics)
-    app.state.agent_door = AgentDoor(store, AssignmentWatch(store, stopping=stopping), stopping, cpu)
+    app.state.agent_door = AgentDoor(
+        store, AssignmentWatch(store, stopping=stopping), stopping, cpu, credential_ttl
+    )
     # Registrations stay FastAPI's; they are timed as they enter it (``callcpu``).
     register = cpu.app(CallKind.REGISTER, functools.partial(FastAPI.__call__, app))
     app.raw_routes = {**app.state.agent_door.routes(), REGISTER: register}

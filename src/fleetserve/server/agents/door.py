@@ -26,8 +26,10 @@ An assignments poll is answered at once when the agent's revision differs from t
 otherwise it is held in ONE loop (``_poll``) until the set moves (``AssignmentWatch``), its wait
 ends, the server stops (the set it holds is answered) or the agent goes away (nothing is).
 
-Each call's CPU is accounted by kind (``callcpu.CallCpu``: on ``/metrics`` as
-``fleetserve_agent_call_cpu_seconds_total`` and ``fleetserve_agent_calls_total``).
+Which node a credential is kept for a few seconds (``credcache``) for the checks made before a
+call is judged; the judgement itself always reads the rows. Each call's CPU is accounted by kind
+(``callcpu.CallCpu``: on ``/metrics`` as ``fleetserve_agent_call_cpu_seconds_total`` and
+``fleetserve_agent_calls_total``).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from fleetserve.server.agents.assignments import assignment_set, rendered
 from fleetserve.server.agents.assignwatch import AssignmentWatch
 from fleetserve.server.agents.batching import Gather
 from fleetserve.server.agents.callcpu import CallCpu, CallKind, charged
+from fleetserve.server.agents.credcache import DEFAULT_TTL, CredentialCache
 from fleetserve.server.agents.limits import limit_for
 from fleetserve.server.agents.parse import PollQuery, json_body, poll_query
 from fleetserve.server.agents.refusals import Reason, Refusal, judged, refuse, too_large
@@ -84,7 +87,8 @@ class AgentDoor:
     """Heartbeats, status reports and assignment polls over ``store``, every answer given here.
     Held polls wait on ``watch`` (the process's one); ``stopping`` tells whether the server is
     shutting down (held polls then answer at once); ``cpu`` accounts each call's CPU (default: an
-    account of its own, exposed nowhere)."""
+    account of its own, exposed nowhere); a credential's node is kept ``credential_ttl`` seconds
+    for the checks before a call is judged (``credcache``; 0: asked at every call)."""
 
     def __init__(
         self,
@@ -92,9 +96,11 @@ class AgentDoor:
         watch: AssignmentWatch,
         stopping: Callable[[], bool] = lambda: False,
         cpu: CallCpu | None = None,
+        credential_ttl: float = DEFAULT_TTL,
     ) -> None:
         self.store = store
         self.cpu = cpu if cpu is not None else CallCpu()
+        self.known = CredentialCache(credential_ttl)
         self.watch = watch
         self.stopping = stopping
         # Assignment polls held (not answered at once), and assignment sets built: for tests and
@@ -161,7 +167,7 @@ class AgentDoor:
         token = bearer_token(scope)
         if token is None:
             return Refusal(Reason.NO_CREDENTIAL)
-        own = await self.credentials(token)  # before the body is read
+        own = await self._node_of(token)  # before the body is read
         if own is None:
             return await self._unauthorized(token)
         body = await self._body(scope, receive, "POST")
@@ -278,12 +284,22 @@ class AgentDoor:
 
     async def _refusal(self, token: str, judgement: Judgement, node: str) -> Refusal:
         if judgement.verdict is Verdict.UNKNOWN_CREDENTIAL:
+            self.known.forget(token)  # revoked or replaced since it was found: ask again
             return await self._unauthorized(token)
         return judged(judgement, node)
 
     async def _unless_unauthorized(self, token: str, refusal: Refusal) -> Refusal:
         """``refusal``, unless ``token`` is no node's credential: the 401 comes first."""
-        return refusal if await self.credentials(token) is not None else await self._unauthorized(token)
+        return refusal if await self._node_of(token) is not None else await self._unauthorized(token)
+
+    async def _node_of(self, token: str) -> str | None:
+        """The node ``token`` is the credential of (None: no node's), kept a while (``known``)."""
+        node = self.known.node(token)
+        if node is None:
+            node = await self.credentials(token)
+            if node is not None:
+                self.known.found(token, node)
+        return node
 
     async def _unauthorized(self, token: str) -> Refusal:
         """The 401 of a token that is no node's credential: the join token is told it only enrols."""
