@@ -91,7 +91,7 @@ def server_command(
             "credential is refused at its next call; 0 asks the database at every call.",
             min=0.0,
         ),
-    ] = 5.0,
+    ] = 15.0,
     token_file: Annotated[
         Path | None,
         typer.Option(

@@ -16,7 +16,7 @@ import pytest
 from builders import cpu_8c_32g
 from fleetserve.server.agents.assignwatch import AssignmentWatch
 from fleetserve.server.agents.credcache import CredentialCache
-from fleetserve.server.agents.door import STATUS, AgentDoor
+from fleetserve.server.agents.door import HEARTBEAT, STATUS, AgentDoor
 from fleetserve.store import SqlStore
 from fleetserve.store.identity import Enrolled
 
@@ -133,3 +133,34 @@ def test_a_kept_credential_stops_letting_bodies_through_within_the_bound(store: 
     # ... until the bound: the first ones passed it, then refused within ttl of the replacement.
     assert answers[0] == 413 and set(answers[:-1]) == {413}
     assert waited < ttl + 1.0
+
+
+def beat_call(door: AgentDoor, token: str) -> int:
+    sent: list[Any] = []
+    raw = json.dumps({"node": "n1", "epoch": 1}).encode()
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": HEARTBEAT,
+        "headers": [(b"authorization", f"Bearer {token}".encode()), (b"content-type", b"application/json")],
+    }
+    asyncio.run(door.heartbeat(scope, receive, send))
+    return int(sent[0]["status"])
+
+
+def test_an_accepted_heartbeat_spares_the_next_report_its_lookup(store: SqlStore) -> None:
+    door = AgentDoor(store, AssignmentWatch(store), credential_ttl=60.0)
+    token = enrol(store, "n1")
+    assert beat_call(door, token) == 200
+    assert report_call(door, token, REPORT) == (200, True)
+    assert door.credentials.calls == 0  # no credential lookup: the heartbeat's acceptance was enough
+    # A refused heartbeat keeps nothing.
+    other = AgentDoor(store, AssignmentWatch(store), credential_ttl=60.0)
+    assert beat_call(other, "fs_node_forged") == 401 and len(other.known) == 0

@@ -11,7 +11,9 @@ server, as before. What a kept entry can still let through is the reading of one
 a credential at once when a call's judgement finds it unknown, and every entry is dropped
 ``ttl`` seconds after it was found.
 
-Only found credentials are kept (an unknown token is asked about at every call, so a
+A credential is found by a lookup, or by an accepted heartbeat (the rows accepted it just then),
+so that a status report, which agents send after a heartbeat or two, needs no statement before
+its body is read. Only found credentials are kept (an unknown token is asked about at every call, so a
 credential enrolled a moment ago is never refused from here), keyed by their hash (the
 plaintexts are not held), at most ``limit`` of them (the oldest dropped first).
 """
@@ -23,7 +25,7 @@ from collections.abc import Callable
 
 from fleetserve.store.acceptance import credential_hash
 
-DEFAULT_TTL = 5.0
+DEFAULT_TTL = 15.0  # over an agent's heartbeat interval: a report finds its last beat's entry
 DEFAULT_LIMIT = 100_000
 
 

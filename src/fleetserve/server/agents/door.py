@@ -160,6 +160,7 @@ class AgentDoor:
         judgement = await self.beats(Claim(token, beat.node, beat.epoch))
         if not judgement.accepted:
             return await self._refusal(token, judgement, beat.node)
+        self.known.found(token, beat.node)  # the rows accepted it just now: the next report needs no lookup
         await answer(send, 200, HeartbeatReply(node=beat.node).model_dump_json().encode())
         return None
 
