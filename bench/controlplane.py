@@ -37,6 +37,19 @@ PromQL's histogram_quantile does), CPU and RSS (from /proc; a server's reconcile
 are measured, with the CPU of the PostgreSQL backends serving the benchmark's database and of this
 load process. Then the database's rows and size.
 
+Server CPU per call, over the steady phase: ``server CPU ms per request answered`` is the servers'
+whole CPU (every thread, from /proc; a reconciler process apart) over the requests this process
+had answered in the phase, and holds for any server, ``--baseline`` ones too. Per kind
+(heartbeat, status report, long-poll, enrolment) the servers' own always-on accounting
+(``server/agents/callcpu.py``, ``fleetserve_agent_call_cpu_seconds_total`` and
+``fleetserve_agent_calls_total`` by ``kind`` on ``/metrics``, differenced over the phase and summed
+over the servers): each call is charged the CPU of the threads that worked for it, read from
+each thread's own clock (its coroutine's steps on the event loop, what it handed to a worker
+thread, its even share of a batch's statement). ``charged`` is that over the kind's calls;
+``+rest`` adds an even share per call of the CPU charged to no call (uvicorn's HTTP parsing and
+writing, the loop's selector, the collector, the whole-fleet readers), whose fraction of the
+server's CPU is its own row. A held long-poll is counted when it ends.
+
 ``--profile DIR`` runs each server under ``bench/stacksample.py``, a sampling profiler weighted by
 each thread's CPU time; the benchmark marks its phases (enrol, apply, scale, steady), and each phase
 is written to ``DIR/COLUMN/server-a.PHASE`` (collapsed stacks) with a ``.top`` summary: CPU per
@@ -323,6 +336,62 @@ def read_histograms(text: str) -> tuple[Buckets, dict[str, tuple[float, float]]]
             elif s.name.endswith("_count"):
                 totals[key] = (totals.get(key, (0.0, 0.0))[0], s.value)
     return buckets, totals
+
+
+# The agents' calls the server accounts (``fleetserve_agent_calls_total{kind}``), as rows name them.
+CALL_KINDS = {
+    "heartbeat": "heartbeat",
+    "status": "status report",
+    "assignments": "long-poll",
+    "register": "enrolment",
+}
+
+
+def call_counters(text: str) -> dict[str, tuple[float, float]]:
+    """Per call kind, (CPU seconds charged, calls) of a /metrics text (empty: a server without them)."""
+    seconds: dict[str, float] = {}
+    calls: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        into = {"fleetserve_agent_call_cpu_seconds": seconds, "fleetserve_agent_calls": calls}.get(
+            family.name
+        )
+        if into is None:
+            continue
+        for s in family.samples:
+            if s.name.endswith("_total"):
+                into[s.labels["kind"]] = s.value
+    return {kind: (seconds.get(kind, 0.0), calls[kind]) for kind in calls}
+
+
+def call_cpu_figures(
+    f: dict[str, str], cpu: float, requests: int, before: Sequence[str], after: Sequence[str]
+) -> None:
+    """Server CPU per call: the servers' whole CPU (``cpu``, from /proc) over the ``requests``
+    answered, and per kind what the servers charged to each call (``callcpu``), then with an
+    even share of what was charged to none (the HTTP server's parsing, the loop, the collector,
+    background readers)."""
+    f["server CPU ms per request answered"] = f"{cpu / requests * 1e3:.3f}" if requests else "-"
+    charged: dict[str, list[float]] = {}
+    for b, a in zip(before, after, strict=True):
+        was = call_counters(b)
+        for kind, (seconds, calls) in call_counters(a).items():
+            s0, c0 = was.get(kind, (0.0, 0.0))
+            total = charged.setdefault(kind, [0.0, 0.0])
+            total[0] += seconds - s0
+            total[1] += calls - c0
+    if not charged:
+        return  # a server from before the accounting
+    all_calls = sum(c for _, c in charged.values())
+    rest = cpu - sum(s for s, _ in charged.values())
+    rest_per_call = rest / all_calls if all_calls else 0.0
+    for kind, label in CALL_KINDS.items():
+        seconds, calls = charged.get(kind, (0.0, 0.0))
+        f[f"CPU ms per {label}: charged / +rest"] = (
+            f"{seconds / calls * 1e3:.3f} / {(seconds / calls + rest_per_call) * 1e3:.3f} ({calls:,.0f})"
+            if calls
+            else "-"
+        )
+    f["server CPU charged to no call"] = f"{rest / cpu:.0%}" if cpu else "-"
 
 
 def bucket_quantile(q: float, cumulative: list[tuple[float, float]]) -> float | None:
@@ -744,7 +813,8 @@ async def steady(
         cpu0, child0, load0, db0 = await asyncio.to_thread(
             lambda: (cpu_of(procs), cpu_of(children), cpu_of([me]), backend_cpu(database))
         )
-        before_text = await metrics_text(servers[0].origin)
+        before_texts = [await metrics_text(s.origin) for s in servers]
+        before_text = before_texts[0]
         t0 = time.perf_counter()
         lag.late.clear()
         lag.stalls.clear()
@@ -797,6 +867,7 @@ async def steady(
     f["requests/s sustained"] = f"{stats.requests / elapsed:,.0f}"
     cycle_figures(f, None if servers[0] is not servers[-1] else before_text, texts, "")
     f["server CPU (cores busy)"] = f"{cpu / elapsed:.2f}"
+    call_cpu_figures(f, cpu, stats.requests, before_texts, texts)
     f["reconciler process CPU (cores)"] = f"{child_cpu / elapsed:.2f}" if children else "-"
     f["database CPU (cores busy)"] = f"{database_cpu / elapsed:.2f}" if database else "-"
     f["load process CPU (cores busy)"] = f"{load / elapsed:.2f}"

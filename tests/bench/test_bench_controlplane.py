@@ -46,6 +46,10 @@ def test_a_small_run_prints_every_figure_for_both_databases(
         "reconcile cycle p50 / p99 s (mean)",
         "snapshot p50 / p99 s (mean)",
         "server RSS MiB start/end",
+        "server CPU ms per request answered",
+        "CPU ms per heartbeat: charged / +rest",
+        "CPU ms per status report: charged / +rest",
+        "server CPU charged to no call",
         "load process loop lag p99 / max ms",
         "database rows",
     ):
@@ -56,6 +60,11 @@ def test_a_small_run_prints_every_figure_for_both_databases(
         assert lines[0] == "sent_unix_s,kind,ms"
         kinds = {line.split(",")[1] for line in lines[1:]}
         assert "heartbeat" in kinds, lines
+    # The servers charged CPU to the steady phase's heartbeats (ms per call, then how many).
+    charged = re.findall(r"([\d.]+) / ([\d.]+) \(([\d,]+)\)", rows["CPU ms per heartbeat: charged / +rest"])
+    assert len(charged) == 2, out
+    for ms, with_rest, calls in charged:
+        assert 0 < float(ms) <= float(with_rest) and int(calls.replace(",", "")) > 0, out
     # Every agent enrolled and was heard from; none of their requests failed.
     assert rows["failed requests"].split()[-2:] == ["0", "0"], out
     assert "placed)" in rows["apply 10 -> all assigned s"], out

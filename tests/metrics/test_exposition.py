@@ -23,6 +23,7 @@ from fleetserve.metrics.exposition import (
     Kind,
     exposed_series_names,
 )
+from fleetserve.server.agents.callcpu import CallCpu
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "fleetserve.json"
@@ -290,6 +291,7 @@ def test_a_full_render_exposes_exactly_the_declared_names() -> None:
     m.gateway_key_request("team-a", "chat", 0.1, 10, 20)
     m.set_ratelimit_shared(False)
     m.gateway_cache_pick("chat", 2000, 1600)
+    CallCpu(m)  # the agents' calls, every kind at 0 from the start
     assert names(m) == exposed_series_names()
     for name, d in METRICS.items():
         assert name.startswith("fleetserve_")

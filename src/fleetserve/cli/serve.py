@@ -106,6 +106,16 @@ def server_command(
             min=0.001,
         ),
     ] = 0.1,
+    credential_cache_seconds: Annotated[
+        float,
+        typer.Option(
+            help="Seconds the agents' door keeps which node a credential is, for the checks before "
+            "a call is judged (whether a status report's body is read, whom a call speaks for). "
+            "Every heartbeat, report and poll is still judged against the database, so a revoked "
+            "credential is refused at its next call; 0 asks the database at every call.",
+            min=0.0,
+        ),
+    ] = 15.0,
     token_file: Annotated[
         Path | None,
         typer.Option(
@@ -226,6 +236,7 @@ def server_command(
         retention(usage_retention, audit_retention),
         KubeAccess(kubeconfig, kube_context) if kube_exporters else None,
         EndpointKeys(endpoint_keys),
+        credential_cache_seconds,
     )
     try:
         served = listen_tls(host, tls_cert, tls_key, tls_dir, tls_san, tls, insecure, "server")

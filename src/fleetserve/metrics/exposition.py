@@ -213,6 +213,19 @@ _DEFS = (
         "Times this gateway lost Redis and fell back to its own rate-limit windows.",
     ),
     _own(
+        "fleetserve_agent_call_cpu_seconds_total",
+        Kind.COUNTER,
+        ("kind",),
+        "Server CPU seconds spent answering agents' calls, by kind (heartbeat, status, assignments,"
+        " register): the CPU of the threads that worked for each call (server/agents/callcpu.py).",
+    ),
+    _own(
+        "fleetserve_agent_calls_total",
+        Kind.COUNTER,
+        ("kind",),
+        "Agents' calls answered, by kind (heartbeat, status, assignments, register).",
+    ),
+    _own(
         "fleetserve_engine_restarts_total",
         Kind.COUNTER,
         ("deployment", "replica"),
@@ -356,6 +369,8 @@ class FleetMetrics:
         self.gateway_queue_depth = gauge("fleetserve_gateway_queue_depth")
         self.gateway_rejections = counter("fleetserve_gateway_rejections_total")
         self.engine_restarts = counter("fleetserve_engine_restarts_total")
+        self.agent_call_cpu_seconds = counter("fleetserve_agent_call_cpu_seconds_total")
+        self.agent_calls = counter("fleetserve_agent_calls_total")
         self.gateway_ttft = histogram("fleetserve_gateway_ttft_seconds", TTFT_BUCKETS)
         self.gateway_itl = histogram("fleetserve_gateway_inter_token_seconds", ITL_BUCKETS)
         self.gateway_key_seconds = histogram("fleetserve_gateway_key_request_seconds", REQUEST_BUCKETS)

@@ -12,6 +12,7 @@ extra gateway process; both apps answer ``/healthz``, ``/metrics`` and /v1 over 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -34,7 +35,9 @@ from fleetserve.server.admin.routes import build_admin_router
 from fleetserve.server.admin.ui import build_ui_router
 from fleetserve.server.agents import limits, openapi
 from fleetserve.server.agents.assignwatch import AssignmentWatch
-from fleetserve.server.agents.door import AgentDoor
+from fleetserve.server.agents.callcpu import CallCpu, CallKind
+from fleetserve.server.agents.credcache import DEFAULT_TTL
+from fleetserve.server.agents.door import REGISTER, AgentDoor
 from fleetserve.server.agents.enrolment import EnrolmentPolicy
 from fleetserve.server.agents.modelfiles import ModelFiles
 from fleetserve.server.agents.routes import build_agent_router
@@ -181,13 +184,15 @@ def create_app(
     serving: Serving | None = None,
     ca_pem: bytes | None = None,
     enrolment: EnrolmentPolicy | None = None,
+    credential_ttl: float = DEFAULT_TTL,
 ) -> FastAPI:
     """The control plane's ASGI app over ``store``: admin API, agents' API and, unless told not,
     the OpenAI-compatible gateway. ``lifespan`` runs background work with it; ``models_dir``
     holds the model files it serves to agents (default ./fleetserve-models); ``serving`` is the
     metrics, observer and gateway to use (default: built here, with a gateway if ``gateway``);
     ``ca_pem`` the generated CA it publishes at ``CA_PATH``; ``enrolment`` the policy for
-    join-token enrolments (default: new names need an approval)."""
+    join-token enrolments (default: new names need an approval); ``credential_ttl`` how long the
+    agents' door keeps a credential's node for its checks before a call is judged (``credcache``)."""
     files = ModelFiles(models_dir or Path("fleetserve-models"))
     if serving is None:
         serving = Serving.build(store, gateway, probe_endpoints=True)
@@ -207,8 +212,13 @@ def create_app(
 
     # The agents' heartbeat, status report and assignments poll: answered by the door alone,
     # before FastAPI (its polls held on the process's one watch), and described in the OpenAPI.
-    app.state.agent_door = AgentDoor(store, AssignmentWatch(store, stopping=stopping), stopping)
-    app.raw_routes = app.state.agent_door.routes()
+    cpu = CallCpu(serving.metrics)
+    app.state.agent_door = AgentDoor(
+        store, AssignmentWatch(store, stopping=stopping), stopping, cpu, credential_ttl
+    )
+    # Registrations stay FastAPI's; they are timed as they enter it (``callcpu``).
+    register = cpu.app(CallKind.REGISTER, functools.partial(FastAPI.__call__, app))
+    app.raw_routes = {**app.state.agent_door.routes(), REGISTER: register}
     openapi.document(app)
     problems.install(app)
     limits.install(app)

@@ -30,6 +30,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fleetserve.errors import StoreError
 from fleetserve.rawasgi.headers import bearer
+from fleetserve.server.agents.callcpu import charged
 from fleetserve.server.agents.refusals import Reason, Refusal
 from fleetserve.server.problems import Forbidden, Unauthorized, error_body
 from fleetserve.store.credentials import TokenKind
@@ -173,7 +174,7 @@ class TokenMiddleware:
             try:
                 if kind is TokenKind.JOIN:
                     header = headers.get("authorization")
-                    caller = await run_in_threadpool(check_agent, self.store(), header, path)
+                    caller = await run_in_threadpool(charged(check_agent), self.store(), header, path)
                     scope.setdefault("state", {})["caller"] = caller
                 else:
                     method = scope.get("method", "GET")

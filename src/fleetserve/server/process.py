@@ -38,6 +38,7 @@ from fleetserve.metrics.exporters import REFRESH_SECONDS, Classes, ExporterTarge
 from fleetserve.reconcile.health import DisruptionPolicy, HeartbeatPolicy
 from fleetserve.secretfile import write_secret
 from fleetserve.server.admin.retention import RetentionPolicy, prune_forever
+from fleetserve.server.agents.credcache import DEFAULT_TTL
 from fleetserve.server.agents.enrolment import EnrolmentPolicy
 from fleetserve.server.app import Lifespan, Serving, create_app, create_gateway_app
 from fleetserve.server.collector import collect_paced, tune_collector
@@ -103,6 +104,9 @@ class ControlPlane:
     # Where Endpoints' API keys are read from (``--endpoint-keys``), for the health checks and the
     # server's gateway.
     endpoint_keys: EndpointKeys = field(default_factory=EndpointKeys)
+    # How long the agents' door keeps a credential's node for its checks before a call is judged
+    # (``server/agents/credcache.py``; 0: asked at every call).
+    credential_ttl: float = DEFAULT_TTL
 
 
 @dataclass(frozen=True)
@@ -312,6 +316,7 @@ def server_app(
         serving=serving,
         ca_pem=ca_pem,
         enrolment=control.enrolment,
+        credential_ttl=control.credential_ttl,
     )
 
 

@@ -16,14 +16,20 @@ arrive while a batch is in flight wait for it to end (they would have waited for
 anyway), and a batch holds at most ``limit`` calls. Each caller gets its own result, in order;
 an error of the batch is each caller's error. A caller that goes away (its task cancelled) takes
 nothing with it: the batch still runs for the others.
+
+The batch's CPU (its thread's own clock around ``many``) is split evenly over the bills of the
+calls it held (``callcpu``: what each agent call costs, per kind).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Generic, TypeVar
+
+from fleetserve.server.agents.callcpu import Bill, current_bill
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -44,20 +50,20 @@ class Gather(Generic[T, R]):
         self.limit = limit
         self.name = name
         self._thread: ThreadPoolExecutor | None = None  # started at the first batch
-        self._waiting: list[tuple[T, asyncio.Future[R]]] = []
+        self._waiting: list[tuple[T, asyncio.Future[R], Bill | None]] = []
         self._running: asyncio.Task[None] | None = None
         self.batches = 0  # calls of ``many`` made, for tests and the curious
         self.calls = 0
 
     async def __call__(self, argument: T) -> R:
         future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
-        self._waiting.append((argument, future))
+        self._waiting.append((argument, future, current_bill()))
         if self._running is None:
             self._running = asyncio.create_task(self._drain())
         return await future
 
     async def _drain(self) -> None:
-        batch: list[tuple[T, asyncio.Future[R]]] = []
+        batch: list[tuple[T, asyncio.Future[R], Bill | None]] = []
         try:
             while self._waiting:
                 batch, self._waiting = self._waiting[: self.limit], self._waiting[self.limit :]
@@ -66,24 +72,34 @@ class Gather(Generic[T, R]):
                 try:
                     if self._thread is None:
                         self._thread = ThreadPoolExecutor(1, thread_name_prefix=self.name)
-                    arguments = [argument for argument, _ in batch]
+                    arguments = [argument for argument, _, _ in batch]
                     loop = asyncio.get_running_loop()
-                    results = await loop.run_in_executor(self._thread, self.many, arguments)
+                    results, spent = await loop.run_in_executor(self._thread, self._timed, arguments)
+                    share = spent / len(batch)
+                    for _, _, bill in batch:
+                        if bill is not None:
+                            bill.seconds += share
                     if len(results) != len(batch):
                         raise RuntimeError(f"{len(results)} results for a batch of {len(batch)} calls")
                 except Exception as exc:  # every caller's error: each judges it as its own
-                    for _, future in batch:
+                    for _, future, _ in batch:
                         if not future.done():
                             future.set_exception(exc)
                 else:
-                    for (_, future), result in zip(batch, results, strict=True):
+                    for (_, future, _), result in zip(batch, results, strict=True):
                         if not future.done():
                             future.set_result(result)
                 batch = []
         finally:
             self._running = None
             # Only when the drain itself was cancelled (the loop shutting down): nobody hangs.
-            for _, future in batch + self._waiting:
+            for _, future, _ in batch + self._waiting:
                 if not future.done():
                     future.cancel()
             self._waiting = []
+
+    def _timed(self, arguments: Sequence[T]) -> tuple[Sequence[R], float]:
+        """``many`` of ``arguments``, and the CPU seconds its thread spent on it."""
+        began = time.thread_time()
+        results = self.many(arguments)
+        return results, time.thread_time() - began

@@ -30,6 +30,11 @@ one bounded parse and its share of one statement that writes nothing for it.
 An assignments poll is answered at once when the agent's revision differs from the node's set;
 otherwise it is held in ONE loop (``_poll``) until the set moves (``AssignmentWatch``), its wait
 ends, the server stops (the set it holds is answered) or the agent goes away (nothing is).
+
+Which node a credential is kept for a few seconds (``credcache``) for the checks made before a
+call is judged; the judgement itself always reads the rows. Each call's CPU is accounted by kind
+(``callcpu.CallCpu``: on ``/metrics`` as ``fleetserve_agent_call_cpu_seconds_total`` and
+``fleetserve_agent_calls_total``).
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ from fleetserve.rawasgi.types import App, Receive, Scope, Send
 from fleetserve.server.agents.assignments import assignment_set, rendered
 from fleetserve.server.agents.assignwatch import AssignmentWatch
 from fleetserve.server.agents.batching import Gather
+from fleetserve.server.agents.callcpu import CallCpu, CallKind, charged
+from fleetserve.server.agents.credcache import DEFAULT_TTL, CredentialCache
 from fleetserve.server.agents.limits import limit_for
 from fleetserve.server.agents.parse import PollQuery, json_body, poll_query
 from fleetserve.server.agents.refusals import Reason, Refusal, judged, refuse, too_large
@@ -64,6 +71,7 @@ from fleetserve.store.protocols import AgentDoorStore
 HEARTBEAT = f"{AGENT_PREFIX}/heartbeat"
 STATUS = f"{AGENT_PREFIX}/status"
 ASSIGNMENTS = f"{AGENT_PREFIX}/assignments"
+REGISTER = f"{AGENT_PREFIX}/register"  # FastAPI's route (``routes.py``), timed as it enters it
 
 
 class Held(Enum):
@@ -88,15 +96,21 @@ def arrived() -> datetime:
 class AgentDoor:
     """Heartbeats, status reports and assignment polls over ``store``, every answer given here.
     Held polls wait on ``watch`` (the process's one); ``stopping`` tells whether the server is
-    shutting down (held polls then answer at once)."""
+    shutting down (held polls then answer at once); ``cpu`` accounts each call's CPU (default: an
+    account of its own, exposed nowhere); a credential's node is kept ``credential_ttl`` seconds
+    for the checks before a call is judged (``credcache``; 0: asked at every call)."""
 
     def __init__(
         self,
         store: AgentDoorStore,
         watch: AssignmentWatch,
         stopping: Callable[[], bool] = lambda: False,
+        cpu: CallCpu | None = None,
+        credential_ttl: float = DEFAULT_TTL,
     ) -> None:
         self.store = store
+        self.cpu = cpu if cpu is not None else CallCpu()
+        self.known = CredentialCache(credential_ttl)
         self.watch = watch
         self.stopping = stopping
         # Assignment polls held (not answered at once), and assignment sets built: for tests and
@@ -118,15 +132,21 @@ class AgentDoor:
 
     async def heartbeat(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``POST /heartbeat``: the node is alive, at the registration it names."""
-        await self._answering(self._heartbeat(scope, receive, send, arrived()), send)
+        await self.cpu.timed(
+            CallKind.HEARTBEAT, self._answering(self._heartbeat(scope, receive, send, arrived()), send)
+        )
 
     async def status(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``POST /status``: the node's replicas' states, cache, downloads and GPU samples."""
-        await self._answering(self._status(scope, receive, send, arrived()), send)
+        await self.cpu.timed(
+            CallKind.STATUS, self._answering(self._status(scope, receive, send, arrived()), send)
+        )
 
     async def assignments(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``GET /assignments``: the replicas the node must run, held open until they change."""
-        await self._answering(self._assignments(scope, receive, send), send)
+        await self.cpu.timed(
+            CallKind.ASSIGNMENTS, self._answering(self._assignments(scope, receive, send), send)
+        )
 
     async def _answering(self, call: Awaitable[Refusal | None], send: Send) -> None:
         """Run a call's handling; send the refusal it returns (a store failure: 503)."""
@@ -154,6 +174,7 @@ class AgentDoor:
         judgement = await self.beats((Claim(token, beat.node, beat.epoch), at))
         if not judgement.accepted:
             return await self._refusal(token, judgement, beat.node)
+        self.known.found(token, beat.node)  # the rows accepted it just now: the next report needs no lookup
         await answer(send, 200, HeartbeatReply(node=beat.node).model_dump_json().encode())
         return None
 
@@ -161,7 +182,7 @@ class AgentDoor:
         token = bearer_token(scope)
         if token is None:
             return Refusal(Reason.NO_CREDENTIAL)
-        own = await self.credentials(token)  # before the body is read
+        own = await self._node_of(token)  # before the body is read
         if own is None:
             return await self._unauthorized(token)
         body = await self._body(scope, receive, "POST")
@@ -215,7 +236,7 @@ class AgentDoor:
                     refused = None if judged_now else await self._judge(claim)
                     if refused is not None:
                         return refused
-                    held = await run_in_threadpool(assignment_set, self.store, node, claim.epoch)
+                    held = await run_in_threadpool(charged(assignment_set), self.store, node, claim.epoch)
                     self.built += 1
                     watch.remember(node, seen, held)
                     if held.revision != query.since:
@@ -278,16 +299,26 @@ class AgentDoor:
 
     async def _refusal(self, token: str, judgement: Judgement, node: str) -> Refusal:
         if judgement.verdict is Verdict.UNKNOWN_CREDENTIAL:
+            self.known.forget(token)  # revoked or replaced since it was found: ask again
             return await self._unauthorized(token)
         return judged(judgement, node)
 
     async def _unless_unauthorized(self, token: str, refusal: Refusal) -> Refusal:
         """``refusal``, unless ``token`` is no node's credential: the 401 comes first."""
-        return refusal if await self.credentials(token) is not None else await self._unauthorized(token)
+        return refusal if await self._node_of(token) is not None else await self._unauthorized(token)
+
+    async def _node_of(self, token: str) -> str | None:
+        """The node ``token`` is the credential of (None: no node's), kept a while (``known``)."""
+        node = self.known.node(token)
+        if node is None:
+            node = await self.credentials(token)
+            if node is not None:
+                self.known.found(token, node)
+        return node
 
     async def _unauthorized(self, token: str) -> Refusal:
         """The 401 of a token that is no node's credential: the join token is told it only enrols."""
-        join = await run_in_threadpool(self.store.verify_token, token, TokenKind.JOIN)
+        join = await run_in_threadpool(charged(self.store.verify_token), token, TokenKind.JOIN)
         return Refusal(Reason.JOIN_TOKEN if join else Reason.NOT_A_CREDENTIAL)
 
     # --- batches (each on its gather's own thread) -------------------------------------------

@@ -30,6 +30,7 @@ from pydantic import BaseModel
 from fleetserve.errors import NotFound
 from fleetserve.protocol import NodeReport, Registered
 from fleetserve.server.agents.assignments import assignment_entries, kept, revision_of
+from fleetserve.server.agents.callcpu import charged
 from fleetserve.server.agents.enrolment import AddressVerdict, EnrolmentPolicy
 from fleetserve.server.agents.modelfiles import ModelFiles
 from fleetserve.server.auth import agent, caller_of, node_of, speaks_for
@@ -84,6 +85,10 @@ def build_agent_router(store: SqlStore, files: ModelFiles, policy: EnrolmentPoli
         summary="Enrol a node (join token: answers its credential) or register it again (its credential)",
     )
     def register(request: Request, report: Annotated[NodeReport, Body()]) -> Registered:
+        # On FastAPI's worker thread: its CPU is the call's (``callcpu``, kind register).
+        return charged(registered)(request, report)
+
+    def registered(request: Request, report: NodeReport) -> Registered:
         caller = caller_of(request)
         node: Node = report.node()
         source = request.client.host if request.client else ""
