@@ -54,8 +54,12 @@ def _tokenizer() -> Any:
     return tokenizer
 
 
-def write_tiny_hf_model(directory: Path) -> Path:
-    """Write the tiny model's files into ``directory`` (created); return the directory."""
+def write_tiny_hf_model(directory: Path, *, classifier: bool = False) -> Path:
+    """Write the tiny model's files into ``directory`` (created); return the directory.
+
+    ``classifier``: a cross-encoder instead (``LlamaForSequenceClassification``, one label: a
+    ``score`` head of one row in place of the language-model head), what vLLM's pooling runner
+    serves as a reranker with ``--convert classify`` (``/score``, ``/rerank``)."""
     tokenizer = _tokenizer()
     try:
         from safetensors.numpy import save_file
@@ -82,10 +86,14 @@ def write_tiny_hf_model(directory: Path) -> Path:
         tensors[f"{layer}.mlp.up_proj.weight"] = weights(INTERMEDIATE, HIDDEN)
         tensors[f"{layer}.mlp.down_proj.weight"] = weights(HIDDEN, INTERMEDIATE)
     tensors["model.norm.weight"] = np.ones(HIDDEN, dtype=np.float32)
-    tensors["lm_head.weight"] = weights(vocab, HIDDEN)
+    if classifier:
+        tensors["score.weight"] = weights(1, HIDDEN) * 50  # scores that differ between documents
+    else:
+        tensors["lm_head.weight"] = weights(vocab, HIDDEN)
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     config = {
-        "architectures": ["LlamaForCausalLM"],
+        "architectures": ["LlamaForSequenceClassification" if classifier else "LlamaForCausalLM"],
+        **({"num_labels": 1} if classifier else {}),
         "model_type": "llama",
         "hidden_size": HIDDEN,
         "intermediate_size": INTERMEDIATE,
