@@ -62,8 +62,8 @@ def task_refusal(kind: RouteKind, task: Task | None, model: str, method: str, pa
     if task is None or needs is None or needs is task:
         return None
     return (
-        f"`{model}` is a {task.value} model (task: {task.value}): it serves {_KIND_WORDS[task]}, "
-        f"not {method} {path}, which needs a deployment of task {needs.value}."
+        f"`{model}` is deployed for task {task.value} (it serves {_KIND_WORDS[task]}): "
+        f"{method} {path} needs a deployment of task {needs.value}."
     )
 
 

@@ -175,7 +175,7 @@ class EngineSpec:
     probe: Probe | None = None
     # How it starts each task a deployment may declare (``Deployment.task``); a task missing here,
     # or a variant its row leaves out, is refused at apply time.
-    tasks: Mapping[Task, TaskStart] = GENERATE_ONLY
+    tasks: Mapping[Task, TaskStart] = field(default_factory=lambda: GENERATE_ONLY)
 
     def drivers(self) -> frozenset[Driver]:
         """Every driver this engine has a variant for."""
