@@ -249,3 +249,34 @@ def test_the_gateway_refuses_a_chat_request_to_an_embedding_deployment_and_lists
     assert (counted.requests, counted.errors, counted.prompt_tokens) == (2, 1, used) and used > 0
     listed = httpx.get(f"{gw.url}/v1/models", headers=headers, timeout=30).json()["data"]
     assert [(m["id"], m["task"]) for m in listed] == [("tiny", "embed")]
+
+
+def test_a_variant_or_engine_a_row_leaves_out_of_a_task_is_refused_at_apply(monkeypatch):
+    """Every variant of both engines serves every task today; a row that leaves one out (as a
+    new engine or variant may) is refused with its reason, naming the field."""
+    import dataclasses
+
+    import fleetserve.validation as validation
+    from fleetserve.engines.spec import TaskStart
+
+    llama = ENGINES[EngineKind.LLAMACPP]
+    gpu_only = TaskStart(
+        args=("--embeddings",), variants=frozenset({RuntimeVariant.CUDA}), why_not="use runtime cuda"
+    )
+    rows = dict(ENGINES)
+    # Embeddings on the CUDA variant only, no reranking at all.
+    rows[EngineKind.LLAMACPP] = dataclasses.replace(
+        llama, tasks={Task.GENERATE: llama.tasks[Task.GENERATE], Task.EMBED: gpu_only}
+    )
+    monkeypatch.setattr(validation, "ENGINES", rows)
+    embed = validate_deployment(deployment("d", 1, LLAMA_CPU, task="embed"), CLASSES)
+    assert [(p.field, p.message) for p in embed] == [
+        ("task", "llama.cpp's cpu variant (profiles.cpu) does not serve task embed: use runtime cuda")
+    ]
+    rerank = validate_deployment(deployment("d", 1, LLAMA_CPU, task="rerank"), CLASSES)
+    assert [(p.field, p.message) for p in rerank] == [
+        (
+            "task",
+            "engine llama.cpp (profiles.cpu) does not serve task rerank; use engine vllm, or task generate",
+        )
+    ]
