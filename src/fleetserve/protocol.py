@@ -19,6 +19,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field
 
 from fleetserve.drivers import Driver, RuntimeVariant
+from fleetserve.engines.spec import Task
 from fleetserve.inventory.approval import HardwareHeld
 from fleetserve.spec.base import NAME_PATTERN
 from fleetserve.spec.nodeparts import Device, Hca
@@ -192,6 +193,9 @@ class Assignment(BaseModel):
     peers: list[str] = Field(default_factory=list)
     # The engine's API key: the engine refuses requests without it (None: placed before keys).
     engine_key: str | None = Field(default=None, max_length=64, repr=False)
+    # What the deployment serves, which the engine is started for (``EngineSpec.tasks``); omitted
+    # when generate, so an assignment without it reads (and revisions) as before tasks existed.
+    task: Task = Field(default=Task.GENERATE, exclude_if=lambda v: v is Task.GENERATE)
 
 
 class AssignmentSet(BaseModel):

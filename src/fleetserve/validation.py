@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from fleetserve.conditions import Condition, ConditionReason, ConditionType
 from fleetserve.drivers import DRIVERS, Driver, RuntimeVariant, host_driver, parse_driver
 from fleetserve.engines.registry import ENGINES, formats_text, weights_for
-from fleetserve.engines.spec import EngineKind
+from fleetserve.engines.spec import EngineKind, Task
 from fleetserve.errors import InternalError, Problem
 from fleetserve.spec.resources import CpuRequest, Deployment, DeviceClass, Model, Profile
 
@@ -100,7 +100,13 @@ def profile_problems(profile: Profile, classes: Mapping[str, DeviceClass], locat
         )
     for arg in profile.engine_args:
         flag = arg.split("=", 1)[0]
-        if flag.startswith("-") and not _NUMBER.fullmatch(flag) and flag not in caps.allowed_args:
+        task_flag = any(flag in t.flags() for t in caps.tasks.values())
+        if (
+            flag.startswith("-")
+            and not _NUMBER.fullmatch(flag)
+            and flag not in caps.allowed_args
+            and not task_flag
+        ):
             out.append(
                 Problem(
                     location,
@@ -187,6 +193,63 @@ def profile_problems(profile: Profile, classes: Mapping[str, DeviceClass], locat
     return out
 
 
+def profile_variant(profile: Profile, classes: Mapping[str, DeviceClass]) -> RuntimeVariant | None:
+    """The runtime variant a profile runs: its own, else its class's driver's default, else the
+    CPU's; None where that cannot be told (an unknown class or driver: refused or gated elsewhere)."""
+    caps = ENGINES[profile.engine]
+    if profile.runtime is not None:
+        return profile.runtime
+    if profile.device_class is None:
+        return caps.default_variant.get(host_driver(), RuntimeVariant.CPU)
+    cls = classes.get(profile.device_class)
+    driver = parse_driver(cls.driver) if cls is not None else None
+    return caps.default_variant.get(driver) if driver is not None else None
+
+
+def task_problems(
+    task: Task, profile: Profile, classes: Mapping[str, DeviceClass], location: str
+) -> list[Problem]:
+    """Refusals of a profile for the deployment's ``task``: its engine (or the variant it runs)
+    does not start that task, or its engineArgs set a flag the task sets (``EngineSpec.tasks``)."""
+    caps = ENGINES[profile.engine]
+    field = f"profiles.{profile.name}"
+    out: list[Problem] = []
+    start = caps.tasks.get(task)
+    variant = profile_variant(profile, classes)
+    if start is None:
+        serving = [e.value for e, s in ENGINES.items() if task in s.tasks]
+        out.append(
+            Problem(
+                location,
+                "task",
+                f"engine {profile.engine.value} ({field}) does not serve task {task.value}; "
+                f"use engine {' or '.join(serving) or 'none'}, or task generate",
+            )
+        )
+    elif variant is not None and not start.serves(variant):
+        out.append(
+            Problem(
+                location,
+                "task",
+                f"{profile.engine.value}'s {variant.value} variant ({field}) does not serve task "
+                f"{task.value}: {start.why_not}",
+            )
+        )
+    for arg in profile.engine_args:
+        flag = arg.split("=", 1)[0]
+        meant = [t.value for t, s in caps.tasks.items() if flag in s.flags()]
+        if meant:
+            out.append(
+                Problem(
+                    location,
+                    f"{field}.engineArgs",
+                    f"{flag} is set by the deployment's task: say task: {' or '.join(meant)} "
+                    "and leave it out of engineArgs",
+                )
+            )
+    return out
+
+
 def validate_deployment(
     dep: Deployment, classes: Mapping[str, DeviceClass], location: str = ""
 ) -> list[Problem]:
@@ -195,6 +258,7 @@ def validate_deployment(
     out: list[Problem] = []
     for profile in dep.profiles:
         out.extend(profile_problems(profile, classes, where))
+        out.extend(task_problems(dep.task, profile, classes, where))
     return out
 
 

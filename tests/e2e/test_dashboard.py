@@ -299,6 +299,28 @@ def test_an_unschedulable_deployment_explains_why_with_counts(dash: Dashboard) -
     dash.shot("deployment-unschedulable-1280")
 
 
+def test_the_deployment_page_shows_what_it_serves(dash: Dashboard) -> None:
+    """A deployment's task on its page and in the list (an omitted task reads generate)."""
+    dash.server.apply(
+        [
+            {
+                "kind": "Deployment",
+                "name": "embedder",
+                "model": "m-big",
+                "task": "embed",
+                "profiles": [{"name": "h100", "engine": "vllm", "deviceClass": GPU_CLASS}],
+            }
+        ]
+    )
+    page = dash.page
+    dash.goto("/ui/deployments?name=embedder")
+    expect(page.locator("#deployment-task")).to_have_text("task embed")
+    dash.goto("/ui/deployments?name=tiny")
+    expect(page.locator("#deployment-task")).to_have_text("task generate")
+    dash.goto("/ui/deployments")
+    expect(page.locator("#deployments tr", has_text="embedder")).to_contain_text("embed")
+
+
 def test_an_endpoint_is_shown_beside_the_deployments_with_its_health(dash: Dashboard) -> None:
     closed = free_port()  # nothing listens there: the control plane's check cannot connect
     dash.server.apply(

@@ -503,22 +503,21 @@ def test_a_body_over_the_limit_gets_413_without_reaching_an_engine(fleet: Fleet)
             assert after[name][counter] == before[name][counter], (name, counter, before[name], after[name])
 
 
-def test_an_engine_error_reaches_the_client_as_the_engine_said_it(fleet: Fleet) -> None:
-    """The replicas run without ``--embeddings``: llama-server answers an embeddings request 501
-    and says how to enable them. The client gets that, not a 503 telling it to retry."""
+def test_an_embeddings_request_to_a_chat_model_is_refused_by_the_gateway(fleet: Fleet) -> None:
+    """The deployments serve task generate: an embeddings request gets the gateway's 400 naming
+    the task, never the engine's 501 (llama-server started without ``--embeddings``)."""
     with fleet.http() as http:
         started = time.monotonic()
         response = http.post("/embeddings", json={"model": "tiny", "input": "hello"})
         took = time.monotonic() - started
-    print(f"embeddings without --embeddings: {response.status_code} {response.text} in {took * 1000:.0f} ms")
-    assert response.status_code == 501, response.text
-    assert "retry-after" not in response.headers
-    error = error_of(response)  # llama.cpp's own error, with the param OpenAI's shape has
-    assert error["type"] == "not_supported_error" and error["code"] == 501, error
-    assert "does not support embeddings" in error["message"] and "--embeddings" in error["message"], error
-    with fleet.openai() as client, pytest.raises(openai.APIStatusError) as raised:
+    print(f"embeddings to a generate model: {response.status_code} {response.text} in {took * 1000:.0f} ms")
+    assert response.status_code == 400, response.text
+    error = error_of(response)
+    assert error["type"] == "invalid_request_error" and error["code"] == "model_task_mismatch", error
+    assert "task generate" in error["message"] and "task embed" in error["message"], error
+    with fleet.openai() as client, pytest.raises(openai.BadRequestError) as raised:
         client.embeddings.create(model="tiny", input="hello")
-    assert raised.value.status_code == 501 and "--embeddings" in raised.value.message
+    assert "task embed" in raised.value.message
 
 
 # --- overload, disconnects and failures ---------------------------------------------------------------

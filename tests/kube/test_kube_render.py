@@ -454,3 +454,30 @@ profiles: [{name: p, engine: vllm, runtime: cpu, cpu: {cores: 6, memory: 200GiB}
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
     assert container["resources"]["requests"]["cpu"] == "6"
     validate(objs["Deployment"])
+
+
+@pytest.mark.parametrize(
+    ("example_name", "engines"), [("homelab", {"llama.cpp"}), ("datacenter", {"llama.cpp", "vllm"})]
+)
+@pytest.mark.parametrize(
+    ("task", "llama", "vllm"), [("embed", "--embeddings", "embed"), ("rerank", "--reranking", "classify")]
+)
+def test_a_pod_starts_its_engine_for_the_deployments_task(
+    example_name: str, engines: set[str], task: str, llama: str, vllm: str
+) -> None:
+    from fleetserve.engines.spec import Task
+
+    docs = example(example_name)
+    docs.deployments = [d.model_copy(update={"task": Task(task)}) for d in docs.deployments]
+    seen = set()
+    for obj in workloads(render(docs).objects):
+        # A multi-node leader runs its engine in a shell after its Ray head: its words, in order.
+        command = " ".join(pods(obj)[0]["containers"][0]["command"]).split()
+        if "/app/llama-server" in command:
+            seen.add("llama.cpp")
+            assert llama in command
+        else:
+            seen.add("vllm")
+            assert command[command.index("--runner") + 1] == "pooling"
+            assert command[command.index("--convert") + 1] == vllm
+    assert seen == engines

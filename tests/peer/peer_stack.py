@@ -140,14 +140,16 @@ class Admin:
         for model in self.client.get("/api/v1/models").json():
             self.client.delete(f"/api/v1/models/{model['name']}")
 
-    def deploy(self, name: str, model: Path, profile: dict[str, Any], timeout: float = 120) -> None:
-        """Apply the model and a one-replica deployment; wait until its replica runs."""
+    def deploy(
+        self, name: str, model: Path, profile: dict[str, Any], timeout: float = 120, task: str = "generate"
+    ) -> None:
+        """Apply the model and a one-replica deployment of ``task``; wait until its replica runs."""
         documents = [
             {"kind": "Model", "name": name, "source": str(model), "format": "gguf"},
             # The fleet's default deployment: a lone llama-server serves whatever model name it
             # is sent, and the tests send several ("gpt-3.5-turbo-instruct", "test", none).
             {"kind": "Deployment", "name": name, "model": name, "replicas": 1, "drainSeconds": 0,
-             "profiles": [profile], "routing": {"default": True}},
+             "profiles": [profile], "routing": {"default": True}, "task": task},
         ]  # fmt: skip
         applied = self.client.post("/api/v1/apply", json={"documents": documents})
         if applied.status_code != 200:

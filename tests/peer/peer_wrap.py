@@ -24,6 +24,7 @@ How the test's argv maps (``split_argv``):
 - ``--parallel``, ``--threads``, ``--n-gpu-layers``, ``--slots``/``--no-slots``, ``--metrics``,
   ``--kv-unified``: fleetserve's launch sets these itself (``engines/llamacpp.py``), so they are
   dropped and listed in the log;
+- ``--embeddings``, ``--reranking``: the deployment's ``task`` (embed, rerank), which starts them;
 - every other flag and its value: the profile's ``engineArgs`` as given (short forms spelled long,
   paths made absolute).
   A flag the engine row does not allow makes the apply fail: the wrapper exits 3 saying which,
@@ -68,6 +69,8 @@ VALUE_FLAGS = frozenset(
 FLEETSERVE_SETS = frozenset(
     {"--parallel", "--threads", "--n-gpu-layers", "--slots", "--no-slots", "--metrics", "--kv-unified"}
 )
+# Flags that are a deployment's task in fleetserve (``task:``), never engineArgs.
+TASK_FLAGS = {"--embedding": "embed", "--embeddings": "embed", "--rerank": "rerank", "--reranking": "rerank"}
 # Flags whose value is a path: made absolute here (the engine runs in another folder).
 PATH_FLAGS = frozenset({"--chat-template-file", "--slot-save-path", "--media-path", "--model", "--lora"})
 LONG_FORMS = {"-ctk": "--cache-type-k", "-ctv": "--cache-type-v", "-fa": "--flash-attn", "-m": "--model"}
@@ -89,6 +92,9 @@ class Request:
     cors_origins: tuple[str, ...] = ()
     engine_args: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
+    # The deployment's task: --embeddings is task embed, --reranking task rerank (which wins: it
+    # implies embeddings), as fleetserve starts them itself.
+    task: str = "generate"
 
 
 def split_argv(argv: list[str]) -> Request:
@@ -122,6 +128,9 @@ def split_argv(argv: list[str]) -> Request:
             req.cors_origins = tuple(o.strip() for o in value.split(",") if o.strip())
         elif flag == "--offline":
             pass
+        elif flag in TASK_FLAGS:
+            if req.task != "rerank":
+                req.task = TASK_FLAGS[flag]
         elif flag in FLEETSERVE_SETS:
             req.dropped += [flag] + ([value] if value is not None else [])
         else:
@@ -187,7 +196,7 @@ def serve(req: Request, admin: Admin, url: str, models: Path, state: Path | None
         tmp = state.with_suffix(".tmp")
         tmp.write_text(json.dumps({"key": key, "api_key_arg": req.api_key, "pid": os.getpid()}))
         tmp.replace(state)
-    admin.deploy(name, fetch_model(req, models), profile)
+    admin.deploy(name, fetch_model(req, models), profile, task=req.task)
     t2 = time.monotonic()
 
     # The gateway routes to the replica once its table has it: /v1/models lists what it routes.

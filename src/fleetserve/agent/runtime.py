@@ -208,6 +208,7 @@ class Agent:
             context=entry.context,
             peer_addresses=tuple(entry.peers),
             engine_key=entry.engine_key,
+            task=entry.task,
         )
         with self._lock:
             if replica.name not in self._wanted:

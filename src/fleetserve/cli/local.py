@@ -32,7 +32,8 @@ from fleetserve.adminapi.credentials import CreatedKey, EnrolmentView
 from fleetserve.adminapi.fleet import NodeView, ReplicaView
 from fleetserve.agent.credential import CredentialFile
 from fleetserve.cli.views import waiting_enrolments
-from fleetserve.dev.tinymodel import write_tiny_model
+from fleetserve.dev.tinymodel import write_tiny_embedding_model, write_tiny_model, write_tiny_reranker
+from fleetserve.engines.spec import Task
 from fleetserve.errors import FleetserveError
 from fleetserve.process import die_with_parent
 from fleetserve.secretfile import private_dir, write_secret
@@ -90,17 +91,26 @@ def model_name(source: str) -> str:
     return name or "model"
 
 
-def tiny_model(out: Path, console: Console, fmt: ModelFormat = ModelFormat.GGUF) -> None:
-    """Write the tiny model (a GGUF file, or a safetensors directory for vLLM) and say how big and
-    how fast."""
+def tiny_model(
+    out: Path, console: Console, fmt: ModelFormat = ModelFormat.GGUF, task: Task = Task.GENERATE
+) -> None:
+    """Write the tiny model (a GGUF file, or a safetensors directory for vLLM) for a deployment of
+    ``task`` and say how big and how fast: for embed a GGUF declaring mean pooling (the safetensors
+    are the plain model, which vLLM converts); for rerank a GGUF declaring rank pooling, or a
+    one-label classifier in safetensors."""
     started = time.perf_counter()
     if fmt is ModelFormat.GGUF:
-        write_tiny_model(out)
+        writers = {
+            Task.GENERATE: write_tiny_model,
+            Task.EMBED: write_tiny_embedding_model,
+            Task.RERANK: write_tiny_reranker,
+        }
+        writers[task](out)
         size = out.stat().st_size
     else:
         from fleetserve.dev.tinyhf import write_tiny_hf_model
 
-        write_tiny_hf_model(out)
+        write_tiny_hf_model(out, classifier=task is Task.RERANK)
         size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     console.print(
         f"wrote {out} ({size / 1e6:.2f} MB) in {(time.perf_counter() - started) * 1000:.0f} ms",

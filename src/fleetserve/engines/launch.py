@@ -15,6 +15,7 @@ from types import MappingProxyType
 from typing import Protocol
 
 from fleetserve.drivers import DRIVERS, Driver, RuntimeVariant
+from fleetserve.engines.spec import Task
 from fleetserve.sources import HfRepo, HttpSource
 from fleetserve.spec.resources import ModelFormat, Profile, Replica
 
@@ -40,6 +41,8 @@ class LaunchContext:
     model_args: tuple[str, ...] = ()
     # The API key the engine demands of every request (in its environment, never on its argv).
     engine_key: str | None = field(default=None, repr=False)
+    # What the deployment serves (``Deployment.task``): the engine row's ``tasks`` say how it starts.
+    task: Task = Task.GENERATE
 
     @property
     def devices(self) -> tuple[int, ...]:

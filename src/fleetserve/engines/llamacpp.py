@@ -32,7 +32,7 @@ from fleetserve.engines.routes import (
     route_table,
     unrelayed,
 )
-from fleetserve.engines.spec import CapFields, EngineKind, EngineSpec, PodFacts, Probe
+from fleetserve.engines.spec import CapFields, EngineKind, EngineSpec, PodFacts, Probe, Task, TaskStart
 from fleetserve.errors import SourceError
 from fleetserve.metrics.mapping import MetricMapping
 from fleetserve.sources import HfRepo, HttpSource
@@ -81,8 +81,8 @@ ALLOWED_ARGS = frozenset(
         "--no-warmup",
         # Harmless to the fleet (what llama.cpp's own server tests pass; tests/peer): the template
         # engine and a template file on the node, context shift, the host-memory prompt cache,
-        # embeddings and reranking with their pooling, self-extend, unloading an idle model, the
-        # web UI off, the model's tags in its model list.
+        # the pooling of embeddings (--embeddings and --reranking are the deployment's task),
+        # self-extend, unloading an idle model, the web UI off, the model's tags in its model list.
         "--no-jinja",
         "--chat-template-file",
         "--context-shift",
@@ -90,10 +90,6 @@ ALLOWED_ARGS = frozenset(
         "--reasoning",
         "--cache-ram",
         "--no-cache-idle-slots",
-        "--embedding",
-        "--embeddings",
-        "--reranking",
-        "--rerank",
         "--pooling",
         "--grp-attn-n",
         "--grp-attn-w",
@@ -103,6 +99,17 @@ ALLOWED_ARGS = frozenset(
         # An operator's debugging: every prompt in the engine's log (which only operators read,
         # `fleetserve logs`) and a `__verbose` object, the request's own, in each answer.
         "--verbose",
+    }
+)
+
+# How llama-server starts each task, on every variant (the flags are the server's, not a backend's):
+# embeddings with the pooling the model declares, or the profile's engineArgs --pooling (a decoder
+# model without one needs --pooling mean or last); reranking with rank pooling (--reranking sets it).
+TASKS = MappingProxyType(
+    {
+        Task.GENERATE: TaskStart(),
+        Task.EMBED: TaskStart(args=("--embeddings",), aliases=("--embedding",)),
+        Task.RERANK: TaskStart(args=("--reranking",), aliases=("--rerank",)),
     }
 )
 
@@ -143,6 +150,7 @@ class LlamaCppAdapter:
             argv += ["--n-gpu-layers", ALL_LAYERS]
         else:
             argv += ["--threads", str(max(1, shard.cpu_cores)), "--n-gpu-layers", "0"]
+        argv += TASKS[ctx.task].args
         argv += list(ctx.profile.engine_args)
         base = f"http://{url_host(ctx.host)}:{ctx.port}"
         env = dict(visible_devices_env(ctx.driver, ctx.variant, ctx.devices))
@@ -406,4 +414,5 @@ LLAMACPP = EngineSpec(
     bundled_binary=bundled_binary,
     routes=ROUTES,
     probe=Probe(queries=_queries, read=read_fingerprint),
+    tasks=TASKS,
 )

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from types import MappingProxyType
 
+from fleetserve.engines.spec import Task
+
 
 class RouteKind(StrEnum):
     """What a route does."""
@@ -33,6 +35,36 @@ class RouteKind(StrEnum):
     HEALTH = "health"
     METADATA = "metadata"
     ADMIN = "admin"
+
+
+# The route kinds a deployment serves only where it declares the task (``Deployment.task``); every
+# other kind (tokenization, health, metadata) is served whatever the task. A chat request to an
+# embedding model is refused by the gateway, not sent to an engine started without a chat runner.
+TASK_OF_KIND: Mapping[RouteKind, Task] = MappingProxyType(
+    {
+        RouteKind.GENERATION: Task.GENERATE,
+        RouteKind.TOKEN_COUNTING: Task.GENERATE,
+        RouteKind.TEMPLATING: Task.GENERATE,
+        RouteKind.EMBEDDINGS: Task.EMBED,
+        RouteKind.RERANK: Task.RERANK,
+    }
+)
+# What the kinds a route needs are called in a refusal.
+_KIND_WORDS: Mapping[Task, str] = MappingProxyType(
+    {Task.GENERATE: "generation", Task.EMBED: "embeddings", Task.RERANK: "reranking"}
+)
+
+
+def task_refusal(kind: RouteKind, task: Task | None, model: str, method: str, path: str) -> str | None:
+    """Why a deployment of ``task`` does not serve a route of ``kind`` (a 400's message), or None
+    when it does (``task`` None: an Endpoint's model, whose server says for itself)."""
+    needs = TASK_OF_KIND.get(kind)
+    if task is None or needs is None or needs is task:
+        return None
+    return (
+        f"`{model}` is deployed for task {task.value} (it serves {_KIND_WORDS[task]}): "
+        f"{method} {path} needs a deployment of task {needs.value}."
+    )
 
 
 class ModelBy(StrEnum):

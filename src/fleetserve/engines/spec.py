@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from fleetserve.drivers import Driver, RuntimeVariant
@@ -30,6 +31,38 @@ class EngineKind(StrEnum):
 
     VLLM = "vllm"
     LLAMACPP = "llama.cpp"
+
+
+class Task(StrEnum):
+    """What a deployment serves (its ``task``): generated text, embeddings, or reranking scores."""
+
+    GENERATE = "generate"
+    EMBED = "embed"
+    RERANK = "rerank"
+
+
+@dataclass(frozen=True)
+class TaskStart:
+    """How an engine starts a replica of one task: the flags it adds to the argv, and the runtime
+    variants that serve the task (None: every variant of the engine). A variant left out is
+    refused at apply with ``why_not``, which names what to change."""
+
+    args: tuple[str, ...] = ()
+    variants: frozenset[RuntimeVariant] | None = None
+    why_not: str = ""
+    # Other spellings of ``args``' flags the engine accepts: refused in engineArgs as they are.
+    aliases: tuple[str, ...] = ()
+
+    def flags(self) -> frozenset[str]:
+        """The flags the task sets: a profile's engineArgs may not set them itself."""
+        return frozenset(a for a in (*self.args, *self.aliases) if a.startswith("-"))
+
+    def serves(self, variant: RuntimeVariant) -> bool:
+        """Whether ``variant`` serves the task."""
+        return self.variants is None or variant in self.variants
+
+
+GENERATE_ONLY: Mapping[Task, TaskStart] = MappingProxyType({Task.GENERATE: TaskStart()})
 
 
 @dataclass(frozen=True)
@@ -140,6 +173,9 @@ class EngineSpec:
     routes: Mapping[tuple[str, str], ApiRoute] = field(default_factory=dict)
     # How an agent fingerprints a binary of this engine (None: it is never probed).
     probe: Probe | None = None
+    # How it starts each task a deployment may declare (``Deployment.task``); a task missing here,
+    # or a variant its row leaves out, is refused at apply time.
+    tasks: Mapping[Task, TaskStart] = field(default_factory=lambda: GENERATE_ONLY)
 
     def drivers(self) -> frozenset[Driver]:
         """Every driver this engine has a variant for."""

@@ -43,7 +43,7 @@ from fleetserve.engines.routes import (
     route_table,
     unrelayed,
 )
-from fleetserve.engines.spec import CapFields, EngineKind, EngineSpec, PodFacts, Probe
+from fleetserve.engines.spec import CapFields, EngineKind, EngineSpec, PodFacts, Probe, Task, TaskStart
 from fleetserve.errors import SourceError
 from fleetserve.metrics.mapping import MetricMapping
 from fleetserve.sources import HfRepo, HttpSource
@@ -96,6 +96,18 @@ ALLOWED_ARGS = frozenset(
     }
 )
 
+# How vLLM starts each task (0.32's flags; its --task was removed): a pooling model, converted to an
+# embedding model (a pooled hidden state per input: /v1/embeddings) or a classifier (a cross-encoder
+# of one label scores query-document pairs: /score, /rerank); a model that is one already keeps its
+# own head. Every variant: seen on the CPU build (tests/e2e/test_tasks_live.py), as on GPUs.
+TASKS = MappingProxyType(
+    {
+        Task.GENERATE: TaskStart(),
+        Task.EMBED: TaskStart(args=("--runner", "pooling", "--convert", "embed")),
+        Task.RERANK: TaskStart(args=("--runner", "pooling", "--convert", "classify")),
+    }
+)
+
 METRICS = MetricMapping(
     running="vllm:num_requests_running",
     waiting="vllm:num_requests_waiting",
@@ -138,6 +150,7 @@ def cpu_launch(ctx: LaunchContext) -> LaunchSpec:
     ]  # fmt: skip
     if ctx.context is not None:
         argv += ["--max-model-len", str(ctx.context)]
+    argv += TASKS[ctx.task].args
     argv += list(ctx.profile.engine_args)
     threads = str(max(1, shard.cpu_cores))
     env = {
@@ -193,6 +206,7 @@ class VllmAdapter:
         if nodes > 1:
             argv += ["--pipeline-parallel-size", str(nodes), "--distributed-executor-backend", "ray"]
             sidecars = ((ray, "start", "--block", "--head", f"--port={RAY_PORT}"),)
+        argv += TASKS[ctx.task].args
         argv += list(ctx.profile.engine_args)
         if ctx.engine_key:
             env[API_KEY_ENV] = ctx.engine_key
@@ -460,4 +474,5 @@ VLLM = EngineSpec(
     context_arg="--max-model-len",
     routes=ROUTES,
     probe=Probe(queries=_queries, read=read_fingerprint, timeout=30.0),
+    tasks=TASKS,
 )

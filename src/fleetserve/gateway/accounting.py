@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from fleetserve.engines.registry import ENGINES
+from fleetserve.engines.routes import RouteKind
 from fleetserve.engines.spec import CapFields, EngineKind
 from fleetserve.gateway.admission import Admission
 from fleetserve.gateway.endpoints import EndpointTable, Route
@@ -40,6 +41,8 @@ from fleetserve.store.credentials import ApiKey
 DEFAULT_RESERVE_TOKENS = 256
 # Bytes of request body per prompt token, for the reservation's estimate of the prompt.
 BYTES_PER_TOKEN = 4
+# Route kinds that generate no tokens: a request reserves its input's estimate only.
+NOTHING_GENERATED = frozenset({RouteKind.EMBEDDINGS, RouteKind.RERANK})
 # The most sequences (choices times prompts) one request is reserved for, and the most tokens per
 # sequence where no context bounds them (llama.cpp reads a cap as a 32-bit int): a nonsense ``n``
 # or cap cannot make a reservation past 2**47 tokens, which Redis's Lua (doubles) counts exactly.
@@ -117,10 +120,14 @@ def reservation(
     engines: Iterable[EngineKind] = (),
     context: int | None = None,
     path: bytes = b"",
+    kind: RouteKind = RouteKind.GENERATION,
 ) -> int:
     """Tokens to reserve for a request to ``path`` before its usage is known: the most any of
     ``engines`` (the deployment's; every known engine when none is named) may generate for it,
-    within the deployment's ``context`` (None: not known here), plus an estimate of its prompt."""
+    within the deployment's ``context`` (None: not known here), plus an estimate of its prompt.
+    Embeddings and reranking (``kind``) generate nothing: their inputs are all they count."""
+    if kind in NOTHING_GENERATED:
+        return len(body) // BYTES_PER_TOKEN
     rules = [ENGINES[e].cap_fields for e in engines if e in ENGINES] or [
         s.cap_fields for s in ENGINES.values()
     ]

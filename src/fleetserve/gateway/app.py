@@ -45,7 +45,7 @@ import orjson
 from starlette.concurrency import run_in_threadpool
 
 from fleetserve.endpointkeys import EndpointKeys
-from fleetserve.engines.routes import ApiRoute, ModelBy, RouteKind, UsageBy
+from fleetserve.engines.routes import ApiRoute, ModelBy, RouteKind, UsageBy, task_refusal
 from fleetserve.engines.spec import EngineKind
 from fleetserve.errors import InternalError
 from fleetserve.gateway.accounting import (
@@ -371,7 +371,7 @@ class Gateway:
         if self.http is not None:
             asked = (info.to_ask(route.endpoints) for _, route in listed)
             await info.ask(self.http, [e for e in asked if e is not None])
-        data = [merged(name, route.created, info.of(route.endpoints)) for name, route in listed]
+        data = [merged(name, route.created, info.of(route.endpoints), route.task) for name, route in listed]
         await answer(send, 200, orjson.dumps({"object": "list", "data": data}))
 
     # --- POST /v1/... ------------------------------------------------------------------------------
@@ -494,12 +494,17 @@ class Gateway:
             await send_error(send, status, message, "invalid_request_error", code)
             self.accounting.account(key, model, model, status, started, None)
             return
+        wrong_task = task_refusal(lead.kind, route.task, model, method, scope["path"])
+        if wrong_task is not None:
+            await send_error(send, 400, wrong_task, "invalid_request_error", "model_task_mismatch", "model")
+            self.accounting.account(key, model, model, 400, started, None)
+            return
         path = path_only
         counted = any(routes[e].usage is not UsageBy.NONE for e in route.engine_kinds if e in routes)
         held: Held | None = None
         if key.rpm is not None or key.tpm is not None:
             reserve = (
-                reservation(data, body, route.engine_kinds, route.context, path)
+                reservation(data, body, route.engine_kinds, route.context, path, lead.kind)
                 if key.tpm is not None and counted
                 else 0
             )

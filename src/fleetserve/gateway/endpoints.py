@@ -31,7 +31,7 @@ from starlette.concurrency import run_in_threadpool
 from fleetserve.changegate import ChangeGate
 from fleetserve.endpointkeys import EndpointKeys, KeyUnreadable
 from fleetserve.engines.registry import ENGINES
-from fleetserve.engines.spec import EngineKind
+from fleetserve.engines.spec import EngineKind, Task
 from fleetserve.errors import FleetserveError
 from fleetserve.gateway.picker import Endpoint
 from fleetserve.httpclient import ConnectFailed
@@ -69,6 +69,9 @@ class Route:
     # The fleet's default deployment (``routing.default``): serves requests naming no model, or
     # one no deployment serves.
     default: bool = False
+    # What the deployment serves (``Deployment.task``): routes of another task are refused with a
+    # 400 (``engines.routes.task_refusal``). None: a model only Endpoints serve, whose servers say.
+    task: Task | None = None
 
 
 def as_upstream(endpoint: EndpointSpec, key: str | None, model: str) -> Endpoint:
@@ -255,6 +258,7 @@ class EndpointTable:
                 | {declared[e].endpoint.engine for e in dep.endpoints if e in declared},
                 context=deployment_context(dep.profiles),
                 default=dep.routing.default,
+                task=dep.task,
             )
             for name, dep in deployments.items()
         }

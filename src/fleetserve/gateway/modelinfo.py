@@ -1,7 +1,8 @@
 """What an engine says about the model it serves, merged into the gateway's ``/v1/models``.
 
 The gateway lists its deployments in OpenAI's shape (``id``: the deployment, ``object``,
-``created``: when it was applied, ``owned_by``: the engine's word, else ``fleetserve``) and adds the
+``created``: when it was applied, ``owned_by``: the engine's word, else ``fleetserve``, and ``task``:
+what the deployment serves, ``generate``, ``embed`` or ``rerank``) and adds the
 engine's own fields under each entry: llama.cpp's ``meta`` (``n_ctx``, ``n_ctx_train``,
 ``n_params``, ``size`` ...), ``aliases``, ``tags`` and ``architecture``; vLLM's ``max_model_len``.
 Left out: what names the engine's host (vLLM's ``root`` and ``parent``: the path it loaded), and
@@ -22,6 +23,7 @@ from typing import Any
 
 import orjson
 
+from fleetserve.engines.spec import Task
 from fleetserve.gateway.picker import Endpoint
 from fleetserve.gateway.upstream import REDACTED, Call, upstream_request
 from fleetserve.httpclient import HttpClient, UpstreamError
@@ -65,8 +67,12 @@ def info_key(endpoint: Endpoint) -> str:
     )
 
 
-def merged(name: str, created: int, engine: Mapping[str, Any] | None) -> dict[str, Any]:
-    """One ``/v1/models`` entry: OpenAI's fields as fleetserve says them, then the engine's own."""
+def merged(
+    name: str, created: int, engine: Mapping[str, Any] | None, task: Task | None = None
+) -> dict[str, Any]:
+    """One ``/v1/models`` entry: OpenAI's fields as fleetserve says them, then the engine's own,
+    then fleetserve's ``task`` (what the deployment serves; absent for a model only Endpoints
+    serve, whose servers say for themselves)."""
     owned = engine.get("owned_by") if engine is not None else None
     entry: dict[str, Any] = {
         "id": name,
@@ -76,8 +82,10 @@ def merged(name: str, created: int, engine: Mapping[str, Any] | None) -> dict[st
     }
     if engine is not None:
         for field, value in engine.items():
-            if field not in OPENAI_FIELDS and field not in HOST_FIELDS:
+            if field not in OPENAI_FIELDS and field not in HOST_FIELDS and field != "task":
                 entry[field] = value
+    if task is not None:
+        entry["task"] = task.value
     return entry
 
 

@@ -25,7 +25,7 @@ from kubernetes import client
 from fleetserve.drivers import DRIVERS, Driver, host_driver, pool_label, pool_taint
 from fleetserve.engines.launch import LaunchContext, LaunchSpec
 from fleetserve.engines.registry import ENGINES
-from fleetserve.engines.spec import EngineKind
+from fleetserve.engines.spec import EngineKind, Task
 from fleetserve.kube.objects import (
     CLUSTER_LABEL,
     DEPLOYMENT_LABEL,
@@ -68,6 +68,8 @@ class ReplicaInput:
     model: Model
     cluster: Cluster
     classes: Mapping[str, DeviceClass]
+    # What the deployment serves: the engine is started for it (``EngineSpec.tasks``).
+    task: Task = Task.GENERATE
 
 
 def fabric_label(fabric: str) -> str:
@@ -213,6 +215,7 @@ def _launch(inp: ReplicaInput, rp: ResolvedProfile, shard_index: int, head: str)
         context=rp.context,
         peer_addresses=(head,),
         model_args=model_args(rp.engine, inp.model),
+        task=inp.task,
     )
     return ENGINES[rp.engine].adapter.launch(ctx)
 

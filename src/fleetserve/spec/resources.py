@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from fleetserve.drivers import RuntimeVariant
-from fleetserve.engines.spec import EngineKind
+from fleetserve.engines.spec import EngineKind, Task
 from fleetserve.spec.base import MAX_BYTES, MAX_CORES, MAX_REPLICAS, Bytes, Name, Spec
 from fleetserve.spec.nodeparts import (
     MAX_ENGINES,
@@ -320,6 +320,10 @@ class Deployment(Spec):
     # Endpoints (``kind: Endpoint``, servers fleetserve did not start) routed beside its replicas;
     # omitted when empty, so a deployment without them serialises as before they existed.
     endpoints: tuple[Name, ...] = Field(default=(), max_length=64, exclude_if=lambda v: not v)
+    # What it serves: generated text, embeddings (/v1/embeddings) or reranking (/v1/rerank); each
+    # engine row says how it starts each (``EngineSpec.tasks``). Omitted when generate, so a
+    # deployment that says nothing serialises (and revisions) as before tasks existed.
+    task: Task = Field(default=Task.GENERATE, exclude_if=lambda v: v is Task.GENERATE)
 
     @field_validator("replicas")
     @classmethod
@@ -352,8 +356,9 @@ class Deployment(Spec):
         and profiles, then the model's ``weights_digest`` (omitted when unknown). It changes
         exactly when a change must replace the replicas (a rollout), not with the replica count or
         policy; ``revision_parts`` splits it. A revision without the weights part is also what
-        replicas placed before the weights counted carry (``reconcile.lifecycle`` stamps them)."""
-        spec = self.model_dump(mode="json", by_alias=True, include={"model", "profiles"})
+        replicas placed before the weights counted carry (``reconcile.lifecycle`` stamps them).
+        The task counts where it is not generate: another task starts the engine otherwise."""
+        spec = self.model_dump(mode="json", by_alias=True, include={"model", "profiles", "task"})
         template = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
         return f"{template}.{weights}" if weights else template
 

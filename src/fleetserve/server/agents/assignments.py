@@ -92,6 +92,7 @@ def assignment_entries(store: AssignmentReads, replicas: list[Replica]) -> list[
                 context=profile.context,
                 peers=[addresses.get(s.node, "") for s in replica.shards],
                 engine_key=keys.get(replica.name),
+                task=deployment.task,
             )
         )
     return out

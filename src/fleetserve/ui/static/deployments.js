@@ -69,6 +69,7 @@ function listPage(main, status) {
         return [
           link(`/ui/deployments?name=${encodeURIComponent(d.name)}`, d.name),
           d.model,
+          d.task || "generate",
           badge(state.text),
           `${state.running}/${state.desired ?? "?"}`,
           (d.profiles || []).map((p) => `${p.name} (${p.engine}${p.deviceClass ? ", " + p.deviceClass : ""})`).join(", "),
@@ -76,7 +77,7 @@ function listPage(main, status) {
         ];
       });
       body.replaceChildren(
-        table(["Name", "Model", "State", "Running", "Profiles", "Placement"], rows, { id: "deployments" }),
+        table(["Name", "Model", "Task", "State", "Running", "Profiles", "Placement"], rows, { id: "deployments" }),
         outside || "",
       );
     },
@@ -215,6 +216,8 @@ function detailPage(main, status, name) {
         el("h1", { text: dep.name }),
         el("span", { id: "deployment-state" }, badge(state.text)),
         el("span", { class: "muted", text: `model ${dep.model} · ${state.running}/${state.desired ?? "?"} running · generation ${dep.generation} · revision ${dep.revision}` }),
+        // What it serves (an omitted task is generate).
+        el("span", { id: "deployment-task", class: "muted", text: `task ${dep.task || "generate"}` }),
       );
       const conditions = (st.conditions || []).map((c) => [c.type, badge(String(c.status)), c.reason, c.message]);
       const autoscaler = (st.autoscaler || []).slice().reverse().map((e) => [
