@@ -192,6 +192,9 @@ class Assignment(BaseModel):
     peers: list[str] = Field(default_factory=list)
     # The engine's API key: the engine refuses requests without it (None: placed before keys).
     engine_key: str | None = Field(default=None, max_length=64, repr=False)
+    # A speculative profile's draft model, reduced to the weights its engine serves like ``model``
+    # (fetched into the node's cache the same way); omitted when none.
+    draft: Model | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class AssignmentSet(BaseModel):

@@ -40,6 +40,8 @@ class LaunchContext:
     model_args: tuple[str, ...] = ()
     # The API key the engine demands of every request (in its environment, never on its argv).
     engine_key: str | None = field(default=None, repr=False)
+    # The draft model's weights in the node's cache, for a profile whose ``speculative`` has one.
+    draft_path: Path | None = None
 
     @property
     def devices(self) -> tuple[int, ...]:
