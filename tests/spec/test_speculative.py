@@ -28,6 +28,9 @@ from fleetserve.fleet import check_documents
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.placement.demand import demand_for
 from fleetserve.placement.placer import SearchKind, plan
+from fleetserve.protocol import Assignment
+from fleetserve.server.admin.apply import apply_batch
+from fleetserve.server.agents.assignments import assignment_entries
 from fleetserve.snapshot import ClusterSnapshot
 from fleetserve.spec.loader import Documents
 from fleetserve.spec.resources import (
@@ -40,6 +43,7 @@ from fleetserve.spec.resources import (
     Speculative,
     SpeculativeMethod,
 )
+from fleetserve.store.sql import SqlStore
 from fleetserve.validation import resolve_profile
 
 GiB = 1 << 30
@@ -263,3 +267,32 @@ def test_a_replica_that_fits_alone_but_not_with_its_draft_is_unschedulable() -> 
     [condition] = [c for c in unknown.conditions if c.type == "ModelKnown"]
     assert not condition.status
     assert "profile cpu: draft model small is not defined" in condition.message
+
+
+# --- what the agent is given -------------------------------------------------------------------
+
+
+def test_the_assignment_carries_the_draft_weights_its_engine_serves(sqlite_store: SqlStore) -> None:
+    target = {"kind": "Model", "name": "big", "source": "/models/big.gguf", "size": "8GB"}
+    draft = {
+        "kind": "Model",
+        "name": "small",
+        "source": "hf://org/small",
+        "format": "safetensors",
+        "size": "1GB",
+        "alternates": [{"format": "gguf", "source": "/models/small.gguf", "size": "1GB"}],
+    }
+    plain = {"kind": "Deployment", "name": "p", "model": "big", "profiles": [llama_cpu(None)]}
+    drafted = {"kind": "Deployment", "name": "d", "model": "big", "profiles": [llama_cpu(DRAFT)]}
+    apply_batch([target, draft, plain, drafted], sqlite_store)
+    replicas = [
+        Replica(name=f"{dep}-0", deployment=dep, profile="cpu", shards=(Shard(node="n", cpu_cores=2),))
+        for dep in ("p", "d")
+    ]
+    without, with_draft = assignment_entries(sqlite_store, replicas)
+    # llama.cpp loads the draft's GGUF alternate, cached as small.gguf, as it would the model's.
+    assert with_draft.draft is not None
+    assert (with_draft.draft.name, with_draft.draft.source) == ("small.gguf", "/models/small.gguf")
+    assert Assignment.model_validate_json(with_draft.model_dump_json()).draft == with_draft.draft
+    # An assignment without a draft is on the wire as before there were drafts.
+    assert without.draft is None and "draft" not in without.model_dump(mode="json")
