@@ -17,7 +17,7 @@ from fleetserve.kube.stack import cluster_problems
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.snapshot import ClusterSnapshot
 from fleetserve.spec.loader import Documents
-from fleetserve.validation import validate_deployment, weights_problems
+from fleetserve.validation import draft_problems, validate_deployment, weights_problems
 
 
 def _duplicates(kind: str, names: Iterable[str]) -> list[Problem]:
@@ -92,6 +92,7 @@ def check_documents(docs: Documents) -> list[Problem]:
             )
         else:
             problems += weights_problems(dep, models[dep.model])
+        problems += draft_problems(dep, models)
         problems += validate_deployment(dep, classes)
     problems += endpoint_problems(docs)
     for cluster in docs.clusters:

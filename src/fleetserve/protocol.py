@@ -196,6 +196,9 @@ class Assignment(BaseModel):
     # What the deployment serves, which the engine is started for (``EngineSpec.tasks``); omitted
     # when generate, so an assignment without it reads (and revisions) as before tasks existed.
     task: Task = Field(default=Task.GENERATE, exclude_if=lambda v: v is Task.GENERATE)
+    # A speculative profile's draft model, reduced to the weights its engine serves like ``model``
+    # (fetched into the node's cache the same way); omitted when none.
+    draft: Model | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class AssignmentSet(BaseModel):

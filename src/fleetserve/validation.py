@@ -41,6 +41,8 @@ class ResolvedProfile:
     nodes: int
     cpu: CpuRequest | None  # always set for CPU profiles; GPU profiles claim CPU only if asked
     context: int | None
+    # The draft model a speculative profile runs beside its model (placed with the replica).
+    draft: str | None = None
 
     @property
     def on_cpu(self) -> bool:
@@ -262,6 +264,35 @@ def validate_deployment(
     return out
 
 
+def draft_problems(dep: Deployment, models: Mapping[str, Model], location: str = "") -> list[Problem]:
+    """A profile's draft model (``speculative.draft``) that is not a Model, or whose weights its
+    engine cannot load: the draft is fetched and served like the deployment's model."""
+    where = location or f"Deployment {dep.name}"
+    out: list[Problem] = []
+    for profile in dep.profiles:
+        name = profile.speculative.draft if profile.speculative is not None else None
+        if name is None:
+            continue
+        field = f"profiles.{profile.name}.speculative.draft"
+        draft = models.get(name)
+        if draft is None:
+            known = ", ".join(sorted(models)) or "none defined"
+            out.append(
+                Problem(where, field, f"unknown draft model {name!r}: apply it as a Model; known: {known}")
+            )
+        elif weights_for(draft, profile.engine) is None:
+            out.append(
+                Problem(
+                    where,
+                    field,
+                    f"engine {profile.engine.value} loads {formats_text(profile.engine)} weights, and draft "
+                    f"model {name} has {' and '.join(w.format.value for w in draft.weights())} only: add "
+                    f"an alternate of format {formats_text(profile.engine)} to model {name}",
+                )
+            )
+    return out
+
+
 def weights_problems(dep: Deployment, model: Model, location: str = "") -> list[Problem]:
     """A profile whose engine loads none of its model's formats (primary or alternates), refused
     with the fix: the alternate to add (``engines.registry.weights_for`` is the rule)."""
@@ -321,6 +352,7 @@ def resolve_profile(profile: Profile, classes: Mapping[str, DeviceClass]) -> Res
         nodes=profile.nodes,
         cpu=cpu,
         context=profile.context,
+        draft=profile.speculative.draft if profile.speculative is not None else None,
     )
 
 

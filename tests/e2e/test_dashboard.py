@@ -321,6 +321,34 @@ def test_the_deployment_page_shows_what_it_serves(dash: Dashboard) -> None:
     expect(page.locator("#deployments tr", has_text="embedder")).to_contain_text("embed")
 
 
+def test_the_deployment_page_shows_each_profiles_speculative_draft(dash: Dashboard) -> None:
+    dash.server.apply(
+        [
+            {"kind": "Model", "name": "m-draft", "format": "gguf", "size": "100MB"},
+            {"kind": "Model", "name": "m-target", "format": "gguf", "size": "1GB"},
+            {
+                "kind": "Deployment",
+                "name": "drafted",
+                "model": "m-target",
+                "replicas": 0,
+                "profiles": [
+                    {
+                        "name": "draft",
+                        "engine": "llama.cpp",
+                        "speculative": {"draft": "m-draft", "tokens": 4},
+                    },
+                    {"name": "lookup", "engine": "llama.cpp", "speculative": {"method": "ngram"}},
+                ],
+            },
+        ]
+    )
+    dash.goto("/ui/deployments?name=drafted")
+    profiles = dash.page.locator("#profiles")
+    expect(profiles).to_contain_text("draft m-draft, 4 tokens")
+    expect(profiles).to_contain_text("n-gram lookup, 3 tokens")
+    dash.shot("deployment-speculative-1280")
+
+
 def test_an_endpoint_is_shown_beside_the_deployments_with_its_health(dash: Dashboard) -> None:
     closed = free_port()  # nothing listens there: the control plane's check cannot connect
     dash.server.apply(

@@ -105,6 +105,7 @@ class Agent:
         self._wanted: dict[str, Assignment] = {}  # replica → its assignment
         self._preparing: set[str] = set()
         self._model_of: dict[str, str] = {}  # replica → the model it serves (one pin each)
+        self._draft_of: dict[str, str] = {}  # replica → its speculative draft model (one pin each)
         # replica → its engine's metrics URL and metric names: the in-flight count a drain waits on
         self._metrics_of: dict[str, tuple[str, MetricMapping, str | None]] = {}
         # replica → its last in-flight reading and when (monotonic) it was taken
@@ -194,6 +195,14 @@ class Agent:
         self.cache.pin(model.name)
         with self._lock:
             self._model_of[replica.name] = model.name
+        draft_path = None
+        if entry.draft is not None:
+            # The draft is fetched, checked and pinned like the model it drafts for.
+            draft_path = self.cache.ensure(entry.draft)
+            check_model_path(profile.engine, entry.draft.source, draft_path)
+            self.cache.pin(entry.draft.name)
+            with self._lock:
+                self._draft_of[replica.name] = entry.draft.name
         shard_index = next(i for i, s in enumerate(replica.shards) if s.node == node.name)
         ctx = LaunchContext(
             replica=replica,
@@ -209,6 +218,7 @@ class Agent:
             peer_addresses=tuple(entry.peers),
             engine_key=entry.engine_key,
             task=entry.task,
+            draft_path=draft_path,
         )
         with self._lock:
             if replica.name not in self._wanted:
@@ -353,9 +363,12 @@ class Agent:
         self.supervisor.stop(name)
         with self._lock:
             model = self._model_of.pop(name, None)
+            draft = self._draft_of.pop(name, None)
             self._metrics_of.pop(name, None)
         if model is not None:
             self.cache.unpin(model)
+        if draft is not None:
+            self.cache.unpin(draft)
 
     def _stopped(self, name: str) -> None:
         """A stop is done: a replica assigned again under that name (by assignments newer than the

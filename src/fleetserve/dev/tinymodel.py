@@ -10,7 +10,9 @@ generates gibberish, fast — which is what a control plane's tests need.
 (``TinyShape``): ``bench/gpu_check.py`` serves a larger random one (``LARGER``, about 0.8 GB)
 beside the tiny one, so that a GPU has real work. ``write_tiny_embedding_model`` and
 ``write_tiny_reranker`` write the tiny model declaring mean or rank pooling, what llama-server's
-``--embeddings`` and ``--reranking`` serve.
+``--embeddings`` and ``--reranking`` serve. ``write_draft_model`` writes a draft for
+speculative decoding: the tiny model's first layer only, with its vocabulary, embeddings and
+output (a layer-skipping draft, about 0.37 MB), so it guesses most of the tiny model's tokens.
 """
 
 from __future__ import annotations
@@ -92,10 +94,25 @@ def vocabulary() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, [int(t) for t in types]
 
 
-def write_tiny_model(path: Path, shape: TinyShape = TINY, pooling: gguf.PoolingType | None = None) -> Path:
+def write_draft_model(path: Path, layers: int = 1) -> Path:
+    """Write a draft of the tiny model to ``path``: its first ``layers`` layers (fewer than its
+    own), every other weight the tiny model's; return the path."""
+    if not 1 <= layers < TINY.layers:
+        raise ValueError(f"a draft keeps 1 to {TINY.layers - 1} of the tiny model's {TINY.layers} layers")
+    return write_tiny_model(path, TINY, keep_layers=layers)
+
+
+def write_tiny_model(
+    path: Path,
+    shape: TinyShape = TINY,
+    pooling: gguf.PoolingType | None = None,
+    keep_layers: int | None = None,
+) -> Path:
     """Write the tiny model (or one of another ``shape``) to ``path`` (parent folders created);
     return the path. ``pooling``: the pooling type its metadata declares (an embedding model's
-    ``MEAN``, a reranker's ``RANK``), which llama-server uses where ``--pooling`` does not say."""
+    ``MEAN``, a reranker's ``RANK``), which llama-server uses where ``--pooling`` does not say.
+    ``keep_layers``: the same weights drawn, only the first that many layers written (a draft,
+    ``write_draft_model``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tokens, scores, types = vocabulary()
     rng = np.random.default_rng(SEED)
@@ -107,7 +124,8 @@ def write_tiny_model(path: Path, shape: TinyShape = TINY, pooling: gguf.PoolingT
     writer.add_name("fleetserve-tiny")
     writer.add_context_length(shape.context)
     writer.add_embedding_length(shape.embed)
-    writer.add_block_count(shape.layers)
+    kept = shape.layers if keep_layers is None else keep_layers
+    writer.add_block_count(kept)
     writer.add_feed_forward_length(shape.feed_forward)
     writer.add_head_count(shape.heads)
     writer.add_head_count_kv(shape.heads)
@@ -129,13 +147,16 @@ def write_tiny_model(path: Path, shape: TinyShape = TINY, pooling: gguf.PoolingT
     vocab = len(tokens)
     writer.add_tensor("token_embd.weight", weights(vocab, shape.embed))
     for i in range(shape.layers):
-        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(shape.embed, dtype=np.float32))
+        layer = {f"blk.{i}.attn_norm.weight": np.ones(shape.embed, dtype=np.float32)}
         for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
-            writer.add_tensor(f"blk.{i}.{name}.weight", weights(shape.embed, shape.embed))
-        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(shape.embed, dtype=np.float32))
-        writer.add_tensor(f"blk.{i}.ffn_gate.weight", weights(shape.feed_forward, shape.embed))
-        writer.add_tensor(f"blk.{i}.ffn_up.weight", weights(shape.feed_forward, shape.embed))
-        writer.add_tensor(f"blk.{i}.ffn_down.weight", weights(shape.embed, shape.feed_forward))
+            layer[f"blk.{i}.{name}.weight"] = weights(shape.embed, shape.embed)
+        layer[f"blk.{i}.ffn_norm.weight"] = np.ones(shape.embed, dtype=np.float32)
+        layer[f"blk.{i}.ffn_gate.weight"] = weights(shape.feed_forward, shape.embed)
+        layer[f"blk.{i}.ffn_up.weight"] = weights(shape.feed_forward, shape.embed)
+        layer[f"blk.{i}.ffn_down.weight"] = weights(shape.embed, shape.feed_forward)
+        if i < kept:
+            for name, tensor in layer.items():
+                writer.add_tensor(name, tensor)
     writer.add_tensor("output_norm.weight", np.ones(shape.embed, dtype=np.float32))
     writer.add_tensor("output.weight", weights(vocab, shape.embed))
     writer.write_header_to_file()

@@ -43,6 +43,8 @@ class LaunchContext:
     engine_key: str | None = field(default=None, repr=False)
     # What the deployment serves (``Deployment.task``): the engine row's ``tasks`` say how it starts.
     task: Task = Task.GENERATE
+    # The draft model's weights in the node's cache, for a profile whose ``speculative`` has one.
+    draft_path: Path | None = None
 
     @property
     def devices(self) -> tuple[int, ...]:

@@ -37,7 +37,7 @@ from fleetserve.errors import SourceError
 from fleetserve.metrics.mapping import MetricMapping
 from fleetserve.sources import HfRepo, HttpSource
 from fleetserve.spec.nodeparts import MAX_ENGINE_DEVICES, EngineDevice, EngineFingerprint
-from fleetserve.spec.resources import ModelFormat
+from fleetserve.spec.resources import ModelFormat, Speculative, SpeculativeMethod
 
 # Parallel slots: as many as the gateway sends a replica at once (engineArgs cannot change it).
 DEFAULT_SLOTS = 4
@@ -124,6 +124,24 @@ METRICS = MetricMapping(
 )
 
 
+def speculative_args(spec: Speculative, ctx: LaunchContext) -> list[str]:
+    """llama-server's speculative decoding (b11434's flags: ``--draft-max`` and ``--draft-min`` are
+    removed there, "use --spec-draft-n-max"): a draft model from the node's cache, on the replica's
+    device (every layer) or its placed threads, guessing ``tokens`` ahead; or n-gram lookup
+    (``ngram-simple``) drafting ``tokens`` from the text itself. The draft runs with the replica's
+    context (llama-server has no draft context size), which placement counted."""
+    if spec.method is SpeculativeMethod.NGRAM:
+        return ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-m", str(spec.tokens)]
+    if ctx.draft_path is None:
+        raise SourceError(f"speculative.draft {spec.draft}: the draft model is not in the node's cache")
+    args = ["--spec-type", "draft-simple", "--model-draft", str(ctx.draft_path)]
+    args += ["--spec-draft-n-max", str(spec.tokens)]
+    if DRIVERS[ctx.driver].is_accelerator:
+        return [*args, "--spec-draft-ngl", ALL_LAYERS]
+    threads = str(max(1, ctx.replica.shards[ctx.shard_index].cpu_cores))
+    return [*args, "--spec-draft-ngl", "0", "--spec-draft-threads", threads]
+
+
 class LlamaCppAdapter:
     """Builds ``llama-server`` command lines."""
 
@@ -151,6 +169,8 @@ class LlamaCppAdapter:
         else:
             argv += ["--threads", str(max(1, shard.cpu_cores)), "--n-gpu-layers", "0"]
         argv += TASKS[ctx.task].args
+        if ctx.profile.speculative is not None:
+            argv += speculative_args(ctx.profile.speculative, ctx)
         argv += list(ctx.profile.engine_args)
         base = f"http://{url_host(ctx.host)}:{ctx.port}"
         env = dict(visible_devices_env(ctx.driver, ctx.variant, ctx.devices))

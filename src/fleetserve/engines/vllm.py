@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
 import re
 import sys
 from pathlib import Path
@@ -48,7 +49,7 @@ from fleetserve.errors import SourceError
 from fleetserve.metrics.mapping import MetricMapping
 from fleetserve.sources import HfRepo, HttpSource
 from fleetserve.spec.nodeparts import EngineFingerprint
-from fleetserve.spec.resources import ModelFormat
+from fleetserve.spec.resources import ModelFormat, Speculative, SpeculativeMethod
 
 # The share of each GPU's memory vLLM may take (weights, activations, KV cache).
 GPU_MEMORY_UTILIZATION = "0.90"
@@ -126,12 +127,30 @@ def runs_module(binary: str) -> bool:
     return re.fullmatch(r"python[0-9.]*", Path(binary).name) is not None
 
 
-def kv_cache_bytes(memory: int, model_path: Path) -> int:
-    """Bytes of KV cache for a CPU replica placed with ``memory`` bytes serving ``model_path``:
-    ``CPU_KV_SHARE`` of the placed memory less the weights on disk, whole MiB, at least CPU_KV_MIN."""
-    files = model_path.rglob("*") if model_path.is_dir() else iter((model_path,))
-    weights = sum(f.stat().st_size for f in files if f.is_file())
+def _disk_bytes(path: Path) -> int:
+    files = path.rglob("*") if path.is_dir() else iter((path,))
+    return sum(f.stat().st_size for f in files if f.is_file())
+
+
+def kv_cache_bytes(memory: int, model_path: Path, draft_path: Path | None = None) -> int:
+    """Bytes of KV cache for a CPU replica placed with ``memory`` bytes serving ``model_path`` (and
+    drafting with ``draft_path``): ``CPU_KV_SHARE`` of the placed memory less the weights on disk,
+    whole MiB, at least CPU_KV_MIN."""
+    weights = _disk_bytes(model_path) + (_disk_bytes(draft_path) if draft_path is not None else 0)
     return max(CPU_KV_MIN, int(max(0, memory - weights) * CPU_KV_SHARE) // MIB * MIB)
+
+
+def speculative_args(spec: Speculative, ctx: LaunchContext) -> list[str]:
+    """vLLM 0.32's ``--speculative-config`` JSON: ``ngram`` (prompt lookup, its own window of 5),
+    or ``draft_model`` with the draft's directory in the node's cache, ``tokens`` guessed ahead."""
+    config: dict[str, object] = {"num_speculative_tokens": spec.tokens}
+    if spec.method is SpeculativeMethod.NGRAM:
+        config["method"] = "ngram"
+    else:
+        if ctx.draft_path is None:
+            raise SourceError(f"speculative.draft {spec.draft}: the draft model is not in the node's cache")
+        config |= {"method": "draft_model", "model": str(ctx.draft_path)}
+    return ["--speculative-config", json.dumps(config, sort_keys=True)]
 
 
 def cpu_launch(ctx: LaunchContext) -> LaunchSpec:
@@ -146,11 +165,13 @@ def cpu_launch(ctx: LaunchContext) -> LaunchSpec:
         "--host", ctx.host,
         "--port", str(ctx.port),
         "--served-model-name", served,
-        "--kv-cache-memory-bytes", str(kv_cache_bytes(shard.memory, ctx.model_path)),
+        "--kv-cache-memory-bytes", str(kv_cache_bytes(shard.memory, ctx.model_path, ctx.draft_path)),
     ]  # fmt: skip
     if ctx.context is not None:
         argv += ["--max-model-len", str(ctx.context)]
     argv += TASKS[ctx.task].args
+    if ctx.profile.speculative is not None:
+        argv += speculative_args(ctx.profile.speculative, ctx)
     argv += list(ctx.profile.engine_args)
     threads = str(max(1, shard.cpu_cores))
     env = {
@@ -207,6 +228,8 @@ class VllmAdapter:
             argv += ["--pipeline-parallel-size", str(nodes), "--distributed-executor-backend", "ray"]
             sidecars = ((ray, "start", "--block", "--head", f"--port={RAY_PORT}"),)
         argv += TASKS[ctx.task].args
+        if ctx.profile.speculative is not None:
+            argv += speculative_args(ctx.profile.speculative, ctx)
         argv += list(ctx.profile.engine_args)
         if ctx.engine_key:
             env[API_KEY_ENV] = ctx.engine_key

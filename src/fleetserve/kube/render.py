@@ -26,6 +26,7 @@ from fleetserve.drivers import DRIVERS, Driver, host_driver, pool_label, pool_ta
 from fleetserve.engines.launch import LaunchContext, LaunchSpec
 from fleetserve.engines.registry import ENGINES
 from fleetserve.engines.spec import EngineKind, Task
+from fleetserve.errors import ConfigError, Problem
 from fleetserve.kube.objects import (
     CLUSTER_LABEL,
     DEPLOYMENT_LABEL,
@@ -202,6 +203,18 @@ def _probe(path: str, period: int, failures: int) -> client.V1Probe:
 
 def _launch(inp: ReplicaInput, rp: ResolvedProfile, shard_index: int, head: str) -> LaunchSpec:
     pod = ENGINES[rp.engine].pod
+    if rp.draft is not None:
+        # The engine downloads its one model itself in a pod; nothing fetches a second one there.
+        raise ConfigError(
+            [
+                Problem(
+                    f"Deployment {inp.replica.deployment}",
+                    f"profiles.{rp.name}.speculative.draft",
+                    "a Kubernetes pod fetches no draft model: use method: ngram there, "
+                    "or serve the draft profile with fleetserve agents",
+                )
+            ]
+        )
     ctx = LaunchContext(
         replica=inp.replica,
         shard_index=shard_index,

@@ -1,7 +1,9 @@
 """What one replica of a profile needs, worked out once before any node is looked at.
 
 Memory must fit: weights plus KV cache for the context, spread over the replica's devices, plus
-a runtime overhead per device — against device memory, or host RAM for a CPU replica.
+a runtime overhead per device — against device memory, or host RAM for a CPU replica. A
+speculative replica's draft model adds its own weights and its KV cache for the same context (both
+engines run the draft with the replica's context, on the replica's devices).
 """
 
 from __future__ import annotations
@@ -54,9 +56,14 @@ def model_bytes(facts: ModelFacts, context: int | None) -> int:
     return facts.weight_bytes + facts.kv_bytes_per_token * ctx
 
 
-def demand_for(profile: ResolvedProfile, facts: ModelFacts, cls: DeviceClass | None) -> Demand:
-    """The demand of one replica of ``profile`` serving the model ``facts`` describes."""
+def demand_for(
+    profile: ResolvedProfile, facts: ModelFacts, cls: DeviceClass | None, draft: ModelFacts | None = None
+) -> Demand:
+    """The demand of one replica of ``profile`` serving the model ``facts`` describes, drafting with
+    the model ``draft`` describes (its weights and KV cache for the served model's context)."""
     total = model_bytes(facts, profile.context)
+    if draft is not None:
+        total += model_bytes(draft, profile.context or facts.context_length)
     if not profile.on_cpu and cls is None:
         raise ValueError(
             f"profile {profile.name}: device class {profile.device_class} is not in the snapshot"

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from fleetserve.conditions import Condition, ConditionReason, ConditionType
 from fleetserve.drivers import Driver
 from fleetserve.engines.registry import formats_text
+from fleetserve.modelfacts import ModelFacts
 from fleetserve.placement.choose import Found
 from fleetserve.placement.demand import Demand, demand_for
 from fleetserve.placement.index import IndexedSearch
@@ -25,7 +26,7 @@ from fleetserve.placement.report import ProfileReport, render_report
 from fleetserve.placement.state import WorkingState
 from fleetserve.snapshot import ClusterSnapshot
 from fleetserve.spec.resources import Deployment, Replica, ReplicaState
-from fleetserve.validation import gate
+from fleetserve.validation import ResolvedProfile, gate
 
 # Unplaced replicas a stored decision explains one by one; the rest are counted (``to_record``).
 RECORDED_UNPLACED = 20
@@ -236,6 +237,12 @@ class Placer:
             return Placement(replica, found.scores, tuple(reports))
         return Unplaced(name, tuple(reports))
 
+    def _draft_facts(self, profile: ResolvedProfile) -> ModelFacts | None:
+        """The facts of the weights of ``profile``'s draft model its engine serves; None where
+        the draft is not in the snapshot or its engine loads none of its formats."""
+        facts = self.snapshot.models.get(profile.draft or "")
+        return facts.for_engine(profile.engine) if facts is not None else None
+
     def _is_lost(self, replica: Replica) -> bool:
         return self.snapshot.on_lost_node(replica)
 
@@ -309,11 +316,27 @@ class Placer:
                     ),
                 )
             )
+        # A speculative profile's draft, measured as its engine serves it (None: not measurable).
+        drafts = {p.name: self._draft_facts(p) for p in result.usable if p.draft is not None}
+        undrafted = [p for p in result.usable if p.name in drafts and drafts[p.name] is None]
+        if undrafted:
+            extra.append(
+                Condition(
+                    ConditionType.MODEL_KNOWN,
+                    False,
+                    ConditionReason.UNKNOWN_MODEL,
+                    "; ".join(
+                        f"profile {p.name}: draft model {p.draft} is not defined, its size is unknown "
+                        f"or engine {p.engine.value} loads none of its formats"
+                        for p in undrafted
+                    ),
+                )
+            )
         if missing > 0:
             demands = [
-                demand_for(p, weights, self.snapshot.classes.get(p.device_class or ""))
+                demand_for(p, weights, self.snapshot.classes.get(p.device_class or ""), drafts.get(p.name))
                 for p in result.usable
-                if (weights := served.get(p.name)) is not None
+                if (weights := served.get(p.name)) is not None and p not in undrafted
             ]
             names = _ordinal_names(
                 dep.name,

@@ -286,6 +286,44 @@ class CpuRequest(Spec):
     memory: Bytes | None = None
 
 
+class SpeculativeMethod(StrEnum):
+    """Where a speculative replica's guessed tokens come from."""
+
+    DRAFT = "draft"  # a smaller model sharing the served model's vocabulary
+    NGRAM = "ngram"  # n-grams looked up in the prompt and what was generated, no second model
+
+
+# Most tokens a draft may guess ahead in one step (both engines verify them in one batch).
+MAX_SPECULATIVE_TOKENS = 32
+
+
+class Speculative(Spec):
+    """A profile's speculative decoding: ``{draft: MODEL, tokens: N}`` or ``{method: ngram, tokens: N}``.
+
+    The draft is a Model document by name: fetched into the node's cache like the served model,
+    and its weights and KV cache placed with the replica (``placement.demand``). Each engine's
+    adapter starts it (``speculative_args`` in ``engines/llamacpp.py`` and ``engines/vllm.py``).
+    """
+
+    method: SpeculativeMethod = SpeculativeMethod.DRAFT
+    draft: Name | None = None
+    tokens: int = Field(default=3, ge=1, le=MAX_SPECULATIVE_TOKENS)
+
+    @model_validator(mode="after")
+    def _draft_matches_method(self) -> Speculative:
+        if self.method is SpeculativeMethod.DRAFT and self.draft is None:
+            raise ValueError(
+                "speculative.draft: name the draft Model (a smaller model with the same vocabulary), "
+                "or write method: ngram for n-gram lookup without a draft"
+            )
+        if self.method is SpeculativeMethod.NGRAM and self.draft is not None:
+            raise ValueError(
+                "speculative.draft: method ngram looks tokens up in the text and takes no draft model; "
+                "drop draft or drop method: ngram"
+            )
+        return self
+
+
 class Profile(Spec):
     """One way to serve a model: engine, runtime variant, device class, shape, priority."""
 
@@ -300,6 +338,8 @@ class Profile(Spec):
     engine_args: tuple[str, ...] = ()
     cpu: CpuRequest | None = None
     context: int | None = Field(default=None, ge=1, le=100_000_000)
+    # Omitted when unset, so a profile without it serialises (and its revision digests) as before.
+    speculative: Speculative | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class Deployment(Spec):

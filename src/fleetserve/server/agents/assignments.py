@@ -79,6 +79,18 @@ def assignment_entries(store: AssignmentReads, replicas: list[Replica]) -> list[
             resolved = resolve_profile(profile, classes)
         except (InternalError, KeyError):
             continue  # its class changed under it: the gate reports it; keep what runs
+        draft: Model | None = None
+        if profile.speculative is not None and profile.speculative.draft is not None:
+            name = profile.speculative.draft
+            if name not in models:
+                try:
+                    models[name] = store.get_model(name)
+                except NotFound:
+                    models[name] = None
+            found = models[name]
+            if found is None:
+                continue  # its draft was deleted: placement reports it; keep what runs
+            draft = weights_for(found, profile.engine) or found
         out.append(
             Assignment(
                 replica=replica,
@@ -93,6 +105,7 @@ def assignment_entries(store: AssignmentReads, replicas: list[Replica]) -> list[
                 peers=[addresses.get(s.node, "") for s in replica.shards],
                 engine_key=keys.get(replica.name),
                 task=deployment.task,
+                draft=draft,
             )
         )
     return out

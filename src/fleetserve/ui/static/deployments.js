@@ -30,6 +30,24 @@ function replicaRows(replicas) {
   ]);
 }
 
+// A profile's speculative decoding: its draft model (or n-gram lookup) and tokens guessed ahead.
+function speculativeText(spec) {
+  if (!spec) return "—";
+  const source = spec.method === "ngram" ? "n-gram lookup" : `draft ${spec.draft}`;
+  return `${source}, ${spec.tokens} tokens`;
+}
+
+// The deployment's profiles in placement order as written: engine, where it runs, speculative.
+function profileRows(profiles) {
+  return (profiles || []).map((p) => [
+    p.name,
+    p.engine + (p.runtime ? `/${p.runtime}` : ""),
+    p.deviceClass ? `${p.devicesPerNode || 1}× ${p.deviceClass}` : "cpu",
+    p.context ? String(p.context) : "model's",
+    el("span", { class: "speculative", text: speculativeText(p.speculative) }),
+  ]);
+}
+
 // Endpoints as replicas are shown: name, where, what it serves, weight, health.
 function endpointRows(endpoints) {
   return endpoints.map((e) => [
@@ -228,6 +246,7 @@ function detailPage(main, status, name) {
         e.repeats > 1 ? `×${e.repeats}` : "",
       ]);
       body.replaceChildren(
+        section("Profiles", table(["Profile", "Engine", "Runs on", "Context", "Speculative"], profileRows(dep.profiles), { id: "profiles" })),
         section("Replicas", replicas.length ? table(["Replica", "Profile", "Node", "Devices", "Revision", "State"], replicaRows(replicas), { id: "replicas" }) : empty("No replica placed.")),
         listed.length ? section("Endpoints", endpointTable(listed)) : "",
         section("Conditions", conditions.length ? table(["Type", "Status", "Reason", "Message"], conditions) : empty("Not reconciled yet.")),
