@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 from fake_engine import ServedGateway, engines_on
+from fleetserve.gateway.app import NO_STEER
 from fleetserve.store.sql import SqlStore
 
 RESET = b"reset"
@@ -175,8 +176,11 @@ NGINX_502 = (
     [
         ("/chat/completions", CHAT, http_answer(500, OPENAI_500), json.loads(OPENAI_500)["error"]),
         (
-            "/embeddings",
-            EMBED,
+            # The recorded 501 of llama-server asked for embeddings without --embeddings; the gateway
+            # now refuses that request itself (a deployment's task), so the engine's 501 is relayed
+            # on a route the gateway passes.
+            "/chat/completions",
+            CHAT,
             http_answer(501, LLAMA_501),
             {
                 "code": 501,
@@ -328,7 +332,7 @@ def forward(bench: Bench, retry: bool) -> tuple[int, list[dict[str, object]]]:
         sent.append(message)
 
     body = json.dumps(CHAT).encode()
-    work = bench.gw.gateway._forward(send, "tiny", b"/v1/chat/completions", body, None, Exchange(), retry)
+    work = bench.gw.gateway._forward(send, "tiny", b"/v1/chat/completions", body, NO_STEER, Exchange(), retry)
     return asyncio.run_coroutine_threadsafe(work, bench.gw.loop).result(10), sent
 
 
