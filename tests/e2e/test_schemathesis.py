@@ -35,6 +35,14 @@ FLEET: list[dict[str, Any]] = [
     {"kind": "DeviceClass", "name": GPU_CLASS, "driver": "gpu.nvidia.com", "memory": "80GiB"},
     {"kind": "DeviceClass", "name": "amd-mi325x", "driver": "gpu.amd.com", "memory": "256GiB"},
     {"kind": "Fabric", "name": "ib-a", "type": "infiniband"},
+    # A server fleetserve did not start (nothing listens there: it stays NotReady, its key file absent).
+    {
+        "kind": "Endpoint",
+        "name": "outside",
+        "url": "http://127.0.0.1:9",
+        "models": ["ext"],
+        "keyFile": "outside.key",
+    },
     *(
         {
             "kind": "Node",
@@ -211,6 +219,7 @@ def existing_names(server) -> dict[str, str]:
         "/api/v1/agent/models/": "m-gpu",
         "/api/v1/deployments/": "gpu-tp2",
         "/api/v1/replicas/": replica,
+        "/api/v1/endpoints/": "outside",
     }
 
 

@@ -81,7 +81,7 @@ def gateway(tmp_path: Path) -> Iterator[tuple[ServedGateway, Path]]:
 
 
 def serve_from(gw: ServedGateway, tmp: Path, port: int) -> str:
-    engines_on(gw.store, [port], tmp / "tiny.gguf")
+    engines_on(gw.store, [port], tmp / "tiny.gguf", task="embed")  # its answers are embeddings
     deadline = time.monotonic() + 10
     while not (gw.gateway.table.routes.get("tiny") and gw.gateway.table.routes["tiny"].endpoints):
         assert time.monotonic() < deadline, "the replica never reached the routes"
