@@ -113,6 +113,14 @@ def test_shared_prefixes_land_where_cached_and_a_restart_is_learned(fleet):
     home = homes["a"]
     assert gateway.caches.cached_tokens(home, keys) > 0
 
+    # The observer has read the engine's prompt-token counter (a restart is its fall): scrapes are
+    # a second apart, and the prompts above may all have gone in less.
+    observer = fleet.gw.app.state.observer
+    wait_for(
+        lambda: observer.engine_values.get(home, {}).get("fleetserve_prompt_tokens_total", 0) > 0,
+        timeout=10,
+        what="the observer to read the engine's prompt tokens",
+    )
     # The engine holding group a's prompt restarts: its cache is gone.
     index = int(home.rsplit("-", 1)[1])
     stop_process(fleet.procs[index])
