@@ -751,3 +751,34 @@ def stop_process(proc: subprocess.Popen[Any], grace: float = 10) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(10)
+
+
+def server_and_mirrored_agent(
+    servers: ServerFactory, agents: AgentFactory, tmp: Path, node: str, mirror: Path, cores: int
+) -> tuple[ServerProcess, AgentProcess]:
+    """A server on SQLite in ``tmp`` (short deadlines) and one agent, ``node``, of ``cores`` CPU
+    cores, fetching from the Hub stand-in at ``mirror``; returned once the node is Ready."""
+    inventory = tmp / "inventory.yaml"
+    inventory.write_text(f"kind: Node\ncpu: {{cores: {cores}}}\n")
+    server = servers.start(f"sqlite:///{tmp / 'state.db'}", extra_args=short_deadline_args(tmp))
+    agent = agents.start(
+        server.url,
+        server.join_token,
+        node,
+        extra_args=("--hf-mirror", str(mirror), "--inventory-file", str(inventory)),
+    )
+
+    def registered() -> bool:
+        with server.client(timeout=10) as api:
+            return any(n["name"] == node and n["state"] == "Ready" for n in api.get("/nodes").json())
+
+    wait_for(registered, timeout=60, what=f"{node} to register")
+    return server, agent
+
+
+def api_key(server: ServerProcess, name: str, models: list[str]) -> str:
+    """A new API key named ``name`` for ``models`` (``["*"]``: every one)."""
+    with server.client(timeout=10) as api:
+        made = api.post("/keys", json={"name": name, "models": models})
+    assert made.status_code == 200, made.text
+    return str(made.json()["key"])

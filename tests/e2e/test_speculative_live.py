@@ -32,10 +32,11 @@ from e2e_support import (
     AgentProcess,
     ServerFactory,
     ServerProcess,
+    api_key,
     engine_headers,
     processes_mentioning,
     run_cli,
-    short_deadline_args,
+    server_and_mirrored_agent,
     wait_for,
 )
 from openai import OpenAI
@@ -168,27 +169,11 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     tmp = tmp_path_factory.mktemp("speculative")
     mirror = write_mirror(tmp / "mirror")
     gguf, draft = write_tiny_model(tmp / "tiny.gguf"), write_draft_model(tmp / "tiny-draft.gguf")
-    inventory = tmp / "inventory.yaml"
-    inventory.write_text("kind: Node\ncpu: {cores: 4}\n")
     servers, agents = ServerFactory(tmp), AgentFactory(tmp)
     try:
-        server = servers.start(f"sqlite:///{tmp / 'state.db'}", extra_args=short_deadline_args(tmp))
-        agent = agents.start(
-            server.url,
-            server.join_token,
-            NODE,
-            extra_args=("--hf-mirror", str(mirror), "--inventory-file", str(inventory)),
-        )
-
-        def registered() -> bool:
-            with server.client(timeout=10) as api:
-                return any(n["name"] == NODE and n["state"] == "Ready" for n in api.get("/nodes").json())
-
-        wait_for(registered, timeout=60, what=f"{NODE} to register")
-        with server.client(timeout=10) as api:
-            made = api.post("/keys", json={"name": "spec", "models": [LLAMA, VLLM, VLLM_DRAFT]})
-        assert made.status_code == 200, made.text
-        fleet = Fleet(server, agent, str(made.json()["key"]))
+        server, agent = server_and_mirrored_agent(servers, agents, tmp, NODE, mirror, cores=4)
+        key = api_key(server, "spec", [LLAMA, VLLM, VLLM_DRAFT])
+        fleet = Fleet(server, agent, key)
         server.apply(documents(gguf, draft))
         wait_for(lambda: fleet.running(LLAMA), timeout=120, what="the llama.cpp replica to be Running")
         yield fleet

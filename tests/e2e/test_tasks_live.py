@@ -31,8 +31,9 @@ from e2e_support import (
     AgentProcess,
     ServerFactory,
     ServerProcess,
+    api_key,
     processes_mentioning,
-    short_deadline_args,
+    server_and_mirrored_agent,
     wait_for,
 )
 from openai import OpenAI
@@ -138,27 +139,11 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     hf_repo(mirror, "fleetserve/tiny-rerank", classifier=True)
     embedder = write_tiny_embedding_model(tmp / "emb.gguf")
     reranker = write_tiny_reranker(tmp / "rr.gguf")
-    inventory = tmp / "inventory.yaml"
-    inventory.write_text("kind: Node\ncpu: {cores: 4}\n")
     servers, agents = ServerFactory(tmp), AgentFactory(tmp)
     try:
-        server = servers.start(f"sqlite:///{tmp / 'state.db'}", extra_args=short_deadline_args(tmp))
-        agent = agents.start(
-            server.url,
-            server.join_token,
-            NODE,
-            extra_args=("--hf-mirror", str(mirror), "--inventory-file", str(inventory)),
-        )
-
-        def registered() -> bool:
-            with server.client(timeout=10) as api:
-                return any(n["name"] == NODE and n["state"] == "Ready" for n in api.get("/nodes").json())
-
-        wait_for(registered, timeout=60, what=f"{NODE} to register")
-        with server.client(timeout=10) as api:
-            made = api.post("/keys", json={"name": "tasks", "models": ["*"]})
-        assert made.status_code == 200, made.text
-        fleet = Fleet(server, agent, str(made.json()["key"]))
+        server, agent = server_and_mirrored_agent(servers, agents, tmp, NODE, mirror, cores=4)
+        key = api_key(server, "tasks", ["*"])
+        fleet = Fleet(server, agent, key)
         started = time.monotonic()
         server.apply(documents(embedder, reranker))
         for name in (EMB_LLAMA, RR_LLAMA, EMB_VLLM, RR_VLLM):

@@ -36,10 +36,11 @@ from e2e_support import (
     AgentProcess,
     ServerFactory,
     ServerProcess,
+    api_key,
     engine_headers,
     processes_mentioning,
     run_cli,
-    short_deadline_args,
+    server_and_mirrored_agent,
     wait_for,
 )
 from openai import OpenAI
@@ -171,27 +172,11 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     mirror = write_mirror(tmp / "mirror")
     gguf = write_tiny_model(tmp / "tiny.gguf")
     # Three cores, whatever this machine has: llama.cpp's replica takes 2, vLLM's the last one.
-    inventory = tmp / "inventory.yaml"
-    inventory.write_text("kind: Node\ncpu: {cores: 3}\n")
     servers, agents = ServerFactory(tmp), AgentFactory(tmp)
     try:
-        server = servers.start(f"sqlite:///{tmp / 'state.db'}", extra_args=short_deadline_args(tmp))
-        agent = agents.start(
-            server.url,
-            server.join_token,
-            NODE,
-            extra_args=("--hf-mirror", str(mirror), "--inventory-file", str(inventory)),
-        )
-
-        def registered() -> bool:
-            with server.client(timeout=10) as api:
-                return any(n["name"] == NODE and n["state"] == "Ready" for n in api.get("/nodes").json())
-
-        wait_for(registered, timeout=60, what=f"{NODE} to register")
-        with server.client(timeout=10) as api:
-            made = api.post("/keys", json={"name": "e2e", "models": [DEPLOYMENT]})
-        assert made.status_code == 200, made.text
-        fleet = Fleet(server, agent, str(made.json()["key"]), 0.0)
+        server, agent = server_and_mirrored_agent(servers, agents, tmp, NODE, mirror, cores=3)
+        key = api_key(server, "e2e", [DEPLOYMENT])
+        fleet = Fleet(server, agent, key, 0.0)
         applied = time.monotonic()
         server.apply(documents(gguf))
         wait_for(
