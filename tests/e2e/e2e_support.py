@@ -782,3 +782,78 @@ def api_key(server: ServerProcess, name: str, models: list[str]) -> str:
         made = api.post("/keys", json={"name": name, "models": models})
     assert made.status_code == 200, made.text
     return str(made.json()["key"])
+
+
+def hf_cache_repo(root: Path, repo: str, write: Callable[[Path], Any], commit: str = "0" * 40) -> Path:
+    """Lay ``repo`` out as huggingface_hub's cache lays it out under ``root`` (what an agent's
+    ``--hf-mirror`` serves as ``hf://REPO``): ``write(snapshot)`` fills the snapshot folder of
+    ``commit``, which ``refs/main`` names. The snapshot folder."""
+    cached = root / f"models--{repo.replace('/', '--')}"
+    snapshot = cached / "snapshots" / commit
+    write(snapshot)
+    (cached / "refs").mkdir(exist_ok=True)
+    (cached / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+@dataclass
+class LiveFleet:
+    """A real server and one agent serving real engines, and a gateway API key: what the live
+    engine tests (tasks, speculative decoding, adapters) read their deployments through."""
+
+    server: ServerProcess
+    agent: AgentProcess
+    key: str
+
+    def running(self, deployment: str) -> dict[str, Any] | None:
+        """``deployment``'s first replica that is Running with a port, as the admin API details it;
+        a Failed or CrashLoop replica fails the test at once, naming its status."""
+        rows = replica_details(self.server, deployment)
+        for row in rows:
+            if row["state"] in ("Failed", "CrashLoop"):
+                raise AssertionError(f"{deployment}: {row['state']}: {row.get('status')}")
+        up = [r for r in rows if r["state"] == "Running" and r["status"].get("port")]
+        return up[0] if up else None
+
+    def openai(self) -> Any:
+        from openai import OpenAI
+
+        return OpenAI(base_url=f"{self.server.url}/v1", api_key=self.key, max_retries=0, timeout=120)
+
+    def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {self.key}"}
+        return httpx.post(f"{self.server.url}{path}", json=body, headers=headers, timeout=120)
+
+    def engine_argv(self, port: int) -> list[str]:
+        """The command line of the one engine process of this agent listening on ``port``."""
+        found = [
+            p.cmdline()
+            for p in processes_mentioning(self.agent.cache_dir)
+            if "--port" in p.cmdline() and p.cmdline()[p.cmdline().index("--port") + 1] == str(port)
+        ]
+        assert len(found) == 1, found
+        return list(found[0])
+
+    def argv(self, deployment: str) -> list[str]:
+        """The command line of the engine serving ``deployment``'s Running replica."""
+        replica = self.running(deployment)
+        assert replica is not None, f"{deployment} has no Running replica"
+        return self.engine_argv(int(replica["status"]["port"]))
+
+
+@contextlib.contextmanager
+def live_fleet(
+    tmp: Path, node: str, mirror: Path, *, cores: int, key_models: tuple[str, ...] = ("*",)
+) -> Iterator[LiveFleet]:
+    """``server_and_mirrored_agent`` and an API key for ``key_models``; at exit every process is
+    stopped, and an engine that outlived its agent, or any process still naming ``tmp``, fails."""
+    servers, agents = ServerFactory(tmp), AgentFactory(tmp)
+    try:
+        server, agent = server_and_mirrored_agent(servers, agents, tmp, node, mirror, cores=cores)
+        yield LiveFleet(server, agent, api_key(server, node, list(key_models)))
+    finally:
+        orphans = agents.close()
+        servers.close()
+        leftover = [" ".join(p.cmdline()) for p in processes_mentioning(tmp)]
+    assert not orphans, orphans
+    assert not leftover, f"processes outlived the fleet: {leftover}"

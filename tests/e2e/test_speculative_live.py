@@ -21,25 +21,12 @@ import json
 import re
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from e2e_support import (
-    AgentFactory,
-    AgentProcess,
-    ServerFactory,
-    ServerProcess,
-    api_key,
-    engine_headers,
-    processes_mentioning,
-    run_cli,
-    server_and_mirrored_agent,
-    wait_for,
-)
-from openai import OpenAI
+from e2e_support import LiveFleet, engine_headers, hf_cache_repo, live_fleet, run_cli, wait_for
 
 from fleetserve.dev.tinyhf import write_tiny_hf_model
 from fleetserve.dev.tinymodel import write_draft_model, write_tiny_model
@@ -124,68 +111,30 @@ def documents(gguf: Path, draft: Path) -> list[dict[str, Any]]:
     ]
 
 
-@dataclass
-class Fleet:
-    server: ServerProcess
-    agent: AgentProcess
-    key: str
-
-    def running(self, deployment: str) -> dict[str, Any] | None:
-        with self.server.client(timeout=10) as api:
-            listed = api.get("/replicas", params={"deployment": deployment}).json()
-            rows = [api.get(f"/replicas/{r['name']}").json() for r in listed]
-        ready = [r for r in rows if r["state"] == "Running" and r["status"].get("port")]
-        return ready[0] if ready else None
-
-    def openai(self) -> OpenAI:
-        return OpenAI(base_url=f"{self.server.url}/v1", api_key=self.key, max_retries=0, timeout=120)
-
-    def engine_argv(self, port: int) -> list[str]:
-        found = [
-            p.cmdline()
-            for p in processes_mentioning(self.agent.cache_dir)
-            if "--port" in p.cmdline() and p.cmdline()[p.cmdline().index("--port") + 1] == str(port)
-        ]
-        assert len(found) == 1, found
-        return found[0]
-
-
 def write_mirror(root: Path) -> Path:
     """An offline Hugging Face cache: the tiny safetensors model (written by the CLI) and its draft."""
-    for repo, layers in ((REPO, None), (DRAFT_REPO, 1)):
-        snapshot = root / f"models--{repo.replace('/', '--')}" / "snapshots" / COMMIT
-        if layers is None:
-            out = run_cli("dev", "tiny-model", "--format", "safetensors", str(snapshot))
-            assert out.returncode == 0, out.stderr
-        else:
-            write_tiny_hf_model(snapshot, layers=layers)
-        (snapshot.parents[1] / "refs").mkdir()
-        (snapshot.parents[1] / "refs" / "main").write_text(COMMIT)
+
+    def by_the_cli(snapshot: Path) -> None:
+        out = run_cli("dev", "tiny-model", "--format", "safetensors", str(snapshot))
+        assert out.returncode == 0, out.stderr
+
+    hf_cache_repo(root, REPO, by_the_cli, COMMIT)
+    hf_cache_repo(root, DRAFT_REPO, lambda snapshot: write_tiny_hf_model(snapshot, layers=1), COMMIT)
     return root
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveFleet]:
     tmp = tmp_path_factory.mktemp("speculative")
     mirror = write_mirror(tmp / "mirror")
     gguf, draft = write_tiny_model(tmp / "tiny.gguf"), write_draft_model(tmp / "tiny-draft.gguf")
-    servers, agents = ServerFactory(tmp), AgentFactory(tmp)
-    try:
-        server, agent = server_and_mirrored_agent(servers, agents, tmp, NODE, mirror, cores=4)
-        key = api_key(server, "spec", [LLAMA, VLLM, VLLM_DRAFT])
-        fleet = Fleet(server, agent, key)
-        server.apply(documents(gguf, draft))
+    with live_fleet(tmp, NODE, mirror, cores=4, key_models=(LLAMA, VLLM, VLLM_DRAFT)) as fleet:
+        fleet.server.apply(documents(gguf, draft))
         wait_for(lambda: fleet.running(LLAMA), timeout=120, what="the llama.cpp replica to be Running")
         yield fleet
-    finally:
-        orphans = agents.close()
-        servers.close()
-        leftover = [" ".join(p.cmdline()) for p in processes_mentioning(tmp)]
-    assert not orphans, orphans
-    assert not leftover, f"processes outlived the fleet: {leftover}"
 
 
-def stream(fleet: Fleet, model: str) -> tuple[str, list[Any]]:
+def stream(fleet: LiveFleet, model: str) -> tuple[str, list[Any]]:
     ask = {"model": model, **ASK, "temperature": 0, "seed": 7}
     with fleet.openai() as client:
         chunks = list(client.chat.completions.create(**ask, stream=True))  # type: ignore[call-overload]
@@ -197,7 +146,7 @@ def stream(fleet: Fleet, model: str) -> tuple[str, list[Any]]:
     return text, chunks
 
 
-def test_llama_cpp_drafts_with_the_draft_model_fetched_into_the_nodes_cache(fleet: Fleet) -> None:
+def test_llama_cpp_drafts_with_the_draft_model_fetched_into_the_nodes_cache(fleet: LiveFleet) -> None:
     replica = fleet.running(LLAMA)
     assert replica is not None
     argv = fleet.engine_argv(replica["status"]["port"])
@@ -231,7 +180,7 @@ def test_llama_cpp_drafts_with_the_draft_model_fetched_into_the_nodes_cache(flee
     ],
 )
 def test_vllms_cpu_build_serves_a_speculative_stream(
-    fleet: Fleet, deployment: str, config: dict[str, Any]
+    fleet: LiveFleet, deployment: str, config: dict[str, Any]
 ) -> None:
     started = time.monotonic()
     replica = wait_for(

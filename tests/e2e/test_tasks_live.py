@@ -19,24 +19,13 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from e2e_support import (
-    AgentFactory,
-    AgentProcess,
-    ServerFactory,
-    ServerProcess,
-    api_key,
-    processes_mentioning,
-    server_and_mirrored_agent,
-    wait_for,
-)
-from openai import OpenAI
+from e2e_support import LiveFleet, hf_cache_repo, live_fleet, wait_for
 
 from fleetserve.dev.tinyhf import HIDDEN, write_tiny_hf_model
 from fleetserve.dev.tinymodel import EMBED, write_tiny_embedding_model, write_tiny_reranker
@@ -55,10 +44,7 @@ DOCUMENTS = ["the fleet serves models", "a node with a gpu", "hello world"]
 
 def hf_repo(root: Path, repo: str, *, classifier: bool) -> None:
     """The tiny safetensors model as ``hf://REPO`` in an offline huggingface_hub cache at ``root``."""
-    cached = root / f"models--{repo.replace('/', '--')}"
-    write_tiny_hf_model(cached / "snapshots" / COMMIT, classifier=classifier)
-    (cached / "refs").mkdir()
-    (cached / "refs" / "main").write_text(COMMIT)
+    hf_cache_repo(root, repo, lambda snapshot: write_tiny_hf_model(snapshot, classifier=classifier), COMMIT)
 
 
 def safetensors(name: str, repo: str) -> dict[str, Any]:
@@ -94,56 +80,16 @@ def documents(embedder: Path, reranker: Path) -> list[dict[str, Any]]:
     return models + deployments
 
 
-@dataclass
-class Fleet:
-    server: ServerProcess
-    agent: AgentProcess
-    key: str
-
-    def running(self, deployment: str) -> dict[str, Any] | None:
-        with self.server.client(timeout=10) as api:
-            listed = api.get("/replicas", params={"deployment": deployment}).json()
-            rows = [api.get(f"/replicas/{r['name']}").json() for r in listed]
-        for row in rows:
-            if row["state"] in ("Failed", "CrashLoop"):
-                raise AssertionError(f"{deployment}: {row['state']}: {row.get('status')}")
-        up = [r for r in rows if r["state"] == "Running" and r["status"].get("port")]
-        return up[0] if up else None
-
-    def openai(self) -> OpenAI:
-        return OpenAI(base_url=f"{self.server.url}/v1", api_key=self.key, max_retries=0, timeout=120)
-
-    def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
-        headers = {"Authorization": f"Bearer {self.key}"}
-        return httpx.post(f"{self.server.url}{path}", json=body, headers=headers, timeout=120)
-
-    def argv(self, deployment: str) -> list[str]:
-        """The command line of the engine serving ``deployment`` (its port's process)."""
-        replica = self.running(deployment)
-        assert replica is not None
-        port = str(replica["status"]["port"])
-        found = [
-            p.cmdline()
-            for p in processes_mentioning(self.agent.cache_dir)
-            if "--port" in p.cmdline() and p.cmdline()[p.cmdline().index("--port") + 1] == port
-        ]
-        assert len(found) == 1, found
-        return found[0]
-
-
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveFleet]:
     tmp = tmp_path_factory.mktemp("tasks")
     mirror = tmp / "mirror"
     hf_repo(mirror, "fleetserve/tiny-embed", classifier=False)
     hf_repo(mirror, "fleetserve/tiny-rerank", classifier=True)
     embedder = write_tiny_embedding_model(tmp / "emb.gguf")
     reranker = write_tiny_reranker(tmp / "rr.gguf")
-    servers, agents = ServerFactory(tmp), AgentFactory(tmp)
-    try:
-        server, agent = server_and_mirrored_agent(servers, agents, tmp, NODE, mirror, cores=4)
-        key = api_key(server, "tasks", ["*"])
-        fleet = Fleet(server, agent, key)
+    with live_fleet(tmp, NODE, mirror, cores=4) as fleet:
+        server = fleet.server
         started = time.monotonic()
         server.apply(documents(embedder, reranker))
         for name in (EMB_LLAMA, RR_LLAMA, EMB_VLLM, RR_VLLM):
@@ -160,15 +106,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 
         wait_for(routed, timeout=30, what="the gateway to route the four deployments")
         yield fleet
-    finally:
-        orphans = agents.close()
-        servers.close()
-        leftover = [" ".join(p.cmdline()) for p in processes_mentioning(tmp)]
-    assert not orphans, orphans
-    assert not leftover, f"processes outlived the fleet: {leftover}"
 
 
-def test_each_engine_is_started_for_its_deployments_task(fleet: Fleet) -> None:
+def test_each_engine_is_started_for_its_deployments_task(fleet: LiveFleet) -> None:
     llama_embed, llama_rerank = fleet.argv(EMB_LLAMA), fleet.argv(RR_LLAMA)
     assert "--embeddings" in llama_embed and "--reranking" not in llama_embed
     assert "--reranking" in llama_rerank and "--embeddings" not in llama_rerank
@@ -181,7 +121,7 @@ def test_each_engine_is_started_for_its_deployments_task(fleet: Fleet) -> None:
 
 @pytest.mark.parametrize(("deployment", "width"), [(EMB_LLAMA, EMBED), (EMB_VLLM, HIDDEN)])
 def test_the_official_client_gets_a_vector_of_the_models_width_per_input(
-    fleet: Fleet, deployment: str, width: int
+    fleet: LiveFleet, deployment: str, width: int
 ) -> None:
     with fleet.openai() as client:
         answer = client.embeddings.create(model=deployment, input=INPUTS)
@@ -196,7 +136,7 @@ def test_the_official_client_gets_a_vector_of_the_models_width_per_input(
 
 
 @pytest.mark.parametrize("deployment", [RR_LLAMA, RR_VLLM])
-def test_rerank_scores_every_document_against_the_query(fleet: Fleet, deployment: str) -> None:
+def test_rerank_scores_every_document_against_the_query(fleet: LiveFleet, deployment: str) -> None:
     body = {"model": deployment, "query": QUERY, "documents": DOCUMENTS}
     response = fleet.post("/v1/rerank", body)
     print(f"POST /v1/rerank {json.dumps(body)} -> {response.status_code} {response.text}")
@@ -211,14 +151,14 @@ def test_rerank_scores_every_document_against_the_query(fleet: Fleet, deployment
 
 
 @pytest.mark.parametrize("deployment", [EMB_LLAMA, EMB_VLLM, RR_LLAMA, RR_VLLM])
-def test_a_chat_request_to_a_pooling_model_is_the_gateways_400(fleet: Fleet, deployment: str) -> None:
+def test_a_chat_request_to_a_pooling_model_is_the_gateways_400(fleet: LiveFleet, deployment: str) -> None:
     with fleet.openai() as client, pytest.raises(openai.BadRequestError) as raised:
         client.chat.completions.create(model=deployment, messages=[{"role": "user", "content": "hi"}])
     print(f"chat to {deployment}: {raised.value.status_code} {raised.value.message}")
     assert raised.value.code == "model_task_mismatch" and "task generate" in raised.value.message
 
 
-def test_embeddings_and_rerank_go_only_to_deployments_of_that_task(fleet: Fleet) -> None:
+def test_embeddings_and_rerank_go_only_to_deployments_of_that_task(fleet: LiveFleet) -> None:
     to_reranker = fleet.post("/v1/embeddings", {"model": RR_LLAMA, "input": "hi"})
     to_embedder = fleet.post("/v1/rerank", {"model": EMB_VLLM, "query": "q", "documents": ["a"]})
     for response, needs in ((to_reranker, "task embed"), (to_embedder, "task rerank")):
@@ -226,7 +166,7 @@ def test_embeddings_and_rerank_go_only_to_deployments_of_that_task(fleet: Fleet)
         assert needs in response.json()["error"]["message"]
 
 
-def test_the_model_list_says_each_models_task(fleet: Fleet) -> None:
+def test_the_model_list_says_each_models_task(fleet: LiveFleet) -> None:
     listed = httpx.get(
         f"{fleet.server.url}/v1/models", headers={"Authorization": f"Bearer {fleet.key}"}, timeout=30
     ).json()["data"]
