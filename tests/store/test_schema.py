@@ -24,7 +24,7 @@ from fleetserve.store.tables import Base
 # The same migrations in chain order: under the old ids, and under the ids they have now.
 # (None: a migration newer than the old numbering, which no database stamped under it is at.)
 OLD_IDS = ("0001", "0003", "0005", "0002", "0006", "0007", "0008", None, None, None)
-NEW_IDS = ("0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009", "0010")
+NEW_IDS = ("0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009", "0010", "0011")
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
