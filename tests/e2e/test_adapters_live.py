@@ -135,7 +135,7 @@ class Fleet:
 
     def usage(self, model: str) -> int:
         with self.server.client(timeout=10) as api:
-            report = api.get("/api/v1/usage", params={"model": model, "step": "minute"}).json()
+            report = api.get("/usage", params={"model": model, "step": "minute"}).json()
         return sum(int(m.get("requests", 0)) for m in report["totals"]["models"] if m["model"] == model)
 
 
