@@ -135,4 +135,6 @@ def adapter_facts(adapter: Adapter, base_dir: Path | None = None) -> ModelFacts:
                 )
             ]
         )
-    return ModelFacts(name=adapter.name, weight_bytes=size, kv_bytes_per_token=0, context_length=DEFAULT_CONTEXT)
+    return ModelFacts(
+        name=adapter.name, weight_bytes=size, kv_bytes_per_token=0, context_length=DEFAULT_CONTEXT
+    )

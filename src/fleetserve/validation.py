@@ -294,9 +294,7 @@ def draft_problems(dep: Deployment, models: Mapping[str, Model], location: str =
     return out
 
 
-def adapter_problems(
-    dep: Deployment, adapters: Mapping[str, Adapter], location: str = ""
-) -> list[Problem]:
+def adapter_problems(dep: Deployment, adapters: Mapping[str, Adapter], location: str = "") -> list[Problem]:
     """A deployment's ``adapters`` that are not Adapters, are on another model than the
     deployment's, or that a profile's engine cannot load (its row's ``adapters``: none, or another
     format); adapters on a deployment of a task other than generate."""
@@ -316,7 +314,9 @@ def adapter_problems(
         adapter = adapters.get(name)
         if adapter is None:
             known = ", ".join(sorted(adapters)) or "none defined"
-            out.append(Problem(where, field, f"unknown adapter {name!r}: apply it as an Adapter; known: {known}"))
+            out.append(
+                Problem(where, field, f"unknown adapter {name!r}: apply it as an Adapter; known: {known}")
+            )
             continue
         if adapter.base != dep.model:
             out.append(
@@ -339,7 +339,11 @@ def adapter_problems(
                     )
                 )
             elif support.format is not adapter.format:
-                others = [e.kind.value for e in ENGINES.values() if e.adapters and e.adapters.format is adapter.format]
+                others = [
+                    e.kind.value
+                    for e in ENGINES.values()
+                    if e.adapters and e.adapters.format is adapter.format
+                ]
                 out.append(
                     Problem(
                         where,

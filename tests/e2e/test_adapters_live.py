@@ -53,12 +53,24 @@ ASK = {"prompt": "hello fleet, hello", "max_tokens": 12, "temperature": 0, "seed
 
 def llama_deployment() -> dict[str, Any]:
     profile = {"name": "cpu", "engine": "llama.cpp", "cpu": {"cores": 1}, "context": 256}
-    return {"kind": "Deployment", "name": LLAMA, "model": "tiny", "profiles": [profile], "adapters": [GGUF_LORA]}
+    return {
+        "kind": "Deployment",
+        "name": LLAMA,
+        "model": "tiny",
+        "profiles": [profile],
+        "adapters": [GGUF_LORA],
+    }
 
 
 def vllm_deployment(adapters: list[str]) -> dict[str, Any]:
     profile = {"name": "cpu", "engine": "vllm", "runtime": "cpu", "cpu": {"cores": 1}, "context": 256}
-    return {"kind": "Deployment", "name": VLLM, "model": "tiny-hf", "profiles": [profile], "adapters": adapters}
+    return {
+        "kind": "Deployment",
+        "name": VLLM,
+        "model": "tiny-hf",
+        "profiles": [profile],
+        "adapters": adapters,
+    }
 
 
 def documents(gguf: Path, lora: Path) -> list[dict[str, Any]]:
@@ -197,7 +209,9 @@ def test_llama_cpp_serves_its_gguf_adapter_beside_the_base_model(fleet: Fleet) -
     entries = {m["id"]: m for m in listed["data"]}
     assert entries[GGUF_LORA]["parent"] == LLAMA and "parent" not in entries[LLAMA]
     # Usage is accounted under the adapter's name (the gateway flushes its counts every 10 s).
-    wait_for(lambda: fleet.usage(GGUF_LORA) >= 2, timeout=40, what="usage under the adapter's name", interval=2)
+    wait_for(
+        lambda: fleet.usage(GGUF_LORA) >= 2, timeout=40, what="usage under the adapter's name", interval=2
+    )
     # A key limited to the base model cannot name the adapter: the same 404 as an unknown model.
     base_only = api_key(fleet.server, "base-only", [LLAMA])
     refused = fleet.complete(GGUF_LORA, key=base_only)
@@ -221,7 +235,9 @@ def test_vllm_serves_a_peft_adapter_and_loads_one_added_while_it_runs(fleet: Fle
     base = routed(fleet, VLLM)
     adapted = routed(fleet, PEFT_LORA)
     assert adapted != base
-    wait_for(lambda: fleet.usage(PEFT_LORA) >= 1, timeout=40, what="usage under the adapter's name", interval=2)
+    wait_for(
+        lambda: fleet.usage(PEFT_LORA) >= 1, timeout=40, what="usage under the adapter's name", interval=2
+    )
 
     # Add an adapter to the running deployment: loaded at run time, nothing restarted.
     fleet.server.apply([vllm_deployment([PEFT_LORA, PEFT_LORA_2])])

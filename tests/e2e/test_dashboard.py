@@ -565,7 +565,13 @@ def test_the_deployment_page_shows_its_adapters(dash: Dashboard) -> None:
     dash.server.apply(
         [
             {"kind": "Model", "name": "m-base", "format": "gguf", "size": "1GB"},
-            {"kind": "Adapter", "name": "m-sql", "base": "m-base", "source": "hf://org/sql/sql.gguf", "size": "50MB"},
+            {
+                "kind": "Adapter",
+                "name": "m-sql",
+                "base": "m-base",
+                "source": "hf://org/sql/sql.gguf",
+                "size": "50MB",
+            },
             {
                 "kind": "Deployment",
                 "name": "adapted",

@@ -50,7 +50,9 @@ MiB = 1 << 20
 BASE = Model(name="base", source="/models/base.gguf", size=8 * GiB)
 BASE_HF = Model(name="base", source="hf://org/base", format="safetensors", size=8 * GiB)
 GGUF = Adapter(name="sql", base="base", source="/adapters/sql.gguf", format=AdapterFormat.GGUF, size=80 * MiB)
-PEFT = Adapter(name="chat", base="base", source="hf://org/chat-lora", format=AdapterFormat.PEFT, size=40 * MiB)
+PEFT = Adapter(
+    name="chat", base="base", source="hf://org/chat-lora", format=AdapterFormat.PEFT, size=40 * MiB
+)
 LLAMA = {"name": "cpu", "engine": "llama.cpp", "cpu": {"cores": 2}, "context": 256}
 VLLM = {"name": "cpu", "engine": "vllm", "runtime": "cpu", "cpu": {"cores": 2}, "context": 256}
 
@@ -112,7 +114,10 @@ def test_apply_refuses_unknown_adapters_a_format_the_engine_does_not_load_and_ot
         "adapters",
         "LoRA adapters serve generated text, and this deployment's task is embed",
     )
-    assert check_documents(documents(build_deployment("d", 1, LLAMA, model="base", adapters=["sql"]), GGUF)) == []
+    assert (
+        check_documents(documents(build_deployment("d", 1, LLAMA, model="base", adapters=["sql"]), GGUF))
+        == []
+    )
 
 
 def test_an_adapter_needs_a_known_base_and_a_name_of_its_own() -> None:
@@ -168,7 +173,9 @@ def test_llama_cpp_loads_every_adapter_at_start_with_none_applied() -> None:
     assert "--lora" not in launch(EngineKind.LLAMACPP, ()).argv
 
 
-def test_vllm_enables_lora_with_its_modules_a_rank_that_holds_them_and_runtime_updates(tmp_path: Path) -> None:
+def test_vllm_enables_lora_with_its_modules_a_rank_that_holds_them_and_runtime_updates(
+    tmp_path: Path,
+) -> None:
     big = tmp_path / "big"
     big.mkdir()
     (big / "adapter_config.json").write_text(json.dumps({"r": 48}))
@@ -203,7 +210,12 @@ def test_the_flags_are_the_installed_llama_servers_own() -> None:
 
 # (engine, adapters the replica loaded, the adapter the request named or None) -> the body's fields
 TRANSLATIONS = [
-    (EngineKind.LLAMACPP, ("sql", "law"), "law", {"lora": [{"id": 0, "scale": 0.0}, {"id": 1, "scale": 1.0}]}),
+    (
+        EngineKind.LLAMACPP,
+        ("sql", "law"),
+        "law",
+        {"lora": [{"id": 0, "scale": 0.0}, {"id": 1, "scale": 1.0}]},
+    ),
     (EngineKind.LLAMACPP, ("sql", "law"), None, {"lora": [{"id": 0, "scale": 0.0}, {"id": 1, "scale": 0.0}]}),
     (EngineKind.LLAMACPP, (), None, {}),
     (EngineKind.VLLM, ("chat",), "chat", {"model": "chat"}),
@@ -244,9 +256,11 @@ def test_an_adapters_route_holds_the_replicas_that_loaded_it_with_its_fields() -
 def test_the_adapters_bytes_join_the_replicas_memory() -> None:
     profile = resolve_profile(Profile.model_validate(LLAMA), {})
     facts = ModelFacts("base", weight_bytes=8 * GiB, kv_bytes_per_token=0, context_length=256)
-    assert demand_for(profile, facts, None, None, 80 * MiB).host_memory - demand_for(
-        profile, facts, None
-    ).host_memory == 80 * MiB
+    assert (
+        demand_for(profile, facts, None, None, 80 * MiB).host_memory
+        - demand_for(profile, facts, None).host_memory
+        == 80 * MiB
+    )
 
 
 def test_a_replica_that_fits_alone_but_not_with_its_adapters_is_unschedulable() -> None:

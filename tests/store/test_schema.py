@@ -147,15 +147,17 @@ def test_a_replicas_reported_adapters_move_the_change_counter(bare: Engine) -> N
     migrate(bare)
     with bare.begin() as conn:
         conn.execute(
-            text("INSERT INTO replicas (name, deployment, profile, state, spec, status) VALUES "
-                 "('r-0', 'r', 'p', 'Running', '{}', '{\"port\": 1}')")  # fmt: skip
+            text(
+                "INSERT INTO replicas (name, deployment, profile, state, spec, status) VALUES "
+                "('r-0', 'r', 'p', 'Running', '{}', '{\"port\": 1}')"
+            )
         )
     store = SqlStore(bare)
     before = store.fleet_changes()
     with bare.begin() as conn:
-        conn.execute(text("UPDATE replicas SET status = '{\"port\": 1, \"adapters\": [\"a\"]}'"))
+        conn.execute(text('UPDATE replicas SET status = \'{"port": 1, "adapters": ["a"]}\''))
     assert store.fleet_changes() > before
     before = store.fleet_changes()
     with bare.begin() as conn:
-        conn.execute(text("UPDATE replicas SET status = '{\"port\": 1, \"adapters\": [\"a\"], \"inFlight\": 3}'"))
+        conn.execute(text('UPDATE replicas SET status = \'{"port": 1, "adapters": ["a"], "inFlight": 3}\''))
     assert store.fleet_changes() == before

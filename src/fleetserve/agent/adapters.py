@@ -79,7 +79,13 @@ class AdapterSync:
             return list(held.now) if held is not None and held.now else None
 
     def sync(
-        self, replica: str, engine: EngineKind, wanted: Sequence[Model], port: int, restarts: int, key: str | None
+        self,
+        replica: str,
+        engine: EngineKind,
+        wanted: Sequence[Model],
+        port: int,
+        restarts: int,
+        key: str | None,
     ) -> None:
         """Start loading and unloading what ``replica`` lacks or no longer lists, on a thread of
         its own (none when nothing changes, the engine cannot, or one runs for it already)."""
@@ -123,7 +129,9 @@ class AdapterSync:
                 for name in drop:
                     response = http.post(f"{base}{unload_path}", json={"lora_name": name})
                     if response.status_code >= 400:
-                        log.warning("replica %s: unloading adapter %s: %s", replica, name, response.text[:500])
+                        log.warning(
+                            "replica %s: unloading adapter %s: %s", replica, name, response.text[:500]
+                        )
                         continue
                     with self._lock:
                         held = self._loaded.get(replica)

@@ -160,7 +160,10 @@ def register(app: typer.Typer) -> None:
     @app.command("get")
     def get_command(
         kind: Annotated[
-            str, typer.Argument(help="nodes, classes, fabrics, models, deployments, replicas, endpoints or adapters.")
+            str,
+            typer.Argument(
+                help="nodes, classes, fabrics, models, deployments, replicas, endpoints or adapters."
+            ),
         ],
         name: Annotated[str | None, typer.Argument(help="One object's name; omit to list all.")] = None,
         server: ServerOpt = None,

@@ -16,7 +16,6 @@ from rich.console import Console
 
 from fleetserve.adminapi.credentials import EnrolmentView
 from fleetserve.adminapi.endpoints import EndpointView
-from fleetserve.spec.adapter import Adapter
 from fleetserve.adminapi.fleet import (
     DeploymentDetail,
     DeploymentView,
@@ -29,6 +28,7 @@ from fleetserve.cli.output import Column, Format, emit
 from fleetserve.conditions import ConditionType
 from fleetserve.errors import ConfigError, Problem
 from fleetserve.protocol import AgentStatus
+from fleetserve.spec.adapter import Adapter
 from fleetserve.spec.resources import DeviceClass, Fabric, Model, Node, Replica, Shard
 from fleetserve.spec.yamlbounds import safe_load_all
 from fleetserve.units import format_bytes

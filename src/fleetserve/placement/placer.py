@@ -348,7 +348,11 @@ class Placer:
         if missing > 0:
             demands = [
                 demand_for(
-                    p, weights, self.snapshot.classes.get(p.device_class or ""), drafts.get(p.name), adapter_bytes
+                    p,
+                    weights,
+                    self.snapshot.classes.get(p.device_class or ""),
+                    drafts.get(p.name),
+                    adapter_bytes,
                 )
                 for p in result.usable
                 if (weights := served.get(p.name)) is not None and p not in undrafted and not unmeasured

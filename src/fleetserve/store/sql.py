@@ -27,8 +27,8 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from fleetserve.spec.loader import Documents
-from fleetserve.store.audit import SqlAudit
 from fleetserve.store.adapters import SqlAdapters
+from fleetserve.store.audit import SqlAudit
 from fleetserve.store.base import doc
 from fleetserve.store.credentials import SqlCredentials
 from fleetserve.store.db import make_engine
