@@ -234,7 +234,7 @@ function detailPage(main, status, name) {
         api("GET", `/deployments/${path}/explain`),
         api("GET", `/decisions?deployment=${path}&limit=20`),
         api("GET", "/endpoints"),
-        (dep.adapters || []).length ? api("GET", "/adapters") : Promise.resolve([]),
+        (dep.adapters || []).length ? api("GET", "/adapters") : [],
       ]);
       const listed = endpoints.filter((e) => (dep.endpoints || []).includes(e.name));
       const replicas = dep.replicas || [];
