@@ -11,7 +11,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from fleetserve.errors import ConfigError, Problem
-from fleetserve.gguf_facts import model_facts
+from fleetserve.gguf_facts import adapter_facts, model_facts
 from fleetserve.kube.pods import image_problems
 from fleetserve.kube.stack import cluster_problems
 from fleetserve.modelfacts import ModelFacts
@@ -179,6 +179,11 @@ def snapshot_from(docs: Documents, base_dir: Path | None = None) -> ClusterSnaps
     for model in docs.models:
         try:
             facts[model.name] = model_facts(model, base_dir)
+        except ConfigError as err:
+            problems += err.problems
+    for adapter in docs.adapters:  # under its own name: no model has it (check_documents)
+        try:
+            facts[adapter.name] = adapter_facts(adapter, base_dir)
         except ConfigError as err:
             problems += err.problems
     if problems:
