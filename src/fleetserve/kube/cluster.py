@@ -228,9 +228,8 @@ def render_cluster(
                     Problem(p.location, p.field, f"{p.message} (deployment {dep.name})") for p in err.problems
                 )
                 continue
-            objects.extend(
-                render_replica(ReplicaInput(replica, profile, model, cluster, classes, dep.task, dep.adapters))
-            )
+            given = ReplicaInput(replica, profile, model, cluster, classes, dep.task, dep.adapters)
+            objects.extend(render_replica(given))
             rendered.append(replica.name)
     if problems:
         raise ConfigError(list(dict.fromkeys(problems)))
