@@ -7,7 +7,8 @@ serve a base model and its adapters through the gateway, on both engines.
 - ``lora-vllm``: vLLM's CPU build on the tiny safetensors model (an offline Hugging Face mirror) with
   ``hf-lora``, a PEFT adapter (``write_tiny_peft_lora``) from the same mirror (``--lora-modules``).
   ``hf-lora-2`` is then added to the running deployment: the agent loads it through vLLM's
-  ``/v1/load_lora_adapter``, and the replica (name, engine process) is the same one.
+  ``/v1/load_lora_adapter``, and the replica (name, engine process) is the same one; dropped again,
+  it is unloaded through ``/v1/unload_lora_adapter``, still without a restart.
 
 A request naming an adapter answers otherwise than the base with the same seed at temperature 0,
 and its usage is accounted under the adapter's name. Every fixture is written at test time.
@@ -248,5 +249,17 @@ def test_vllm_serves_a_peft_adapter_and_loads_one_added_while_it_runs(fleet: Fle
     assert after["status"].get("restarts", 0) == replica["status"].get("restarts", 0)
     assert fleet.engine(after["status"]["port"]).pid == engine.pid
     assert after["status"].get("adapters") == [PEFT_LORA, PEFT_LORA_2], after["status"]
+
+    # Drop it again: out of the routes at once, unloaded through /v1/unload_lora_adapter.
+    fleet.server.apply([vllm_deployment([PEFT_LORA])])
+
+    def unloaded() -> dict[str, Any] | None:
+        now = fleet.running(VLLM)
+        return now if now is not None and now["status"].get("adapters") == [PEFT_LORA] else None
+
+    final = wait_for(unloaded, timeout=60, what=f"{PEFT_LORA_2} unloaded", interval=1.0)
+    assert final["name"] == replica["name"] and fleet.engine(final["status"]["port"]).pid == engine.pid
+    assert fleet.complete(PEFT_LORA_2).status_code == 404
+    assert fleet.text(PEFT_LORA) == adapted
     log = fleet.agent.log()
-    print("agent:", [line for line in log.splitlines() if "adapter" in line][-3:])
+    print("agent:", [line for line in log.splitlines() if "adapter" in line and "fleetserve.agent" in line])
