@@ -14,21 +14,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from loopback_http import serving_on_loopback
 
 from fleetserve.agent.adapters import AdapterSync
 from fleetserve.engines.spec import EngineKind
 from fleetserve.spec.resources import Model, ModelFormat
+from loopback_http import serving_on_loopback
 
-CALLS: list[tuple[str, dict[str, Any], str | None]] = []
-REFUSE: set[str] = set()
+seen: list[tuple[str, dict[str, Any], str | None]] = []
+refused: set[str] = set()
 
 
 class FakeVllm(BaseHTTPRequestHandler):
-    def do_POST(self) -> None:  # noqa: N802 (the handler's name)
+    def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        CALLS.append((self.path, body, self.headers.get("Authorization")))
-        status = 400 if body.get("lora_name") in REFUSE else 200
+        seen.append((self.path, body, self.headers.get("Authorization")))
+        status = 400 if body.get("lora_name") in refused else 200
         self.send_response(status)
         self.send_header("Content-Length", "2")
         self.end_headers()
@@ -40,8 +40,8 @@ class FakeVllm(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def port() -> Iterator[int]:
-    CALLS.clear()
-    REFUSE.clear()
+    seen.clear()
+    refused.clear()
     with serving_on_loopback(FakeVllm, "fake-vllm-lora") as port:
         yield port
 
@@ -84,20 +84,20 @@ def test_added_adapters_are_loaded_and_dropped_ones_unloaded_with_the_engines_ke
     assert sync.loaded("r-0") == ["a"]
     sync.sync("r-0", EngineKind.VLLM, [lora("a"), lora("b")], port, 0, "k")
     settle(sync, "r-0")
-    assert CALLS == [
+    assert seen == [
         ("/v1/load_lora_adapter", {"lora_name": "b", "lora_path": str(tmp_path / "b")}, "Bearer k")
     ]
     assert sync.loaded("r-0") == ["a", "b"] and cache.pins == {"b": 1}
-    CALLS.clear()
+    seen.clear()
     sync.sync("r-0", EngineKind.VLLM, [lora("b")], port, 0, "k")
     settle(sync, "r-0")
-    assert CALLS == [("/v1/unload_lora_adapter", {"lora_name": "a"}, "Bearer k")]
+    assert seen == [("/v1/unload_lora_adapter", {"lora_name": "a"}, "Bearer k")]
     assert sync.loaded("r-0") == ["b"]
     # Nothing changed: no call.
-    CALLS.clear()
+    seen.clear()
     sync.sync("r-0", EngineKind.VLLM, [lora("b")], port, 0, "k")
     settle(sync, "r-0")
-    assert CALLS == []
+    assert seen == []
     assert sync.stopped("r-0") == ("b",)
 
 
@@ -105,15 +105,15 @@ def test_a_refused_load_is_not_reported_and_is_tried_again(port: int, tmp_path: 
     cache = Cache(tmp_path)
     sync = AdapterSync(cache.fetch, cache.release, "127.0.0.1")
     sync.started("r-0", [])
-    REFUSE.add("b")
+    refused.add("b")
     sync.sync("r-0", EngineKind.VLLM, [lora("b")], port, 0, None)
     settle(sync, "r-0")
     assert sync.loaded("r-0") is None and cache.pins == {"b": 0}
-    REFUSE.clear()
+    refused.clear()
     sync.sync("r-0", EngineKind.VLLM, [lora("b")], port, 0, None)
     settle(sync, "r-0")
     assert sync.loaded("r-0") == ["b"] and cache.pins == {"b": 1}
-    assert [c[0] for c in CALLS] == ["/v1/load_lora_adapter", "/v1/load_lora_adapter"]
+    assert [c[0] for c in seen] == ["/v1/load_lora_adapter", "/v1/load_lora_adapter"]
 
 
 def test_a_restarted_engine_gets_its_run_time_adapters_again(port: int, tmp_path: Path) -> None:
@@ -122,11 +122,11 @@ def test_a_restarted_engine_gets_its_run_time_adapters_again(port: int, tmp_path
     sync.started("r-0", ["a"])
     sync.sync("r-0", EngineKind.VLLM, [lora("a"), lora("b")], port, 0, None)
     settle(sync, "r-0")
-    CALLS.clear()
+    seen.clear()
     # The supervisor restarted it (restarts 0 -> 1): it holds its argv's "a" only; "b" again.
     sync.sync("r-0", EngineKind.VLLM, [lora("a"), lora("b")], port, 1, None)
     settle(sync, "r-0")
-    assert [(c[0], c[1]["lora_name"]) for c in CALLS] == [("/v1/load_lora_adapter", "b")]
+    assert [(c[0], c[1]["lora_name"]) for c in seen] == [("/v1/load_lora_adapter", "b")]
     assert sync.loaded("r-0") == ["a", "b"] and cache.pins == {"b": 1}
 
 
@@ -135,4 +135,4 @@ def test_an_engine_that_loads_adapters_only_at_start_is_never_called(port: int, 
     sync = AdapterSync(cache.fetch, cache.release, "127.0.0.1")
     sync.started("r-0", ["a"])
     sync.sync("r-0", EngineKind.LLAMACPP, [lora("a"), lora("b")], port, 0, None)
-    assert "r-0" not in sync._busy and CALLS == [] and sync.loaded("r-0") == ["a"]
+    assert "r-0" not in sync._busy and seen == [] and sync.loaded("r-0") == ["a"]
