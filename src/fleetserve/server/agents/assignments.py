@@ -98,7 +98,7 @@ def assignment_entries(store: AssignmentReads, replicas: list[Replica]) -> list[
                 try:
                     adapter_docs[name] = store.get_adapter(name).as_model()
                 except NotFound:
-                    adapter_docs[name] = None  # deleted: apply refuses that while listed
+                    adapter_docs[name] = None  # deleted meanwhile: the replica starts without it
             found_adapter = adapter_docs[name]
             if found_adapter is not None:
                 adapters.append(found_adapter)
