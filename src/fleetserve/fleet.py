@@ -11,13 +11,13 @@ from pathlib import Path
 from types import MappingProxyType
 
 from fleetserve.errors import ConfigError, Problem
-from fleetserve.gguf_facts import model_facts
+from fleetserve.gguf_facts import adapter_facts, model_facts
 from fleetserve.kube.pods import image_problems
 from fleetserve.kube.stack import cluster_problems
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.snapshot import ClusterSnapshot
 from fleetserve.spec.loader import Documents
-from fleetserve.validation import draft_problems, validate_deployment, weights_problems
+from fleetserve.validation import adapter_problems, draft_problems, validate_deployment, weights_problems
 
 
 def _duplicates(kind: str, names: Iterable[str]) -> list[Problem]:
@@ -45,6 +45,7 @@ def check_documents(docs: Documents) -> list[Problem]:
     problems += _duplicates("Replica", (r.name for r in docs.replicas))
     problems += _duplicates("Cluster", (c.name for c in docs.clusters))
     problems += _duplicates("Endpoint", (e.name for e in docs.endpoints))
+    problems += _duplicates("Adapter", (a.name for a in docs.adapters))
     classes = {c.name: c for c in docs.classes}
     fabrics = {f.name for f in docs.fabrics}
     models = {m.name: m for m in docs.models}
@@ -93,8 +94,10 @@ def check_documents(docs: Documents) -> list[Problem]:
         else:
             problems += weights_problems(dep, models[dep.model])
         problems += draft_problems(dep, models)
+        problems += adapter_problems(dep, {a.name: a for a in docs.adapters})
         problems += validate_deployment(dep, classes)
     problems += endpoint_problems(docs)
+    problems += adapter_document_problems(docs)
     for cluster in docs.clusters:
         problems += cluster_problems(cluster, classes)
         problems += image_problems(cluster)
@@ -146,6 +149,29 @@ def endpoint_problems(docs: Documents) -> list[Problem]:
     return problems
 
 
+def adapter_document_problems(docs: Documents) -> list[Problem]:
+    """An Adapter whose base is not a Model, or whose name a Model or Deployment has: a client
+    names the adapter as its model, and the node cache keeps it under that name."""
+    problems: list[Problem] = []
+    models = {m.name for m in docs.models}
+    taken = models | {d.name for d in docs.deployments}
+    for adapter in docs.adapters:
+        where = f"Adapter {adapter.name}"
+        if adapter.base not in models:
+            known = ", ".join(sorted(models)) or "none defined"
+            problems.append(Problem(where, "base", f"unknown model {adapter.base!r}; known: {known}"))
+        if adapter.name in taken:
+            problems.append(
+                Problem(
+                    where,
+                    "name",
+                    f"a Model or Deployment is named {adapter.name!r} too: clients name an adapter as "
+                    "their model, so give the adapter a name of its own",
+                )
+            )
+    return problems
+
+
 def snapshot_from(docs: Documents, base_dir: Path | None = None) -> ClusterSnapshot:
     """Check the documents and build the snapshot placement decides from."""
     problems = check_documents(docs)
@@ -153,6 +179,11 @@ def snapshot_from(docs: Documents, base_dir: Path | None = None) -> ClusterSnaps
     for model in docs.models:
         try:
             facts[model.name] = model_facts(model, base_dir)
+        except ConfigError as err:
+            problems += err.problems
+    for adapter in docs.adapters:  # under its own name: no model has it (check_documents)
+        try:
+            facts[adapter.name] = adapter_facts(adapter, base_dir)
         except ConfigError as err:
             problems += err.problems
     if problems:

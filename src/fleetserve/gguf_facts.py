@@ -19,6 +19,7 @@ from fleetserve.engines.spec import EngineKind
 from fleetserve.errors import ConfigError, Problem, SourceError
 from fleetserve.modelfacts import DEFAULT_CONTEXT, DEFAULT_KV_DTYPE_BYTES, ModelFacts, declared_facts
 from fleetserve.sources import LocalSource, parse_source
+from fleetserve.spec.adapter import Adapter
 from fleetserve.spec.resources import Model
 
 
@@ -110,4 +111,30 @@ def model_facts(model: Model, base_dir: Path | None = None) -> ModelFacts:
         primary,
         engines=MappingProxyType(engines) if engines else primary.engines,
         weights=model.weights_digest(),
+    )
+
+
+def adapter_facts(adapter: Adapter, base_dir: Path | None = None) -> ModelFacts:
+    """What an adapter adds to a replica's memory: its declared ``size``, else the bytes of its
+    local file or directory (a PEFT adapter's files); no KV cache of its own."""
+    size = adapter.size
+    path = local_path(adapter.source)
+    if size is None and path is not None:
+        if base_dir is not None and not path.is_absolute():
+            path = base_dir / path
+        files = path.rglob("*") if path.is_dir() else iter((path,) if path.is_file() else ())
+        measured = sum(f.stat().st_size for f in files if f.is_file())
+        size = measured or None
+    if size is None:
+        raise ConfigError(
+            [
+                Problem(
+                    f"Adapter {adapter.name}",
+                    "size",
+                    "give size (e.g. 80MB) or a local source whose files can be measured",
+                )
+            ]
+        )
+    return ModelFacts(
+        name=adapter.name, weight_bytes=size, kv_bytes_per_token=0, context_length=DEFAULT_CONTEXT
     )

@@ -90,6 +90,9 @@ class ReplicaStatus(BaseModel):
     in_flight: int | None = Field(default=None, ge=0, le=2**31 - 1, alias="inFlight")
     # How old that count was when the report was sent, in seconds.
     in_flight_age: float | None = Field(default=None, ge=0, le=1e6, alias="inFlightAge")
+    # The LoRA adapters its engine has loaded, in load order (llama.cpp's adapter ids); None for a
+    # replica that serves none. The gateway routes an adapter's requests to the replicas listing it.
+    adapters: list[ReplicaName] | None = Field(default=None, max_length=64)
 
     def stored(self) -> dict[str, object]:
         """The JSON the store keeps: the fields the agent sent (an unreported status is ``{}``)."""
@@ -110,6 +113,7 @@ class ReplicaReport(ReplicaStatus):
             port=self.port,
             inFlight=self.in_flight,
             inFlightAge=self.in_flight_age,
+            adapters=self.adapters,
         )
 
 
@@ -199,6 +203,9 @@ class Assignment(BaseModel):
     # A speculative profile's draft model, reduced to the weights its engine serves like ``model``
     # (fetched into the node's cache the same way); omitted when none.
     draft: Model | None = Field(default=None, exclude_if=lambda v: v is None)
+    # The deployment's LoRA adapters, each as the model cache fetches it (``Adapter.as_model``), in
+    # the deployment's order; omitted when none.
+    adapters: list[Model] = Field(default_factory=list, exclude_if=lambda v: not v)
 
 
 class AssignmentSet(BaseModel):

@@ -22,6 +22,7 @@ from fleetserve.drivers import DRIVERS, Driver, RuntimeVariant, host_driver, par
 from fleetserve.engines.registry import ENGINES, formats_text, weights_for
 from fleetserve.engines.spec import EngineKind, Task
 from fleetserve.errors import InternalError, Problem
+from fleetserve.spec.adapter import Adapter
 from fleetserve.spec.resources import CpuRequest, Deployment, DeviceClass, Model, Profile
 
 # CPU cores a CPU profile claims when it does not say.
@@ -290,6 +291,69 @@ def draft_problems(dep: Deployment, models: Mapping[str, Model], location: str =
                     f"an alternate of format {formats_text(profile.engine)} to model {name}",
                 )
             )
+    return out
+
+
+def adapter_problems(dep: Deployment, adapters: Mapping[str, Adapter], location: str = "") -> list[Problem]:
+    """A deployment's ``adapters`` that are not Adapters, are on another model than the
+    deployment's, or that a profile's engine cannot load (its row's ``adapters``: none, or another
+    format); adapters on a deployment of a task other than generate."""
+    where = location or f"Deployment {dep.name}"
+    out: list[Problem] = []
+    if dep.adapters and dep.task is not Task.GENERATE:
+        out.append(
+            Problem(
+                where,
+                "adapters",
+                f"LoRA adapters serve generated text, and this deployment's task is {dep.task.value}: "
+                "drop adapters, or list them on a deployment of task generate",
+            )
+        )
+    for i, name in enumerate(dep.adapters):
+        field = f"adapters[{i}]"
+        adapter = adapters.get(name)
+        if adapter is None:
+            known = ", ".join(sorted(adapters)) or "none defined"
+            out.append(
+                Problem(where, field, f"unknown adapter {name!r}: apply it as an Adapter; known: {known}")
+            )
+            continue
+        if adapter.base != dep.model:
+            out.append(
+                Problem(
+                    where,
+                    field,
+                    f"adapter {name} is on model {adapter.base}, and this deployment serves model "
+                    f"{dep.model}: list it on a deployment of model {adapter.base}, or drop it here",
+                )
+            )
+        for profile in dep.profiles:
+            support = ENGINES[profile.engine].adapters
+            if support is None:
+                out.append(
+                    Problem(
+                        where,
+                        field,
+                        f"profile {profile.name}: engine {profile.engine.value} loads no LoRA adapters: "
+                        "drop adapters, or serve them with another engine",
+                    )
+                )
+            elif support.format is not adapter.format:
+                others = [
+                    e.kind.value
+                    for e in ENGINES.values()
+                    if e.adapters and e.adapters.format is adapter.format
+                ]
+                out.append(
+                    Problem(
+                        where,
+                        field,
+                        f"profile {profile.name}: engine {profile.engine.value} loads "
+                        f"{support.format.value} adapters, and adapter {name} is {adapter.format.value}: "
+                        f"apply the adapter in format {support.format.value} under another name, or "
+                        f"serve it from a profile of engine {' or '.join(others) or 'none'}",
+                    )
+                )
     return out
 
 

@@ -349,6 +349,35 @@ def test_the_deployment_page_shows_each_profiles_speculative_draft(dash: Dashboa
     dash.shot("deployment-speculative-1280")
 
 
+def test_the_deployment_page_shows_its_adapters(dash: Dashboard) -> None:
+    dash.server.apply(
+        [
+            {"kind": "Model", "name": "m-base", "format": "gguf", "size": "1GB"},
+            {
+                "kind": "Adapter",
+                "name": "m-sql",
+                "base": "m-base",
+                "source": "hf://org/sql/sql.gguf",
+                "size": "50MB",
+            },
+            {
+                "kind": "Deployment",
+                "name": "adapted",
+                "model": "m-base",
+                "replicas": 0,
+                "adapters": ["m-sql"],
+                "profiles": [{"name": "cpu", "engine": "llama.cpp"}],
+            },
+        ]
+    )
+    dash.goto("/ui/deployments?name=adapted")
+    adapters = dash.page.locator("#adapters")
+    expect(adapters).to_contain_text("m-sql")
+    expect(adapters).to_contain_text("m-base")
+    expect(adapters).to_contain_text("hf://org/sql/sql.gguf")
+    dash.shot("deployment-adapters-1280")
+
+
 def test_an_endpoint_is_shown_beside_the_deployments_with_its_health(dash: Dashboard) -> None:
     closed = free_port()  # nothing listens there: the control plane's check cannot connect
     dash.server.apply(

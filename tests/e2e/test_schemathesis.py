@@ -57,6 +57,8 @@ FLEET: list[dict[str, Any]] = [
     ),
     {"kind": "Node", "name": "cpu-0", "cpu": {"cores": 32, "memory": "256GiB"}},
     *synthetic_models(),
+    # A LoRA adapter of the CPU model, served by the cpu deployment (GET/DELETE /adapters/{name}).
+    {"kind": "Adapter", "name": "a-cpu", "base": "m-cpu", "source": "hf://org/a-cpu/a.gguf", "size": "50MB"},
     {
         "kind": "Deployment",
         "name": "gpu-tp2",
@@ -81,6 +83,7 @@ FLEET: list[dict[str, Any]] = [
         "name": "cpu",
         "model": "m-cpu",
         "replicas": 2,
+        "adapters": ["a-cpu"],
         "profiles": [{"name": "cpu", "engine": "llama.cpp", "cpu": {"cores": 8}}],
     },
     {
@@ -220,6 +223,7 @@ def existing_names(server) -> dict[str, str]:
         "/api/v1/deployments/": "gpu-tp2",
         "/api/v1/replicas/": replica,
         "/api/v1/endpoints/": "outside",
+        "/api/v1/adapters/": "a-cpu",
     }
 
 

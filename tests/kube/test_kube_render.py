@@ -481,3 +481,16 @@ def test_a_pod_starts_its_engine_for_the_deployments_task(
             assert command[command.index("--runner") + 1] == "pooling"
             assert command[command.index("--convert") + 1] == vllm
     assert seen == engines
+
+
+def test_a_deployment_with_lora_adapters_is_refused_naming_the_field() -> None:
+    adapter = "kind: Adapter\nname: sql\nbase: m\nsource: hf://org/sql/sql.gguf\nsize: 50MB\n"
+    docs = load_text(ONE_OF_EACH + "\n---\n" + adapter)
+    docs.deployments = [
+        d.model_copy(update={"adapters": ("sql",)}) if d.name == "on-cpu" else d for d in docs.deployments
+    ]
+    with pytest.raises(ConfigError) as err:
+        render(docs)
+    [problem] = err.value.problems
+    assert (problem.location, problem.field) == ("Deployment on-cpu", "adapters")
+    assert "a Kubernetes pod fetches no LoRA adapter" in problem.message

@@ -23,8 +23,8 @@ from fleetserve.store.tables import Base
 
 # The same migrations in chain order: under the old ids, and under the ids they have now.
 # (None: a migration newer than the old numbering, which no database stamped under it is at.)
-OLD_IDS = ("0001", "0003", "0005", "0002", "0006", "0007", "0008", None, None, None)
-NEW_IDS = ("0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009", "0010")
+OLD_IDS = ("0001", "0003", "0005", "0002", "0006", "0007", "0008", None, None, None, None)
+NEW_IDS = ("0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009", "0010", "0011")
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -140,3 +140,24 @@ def test_a_node_enrolled_before_hardware_approvals_is_judged_against_its_stored_
     held = store.reregister(cpu_8c_32g("n1", cpu={"cores": 1000, "memory": "32Gi"}), now, source="10.0.0.1")
     assert held.held is not None and held.held.approved == Hardware.of(cpu_8c_32g("n1"))
     assert store.get_node("n1").cpu.cores == 8
+
+
+def test_a_replicas_reported_adapters_move_the_change_counter(bare: Engine) -> None:
+    """The gateway routes an adapter to the replicas whose agents report it loaded (0011)."""
+    migrate(bare)
+    with bare.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO replicas (name, deployment, profile, state, spec, status) VALUES "
+                "('r-0', 'r', 'p', 'Running', '{}', '{\"port\": 1}')"
+            )
+        )
+    store = SqlStore(bare)
+    before = store.fleet_changes()
+    with bare.begin() as conn:
+        conn.execute(text('UPDATE replicas SET status = \'{"port": 1, "adapters": ["a"]}\''))
+    assert store.fleet_changes() > before
+    before = store.fleet_changes()
+    with bare.begin() as conn:
+        conn.execute(text('UPDATE replicas SET status = \'{"port": 1, "adapters": ["a"], "inFlight": 3}\''))
+    assert store.fleet_changes() == before

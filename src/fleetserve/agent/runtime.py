@@ -30,6 +30,7 @@ from typing import Any
 
 import httpx
 
+from fleetserve.agent.adapters import AdapterSync
 from fleetserve.agent.cache import CacheState, ModelCache
 from fleetserve.agent.client import AgentApiError, AgentClient, EnrolmentPending
 from fleetserve.agent.stopper import Stopper
@@ -46,7 +47,7 @@ from fleetserve.metrics.promtext import ExpositionError
 from fleetserve.protocol import Assignment, AssignmentSet, Download, GpuSample, ReplicaReport, StatusReport
 from fleetserve.routing import engine_auth
 from fleetserve.spec.nodeparts import EngineFingerprint
-from fleetserve.spec.resources import DeviceClass, Node, Replica, ReplicaState
+from fleetserve.spec.resources import DeviceClass, Model, Node, Replica, ReplicaState
 from fleetserve.units import format_bytes
 
 log = logging.getLogger("fleetserve.agent")
@@ -116,6 +117,14 @@ class Agent:
         self.stopper = Stopper(self._stop_now, self._stopped)
         self._stop_asked_at: dict[str, str | None] = {}  # replica stopping → the revision then
         self._closing = False  # shutting down: nothing new starts
+        # Each replica's LoRA adapters: loaded at start, and where its engine can, at run time.
+        self.adapters = AdapterSync(self._fetch_adapter, cache.unpin, settings.engine_host)
+
+    def _fetch_adapter(self, adapter: Model) -> Path:
+        """An adapter's files in the node's cache, fetched and checked like a model's, pinned."""
+        path = self.cache.ensure(adapter)
+        self.cache.pin(adapter.name)
+        return path
 
     # --- registration and fencing ----------------------------------------------------------------
 
@@ -203,6 +212,15 @@ class Agent:
             self.cache.pin(entry.draft.name)
             with self._lock:
                 self._draft_of[replica.name] = entry.draft.name
+        adapters: list[tuple[str, Path]] = []
+        try:
+            for adapter in entry.adapters:  # fetched, checked and pinned like the model
+                adapters.append((adapter.name, self._fetch_adapter(adapter)))
+        except FleetserveError:
+            for name, _ in adapters:
+                self.cache.unpin(name)
+            raise
+        self.adapters.started(replica.name, [name for name, _ in adapters])
         shard_index = next(i for i, s in enumerate(replica.shards) if s.node == node.name)
         ctx = LaunchContext(
             replica=replica,
@@ -219,6 +237,7 @@ class Agent:
             engine_key=entry.engine_key,
             task=entry.task,
             draft_path=draft_path,
+            adapters=tuple(adapters),
         )
         with self._lock:
             if replica.name not in self._wanted:
@@ -284,10 +303,12 @@ class Agent:
                 restarts=s.restarts,
                 stderrTail=[line[:2000] for line in s.stderr_tail],
                 port=s.port or None,
+                adapters=self.adapters.loaded(name),
                 **self._in_flight_report(name),
             )
             for name, s in statuses.items()
         }
+        self._sync_adapters(statuses)
         cache_status = self.cache.status()
         with self._lock:
             preparing, wanted = set(self._preparing), set(self._wanted)
@@ -331,6 +352,19 @@ class Agent:
         for name in stop:
             self._stop(name, "the server says it is not this node's")
 
+    def _sync_adapters(self, statuses: Mapping[str, Any]) -> None:
+        """Have each Running replica load and unload the adapters its assignment added or dropped,
+        where its engine can while it runs (``agent/adapters.py``); off this thread."""
+        with self._lock:
+            wanted = dict(self._wanted)
+        for name, status in statuses.items():
+            entry = wanted.get(name)
+            if entry is None or status.state is not ReplicaState.RUNNING:
+                continue
+            self.adapters.sync(
+                name, entry.profile.engine, entry.adapters, status.port, status.restarts, entry.engine_key
+            )
+
     def _fetching(self, replica: str) -> str:
         """What a replica waiting for its model says: the download's source, progress, or stall."""
         with self._lock:
@@ -369,6 +403,8 @@ class Agent:
             self.cache.unpin(model)
         if draft is not None:
             self.cache.unpin(draft)
+        for adapter in self.adapters.stopped(name):
+            self.cache.unpin(adapter)
 
     def _stopped(self, name: str) -> None:
         """A stop is done: a replica assigned again under that name (by assignments newer than the

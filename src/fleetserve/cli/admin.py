@@ -160,7 +160,10 @@ def register(app: typer.Typer) -> None:
     @app.command("get")
     def get_command(
         kind: Annotated[
-            str, typer.Argument(help="nodes, classes, fabrics, models, deployments, replicas or endpoints.")
+            str,
+            typer.Argument(
+                help="nodes, classes, fabrics, models, deployments, replicas, endpoints or adapters."
+            ),
         ],
         name: Annotated[str | None, typer.Argument(help="One object's name; omit to list all.")] = None,
         server: ServerOpt = None,
@@ -281,7 +284,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command("delete")
     def delete_command(
-        kind: Annotated[str, typer.Argument(help="class, node, model, deployment or endpoint.")],
+        kind: Annotated[str, typer.Argument(help="class, node, model, deployment, endpoint or adapter.")],
         name: Annotated[str, typer.Argument(help="The object's name.")],
         server: ServerOpt = None,
         token: TokenOpt = None,

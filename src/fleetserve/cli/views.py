@@ -28,6 +28,7 @@ from fleetserve.cli.output import Column, Format, emit
 from fleetserve.conditions import ConditionType
 from fleetserve.errors import ConfigError, Problem
 from fleetserve.protocol import AgentStatus
+from fleetserve.spec.adapter import Adapter
 from fleetserve.spec.resources import DeviceClass, Fabric, Model, Node, Replica, Shard
 from fleetserve.spec.yamlbounds import safe_load_all
 from fleetserve.units import format_bytes
@@ -43,6 +44,7 @@ class Kind(StrEnum):
     DEPLOYMENTS = "deployments"
     REPLICAS = "replicas"
     ENDPOINTS = "endpoints"
+    ADAPTERS = "adapters"
 
 
 ALIASES = {
@@ -56,6 +58,7 @@ ALIASES = {
     "deploy": Kind.DEPLOYMENTS,
     "replica": Kind.REPLICAS,
     "endpoint": Kind.ENDPOINTS,
+    "adapter": Kind.ADAPTERS,
 }
 
 
@@ -177,6 +180,12 @@ COLUMNS: dict[Kind, Sequence[Column]] = {
         ("state", lambda e: e.status.state),
         ("error", lambda e: e.status.last_error or ""),
     ),
+    Kind.ADAPTERS: (
+        ("name", lambda a: a.name),
+        ("base", lambda a: a.base),
+        ("format", lambda a: a.format),
+        ("source", lambda a: a.source),
+    ),
 }
 
 # What ``GET /KIND`` answers, one object of it: as the CLI reads it.
@@ -188,6 +197,7 @@ VIEWS: dict[Kind, type[BaseModel]] = {
     Kind.DEPLOYMENTS: DeploymentView,
     Kind.REPLICAS: Replica,
     Kind.ENDPOINTS: EndpointView,
+    Kind.ADAPTERS: Adapter,
 }
 # ``GET /KIND/NAME`` where it says more than the list does.
 DETAILS: dict[Kind, type[BaseModel]] = {

@@ -45,6 +45,9 @@ class LaunchContext:
     task: Task = Task.GENERATE
     # The draft model's weights in the node's cache, for a profile whose ``speculative`` has one.
     draft_path: Path | None = None
+    # The deployment's LoRA adapters in the node's cache, (name, path) in the deployment's order:
+    # the engine loads them at start (``--lora``, ``--lora-modules``).
+    adapters: tuple[tuple[str, Path], ...] = ()
 
     @property
     def devices(self) -> tuple[int, ...]:

@@ -33,10 +33,20 @@ from fleetserve.engines.routes import (
     route_table,
     unrelayed,
 )
-from fleetserve.engines.spec import CapFields, EngineKind, EngineSpec, PodFacts, Probe, Task, TaskStart
+from fleetserve.engines.spec import (
+    AdapterSupport,
+    CapFields,
+    EngineKind,
+    EngineSpec,
+    PodFacts,
+    Probe,
+    Task,
+    TaskStart,
+)
 from fleetserve.errors import SourceError
 from fleetserve.metrics.mapping import MetricMapping
 from fleetserve.sources import HfRepo, HttpSource
+from fleetserve.spec.adapter import AdapterFormat
 from fleetserve.spec.nodeparts import MAX_ENGINE_DEVICES, EngineDevice, EngineFingerprint
 from fleetserve.spec.resources import ModelFormat, Speculative, SpeculativeMethod
 
@@ -143,6 +153,31 @@ def speculative_args(spec: Speculative, ctx: LaunchContext) -> list[str]:
     return [*args, "--spec-draft-ngl", "0", "--spec-draft-threads", threads]
 
 
+def lora_args(ctx: LaunchContext) -> list[str]:
+    """llama-server's LoRA adapters, loaded at start: one ``--lora PATH,PATH,...`` (b11434 keeps
+    only the last of a repeated ``--lora``, "use comma-separated values"; an adapter's id is its
+    place in that list) and ``--lora-init-without-apply``. Seen on b11434: its adapters still start
+    at scale 1 (``GET /lora-adapters``), and a request without ``lora`` gets them all applied; so the
+    gateway sends every request the scales of every adapter (``lora_fields``), all 0 for the base."""
+    if not ctx.adapters:
+        return []
+    return ["--lora", ",".join(str(path) for _, path in ctx.adapters), "--lora-init-without-apply"]
+
+
+def lora_fields(loaded: tuple[str, ...], chosen: str | None) -> dict[str, object]:
+    """The body field that chooses an adapter per request: llama-server's ``lora`` list of every
+    adapter the replica loaded, by id, the chosen one at scale 1 and the others at an explicit 0 (a
+    request for the base sets them all to 0)."""
+    if not loaded:
+        return {}
+    return {"lora": [{"id": i, "scale": 1.0 if name == chosen else 0.0} for i, name in enumerate(loaded)]}
+
+
+# LoRA adapters in GGUF, loaded at start (a change of the set restarts the replica: a rollout);
+# every variant (the flags are the server's). Seen on the CPU build (tests/e2e/test_adapters_live.py).
+ADAPTERS = AdapterSupport(format=AdapterFormat.GGUF, live=False, request_fields=lora_fields)
+
+
 class LlamaCppAdapter:
     """Builds ``llama-server`` command lines."""
 
@@ -172,6 +207,7 @@ class LlamaCppAdapter:
         argv += TASKS[ctx.task].args
         if ctx.profile.speculative is not None:
             argv += speculative_args(ctx.profile.speculative, ctx)
+        argv += lora_args(ctx)
         argv += list(ctx.profile.engine_args)
         base = f"http://{url_host(ctx.host)}:{ctx.port}"
         env = dict(visible_devices_env(ctx.driver, ctx.variant, ctx.devices))
@@ -438,4 +474,5 @@ LLAMACPP = EngineSpec(
     routes=ROUTES,
     probe=Probe(queries=_queries, read=read_fingerprint),
     tasks=TASKS,
+    adapters=ADAPTERS,
 )

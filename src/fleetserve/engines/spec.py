@@ -22,6 +22,7 @@ from fleetserve.metrics.mapping import MetricMapping
 if TYPE_CHECKING:
     from fleetserve.engines.launch import EngineAdapter
     from fleetserve.engines.routes import ApiRoute
+    from fleetserve.spec.adapter import AdapterFormat
     from fleetserve.spec.nodeparts import EngineFingerprint
     from fleetserve.spec.resources import ModelFormat
 
@@ -114,6 +115,21 @@ class Probe:
     timeout: float = 10.0
 
 
+@dataclass(frozen=True)
+class AdapterSupport:
+    """How an engine serves LoRA adapters (``kind: Adapter``): the format it loads, whether it
+    loads and unloads them while it runs (``live``: through ``load_path``/``unload_path``, so adding
+    one restarts nothing; otherwise they are loaded at start and part of the revision), and the
+    fields the gateway sets in a request's body to choose one (``request_fields``: the adapters the
+    replica loaded, in load order, and the one the request names or None for the base model)."""
+
+    format: AdapterFormat
+    live: bool
+    request_fields: Callable[[tuple[str, ...], str | None], Mapping[str, object]]
+    load_path: str = ""
+    unload_path: str = ""
+
+
 def _none_bundled(_variant: RuntimeVariant) -> str | None:
     return None
 
@@ -176,6 +192,8 @@ class EngineSpec:
     # How it starts each task a deployment may declare (``Deployment.task``); a task missing here,
     # or a variant its row leaves out, is refused at apply time.
     tasks: Mapping[Task, TaskStart] = field(default_factory=lambda: GENERATE_ONLY)
+    # How it serves LoRA adapters (None: it serves none, and a deployment listing one is refused).
+    adapters: AdapterSupport | None = None
 
     def drivers(self) -> frozenset[Driver]:
         """Every driver this engine has a variant for."""

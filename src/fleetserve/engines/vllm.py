@@ -44,10 +44,20 @@ from fleetserve.engines.routes import (
     route_table,
     unrelayed,
 )
-from fleetserve.engines.spec import CapFields, EngineKind, EngineSpec, PodFacts, Probe, Task, TaskStart
+from fleetserve.engines.spec import (
+    AdapterSupport,
+    CapFields,
+    EngineKind,
+    EngineSpec,
+    PodFacts,
+    Probe,
+    Task,
+    TaskStart,
+)
 from fleetserve.errors import SourceError
 from fleetserve.metrics.mapping import MetricMapping
 from fleetserve.sources import HfRepo, HttpSource
+from fleetserve.spec.adapter import AdapterFormat
 from fleetserve.spec.nodeparts import EngineFingerprint
 from fleetserve.spec.resources import ModelFormat, Speculative, SpeculativeMethod
 
@@ -153,6 +163,56 @@ def speculative_args(spec: Speculative, ctx: LaunchContext) -> list[str]:
     return ["--speculative-config", json.dumps(config, sort_keys=True)]
 
 
+# vLLM's LoRA ranks (``--max-lora-rank`` takes one of these; 16 by default).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+DEFAULT_LORA_RANK = 16
+# With it vLLM registers /v1/load_lora_adapter and /v1/unload_lora_adapter (the agent's calls).
+LORA_RUNTIME_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+
+
+def adapter_rank(path: Path) -> int:
+    """The rank ``r`` a PEFT adapter directory's ``adapter_config.json`` declares (16 when unread)."""
+    try:
+        rank = json.loads((path / "adapter_config.json").read_text(encoding="utf-8")).get("r")
+    except (OSError, ValueError, AttributeError):
+        return DEFAULT_LORA_RANK
+    return rank if isinstance(rank, int) and rank > 0 else DEFAULT_LORA_RANK
+
+
+def lora_args(ctx: LaunchContext) -> list[str]:
+    """vLLM's LoRA adapters at start: ``--enable-lora``, ``--lora-modules NAME=PATH ...`` and the
+    smallest ``--max-lora-rank`` that holds every one (never below vLLM's default, so one added
+    at run time of the usual rank loads too); ``--max-loras`` as many as the deployment lists, so a
+    batch mixes them. Adapters added later are loaded through ``/v1/load_lora_adapter``."""
+    if not ctx.adapters:
+        return []
+    needed = max(DEFAULT_LORA_RANK, *(adapter_rank(path) for _, path in ctx.adapters))
+    rank = next((r for r in LORA_RANKS if r >= needed), LORA_RANKS[-1])
+    modules = [f"{name}={path}" for name, path in ctx.adapters]
+    return [
+        "--enable-lora",
+        "--max-lora-rank", str(rank),
+        "--max-loras", str(len(ctx.adapters)),
+        "--lora-modules", *modules,
+    ]  # fmt: skip
+
+
+def lora_fields(loaded: tuple[str, ...], chosen: str | None) -> dict[str, object]:
+    """vLLM chooses an adapter by the request's ``model``: the adapter's name (as loaded)."""
+    return {"model": chosen} if chosen is not None else {}
+
+
+# PEFT adapters, loaded at start (--lora-modules) and at run time; every variant (seen on the CPU
+# build: tests/e2e/test_adapters_live.py).
+ADAPTERS = AdapterSupport(
+    format=AdapterFormat.PEFT,
+    live=True,
+    request_fields=lora_fields,
+    load_path="/v1/load_lora_adapter",
+    unload_path="/v1/unload_lora_adapter",
+)
+
+
 def cpu_launch(ctx: LaunchContext) -> LaunchSpec:
     """One CPU replica: the CPU build's OpenAI server, threads and KV cache from the placement."""
     served = ctx.replica.deployment
@@ -172,9 +232,11 @@ def cpu_launch(ctx: LaunchContext) -> LaunchSpec:
     argv += TASKS[ctx.task].args
     if ctx.profile.speculative is not None:
         argv += speculative_args(ctx.profile.speculative, ctx)
+    argv += lora_args(ctx)
     argv += list(ctx.profile.engine_args)
     threads = str(max(1, shard.cpu_cores))
     env = {
+        **(LORA_RUNTIME_ENV if ctx.adapters else {}),
         "OMP_NUM_THREADS": threads,
         # Auto-binding pins the engine to every core of a NUMA node, which the node's other
         # replicas were placed on too: the placed count of threads, unbound.
@@ -230,7 +292,10 @@ class VllmAdapter:
         argv += TASKS[ctx.task].args
         if ctx.profile.speculative is not None:
             argv += speculative_args(ctx.profile.speculative, ctx)
+        argv += lora_args(ctx)
         argv += list(ctx.profile.engine_args)
+        if ctx.adapters:
+            env.update(LORA_RUNTIME_ENV)
         if ctx.engine_key:
             env[API_KEY_ENV] = ctx.engine_key
         base = f"http://{url_host(ctx.host)}:{ctx.port}"
@@ -498,4 +563,5 @@ VLLM = EngineSpec(
     routes=ROUTES,
     probe=Probe(queries=_queries, read=read_fingerprint, timeout=30.0),
     tasks=TASKS,
+    adapters=ADAPTERS,
 )

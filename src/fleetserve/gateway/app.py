@@ -371,7 +371,10 @@ class Gateway:
         if self.http is not None:
             asked = (info.to_ask(route.endpoints) for _, route in listed)
             await info.ask(self.http, [e for e in asked if e is not None])
-        data = [merged(name, route.created, info.of(route.endpoints), route.task) for name, route in listed]
+        data = [
+            merged(name, route.created, info.of(route.endpoints), route.task, route.base)
+            for name, route in listed
+        ]
         await answer(send, 200, orjson.dumps({"object": "list", "data": data}))
 
     # --- POST /v1/... ------------------------------------------------------------------------------
@@ -647,6 +650,10 @@ class Gateway:
                 upstream = endpoint.upstream_model
                 if upstream is not None and data is not None and data.get("model") != upstream:
                     sent = orjson.dumps({**data, "model": upstream})
+                if endpoint.fields and data is not None:
+                    # The adapter the request chose, as its replica's engine is told (a LoRA
+                    # adapter's name for vLLM, every adapter's scale for llama.cpp).
+                    sent = orjson.dumps({**data, **endpoint.fields})
                 try:
                     origin, request = upstream_request(endpoint, path, sent)
                 except UpstreamError as exc:  # nothing was sent

@@ -24,7 +24,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from starlette.concurrency import run_in_threadpool
 
@@ -72,6 +72,33 @@ class Route:
     # What the deployment serves (``Deployment.task``): routes of another task are refused with a
     # 400 (``engines.routes.task_refusal``). None: a model only Endpoints serve, whose servers say.
     task: Task | None = None
+    # For a LoRA adapter's route (its name is ``deployment``): the deployment of its base model,
+    # whose replicas that loaded the adapter are its endpoints.
+    base: str | None = None
+
+
+def adapter_routes(route: Route, adapters: Iterable[str]) -> dict[str, Route]:
+    """The routes of a deployment's LoRA adapters: each with the deployment's replicas that loaded
+    it (adapter affinity: a replica without it cannot serve it), each endpoint's body fields naming
+    the adapter its engine's way (``AdapterSupport.request_fields``), the deployment's policies."""
+    out: dict[str, Route] = {}
+    for name in adapters:
+        endpoints = tuple(
+            replace(e, fields=_fields(route.engines.get(e.replica), e.adapters, name))
+            for e in route.endpoints
+            if name in e.adapters
+        )
+        out[name] = replace(route, deployment=name, endpoints=endpoints, default=False, base=route.deployment)
+    return out
+
+
+def _fields(engine: str | None, loaded: tuple[str, ...], chosen: str | None) -> Mapping[str, object] | None:
+    """What a request to a replica of ``engine`` that loaded ``loaded`` carries to choose ``chosen``
+    (None: the base model); None where nothing is set."""
+    support = ENGINES[EngineKind(engine)].adapters if engine is not None else None
+    if support is None or not loaded:
+        return None
+    return support.request_fields(loaded, chosen) or None
 
 
 def as_upstream(endpoint: EndpointSpec, key: str | None, model: str) -> Endpoint:
@@ -216,7 +243,10 @@ class EndpointTable:
         }
         endpoints: dict[str, list[Endpoint]] = {name: [] for name in deployments}
         engines: dict[str, dict[str, str]] = {name: {} for name in deployments}
-        for served in routable(self.store.replica_endpoints()):
+        replicas = self.store.replica_endpoints()
+        # What each replica's agent reported loaded: the adapters it serves.
+        loaded = {e.replica.name: tuple(e.status.adapters or ()) for e in replicas}
+        for served in routable(replicas):
             replica = served.replica
             dep = deployments.get(replica.deployment)
             profile = next((p for p in dep.profiles if p.name == replica.profile), None) if dep else None
@@ -234,6 +264,11 @@ class EndpointTable:
                     weight=weight,
                     engine_key=served.engine_key,
                     kv_tokens=kv_tokens,
+                    adapters=loaded.get(replica.name, ()),
+                    # A request for the base model turns every adapter off (llama.cpp's scales).
+                    fields=_fields(
+                        profile.engine.value if profile else None, loaded.get(replica.name, ()), None
+                    ),
                 )
             )
         declared = {e.endpoint.name: e for e in self.store.list_endpoints()}
@@ -262,6 +297,8 @@ class EndpointTable:
             )
             for name, dep in deployments.items()
         }
+        for name, dep in deployments.items():
+            routes.update(adapter_routes(routes[name], dep.adapters))
         routes.update(endpoint_routes([e.endpoint for e in declared.values()], upstreams, set(deployments)))
         return routes
 

@@ -68,11 +68,16 @@ def info_key(endpoint: Endpoint) -> str:
 
 
 def merged(
-    name: str, created: int, engine: Mapping[str, Any] | None, task: Task | None = None
+    name: str,
+    created: int,
+    engine: Mapping[str, Any] | None,
+    task: Task | None = None,
+    parent: str | None = None,
 ) -> dict[str, Any]:
     """One ``/v1/models`` entry: OpenAI's fields as fleetserve says them, then the engine's own,
     then fleetserve's ``task`` (what the deployment serves; absent for a model only Endpoints
-    serve, whose servers say for themselves)."""
+    serve, whose servers say for themselves) and, for a LoRA adapter, its ``parent`` (the
+    deployment of its base model, the name vLLM's own list gives an adapter's base)."""
     owned = engine.get("owned_by") if engine is not None else None
     entry: dict[str, Any] = {
         "id": name,
@@ -86,6 +91,8 @@ def merged(
                 entry[field] = value
     if task is not None:
         entry["task"] = task.value
+    if parent is not None:
+        entry["parent"] = parent
     return entry
 
 

@@ -73,6 +73,11 @@ class Endpoint:
     redact: bool = False
     # The tokens its KV cache was sized for (placement's context for its profile); None: unknown.
     kv_tokens: int | None = None
+    # The LoRA adapters its engine loaded, in load order (its agent's report).
+    adapters: tuple[str, ...] = ()
+    # Body fields the gateway sets in each request sent here: how its engine is told which adapter
+    # the request chose, or none (``AdapterSupport.request_fields``). Not part of its hash.
+    fields: Mapping[str, Any] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.weight) and self.weight > 0):

@@ -202,6 +202,7 @@ def render_cluster(
         models=docs.models,
         deployments=docs.deployments,
         replicas=list(by_name.values()),
+        adapters=docs.adapters,
     )
     snapshot = snapshot_from(scoped, base_dir=base_dir)
     decisions = plan(docs.deployments, snapshot, SearchKind.INDEXED)
@@ -227,7 +228,8 @@ def render_cluster(
                     Problem(p.location, p.field, f"{p.message} (deployment {dep.name})") for p in err.problems
                 )
                 continue
-            objects.extend(render_replica(ReplicaInput(replica, profile, model, cluster, classes, dep.task)))
+            given = ReplicaInput(replica, profile, model, cluster, classes, dep.task, dep.adapters)
+            objects.extend(render_replica(given))
             rendered.append(replica.name)
     if problems:
         raise ConfigError(list(dict.fromkeys(problems)))

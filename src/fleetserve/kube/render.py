@@ -71,6 +71,8 @@ class ReplicaInput:
     classes: Mapping[str, DeviceClass]
     # What the deployment serves: the engine is started for it (``EngineSpec.tasks``).
     task: Task = Task.GENERATE
+    # The deployment's LoRA adapters (``Deployment.adapters``): refused, a pod fetches none.
+    adapters: tuple[str, ...] = ()
 
 
 def fabric_label(fabric: str) -> str:
@@ -212,6 +214,18 @@ def _launch(inp: ReplicaInput, rp: ResolvedProfile, shard_index: int, head: str)
                     f"profiles.{rp.name}.speculative.draft",
                     "a Kubernetes pod fetches no draft model: use method: ngram there, "
                     "or serve the draft profile with fleetserve agents",
+                )
+            ]
+        )
+    if inp.adapters:
+        # As a draft: the engine downloads its one model itself in a pod; nothing fetches adapters.
+        raise ConfigError(
+            [
+                Problem(
+                    f"Deployment {inp.replica.deployment}",
+                    "adapters",
+                    "a Kubernetes pod fetches no LoRA adapter: drop adapters there, or serve the "
+                    "deployment with fleetserve agents",
                 )
             ]
         )

@@ -3,7 +3,8 @@
 Memory must fit: weights plus KV cache for the context, spread over the replica's devices, plus
 a runtime overhead per device — against device memory, or host RAM for a CPU replica. A
 speculative replica's draft model adds its own weights and its KV cache for the same context (both
-engines run the draft with the replica's context, on the replica's devices).
+engines run the draft with the replica's context, on the replica's devices). A deployment's LoRA
+adapters add their bytes (every replica loads every one; an adapter has no KV cache of its own).
 """
 
 from __future__ import annotations
@@ -57,11 +58,16 @@ def model_bytes(facts: ModelFacts, context: int | None) -> int:
 
 
 def demand_for(
-    profile: ResolvedProfile, facts: ModelFacts, cls: DeviceClass | None, draft: ModelFacts | None = None
+    profile: ResolvedProfile,
+    facts: ModelFacts,
+    cls: DeviceClass | None,
+    draft: ModelFacts | None = None,
+    adapter_bytes: int = 0,
 ) -> Demand:
     """The demand of one replica of ``profile`` serving the model ``facts`` describes, drafting with
-    the model ``draft`` describes (its weights and KV cache for the served model's context)."""
-    total = model_bytes(facts, profile.context)
+    the model ``draft`` describes (its weights and KV cache for the served model's context), with
+    LoRA adapters of ``adapter_bytes`` loaded."""
+    total = model_bytes(facts, profile.context) + adapter_bytes
     if draft is not None:
         total += model_bytes(draft, profile.context or facts.context_length)
     if not profile.on_cpu and cls is None:

@@ -332,11 +332,30 @@ class Placer:
                     ),
                 )
             )
+        # The deployment's LoRA adapters, loaded by every replica: their bytes join its memory.
+        adapters = [self.snapshot.models.get(a) for a in dep.adapters]
+        unmeasured = [a for a, f in zip(dep.adapters, adapters, strict=True) if f is None]
+        if unmeasured:
+            extra.append(
+                Condition(
+                    ConditionType.MODEL_KNOWN,
+                    False,
+                    ConditionReason.UNKNOWN_MODEL,
+                    f"adapters {', '.join(unmeasured)}: not defined, or their size is unknown",
+                )
+            )
+        adapter_bytes = sum(f.weight_bytes for f in adapters if f is not None)
         if missing > 0:
             demands = [
-                demand_for(p, weights, self.snapshot.classes.get(p.device_class or ""), drafts.get(p.name))
+                demand_for(
+                    p,
+                    weights,
+                    self.snapshot.classes.get(p.device_class or ""),
+                    drafts.get(p.name),
+                    adapter_bytes,
+                )
                 for p in result.usable
-                if (weights := served.get(p.name)) is not None and p not in undrafted
+                if (weights := served.get(p.name)) is not None and p not in undrafted and not unmeasured
             ]
             names = _ordinal_names(
                 dep.name,

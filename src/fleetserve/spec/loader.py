@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from pydantic import ValidationError as PydanticValidationError
 
 from fleetserve.errors import ConfigError, Problem
+from fleetserve.spec.adapter import Adapter
 from fleetserve.spec.cluster import Cluster
 from fleetserve.spec.endpoint import Endpoint
 from fleetserve.spec.resources import Deployment, DeviceClass, Fabric, Model, Node, Replica
@@ -31,6 +32,7 @@ KINDS: Mapping[str, type[BaseModel]] = {
     "Replica": Replica,
     "Cluster": Cluster,
     "Endpoint": Endpoint,
+    "Adapter": Adapter,
 }
 
 
@@ -46,6 +48,7 @@ class Documents:
     replicas: list[Replica] = field(default_factory=list)
     clusters: list[Cluster] = field(default_factory=list)
     endpoints: list[Endpoint] = field(default_factory=list)
+    adapters: list[Adapter] = field(default_factory=list)
 
     def add(self, resource: BaseModel) -> None:
         """Append one parsed resource to the list of its kind."""
@@ -58,6 +61,7 @@ class Documents:
             Replica: self.replicas,
             Cluster: self.clusters,
             Endpoint: self.endpoints,
+            Adapter: self.adapters,
         }
         buckets[type(resource)].append(resource)
 
@@ -72,6 +76,7 @@ class Documents:
             replicas=self.replicas + other.replicas,
             clusters=self.clusters + other.clusters,
             endpoints=self.endpoints + other.endpoints,
+            adapters=self.adapters + other.adapters,
         )
 
     def all(self) -> Iterable[BaseModel]:
@@ -84,6 +89,7 @@ class Documents:
         yield from self.replicas
         yield from self.clusters
         yield from self.endpoints
+        yield from self.adapters
 
 
 def _loc_path(loc: tuple[int | str, ...]) -> str:

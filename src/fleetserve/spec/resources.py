@@ -364,6 +364,19 @@ class Deployment(Spec):
     # engine row says how it starts each (``EngineSpec.tasks``). Omitted when generate, so a
     # deployment that says nothing serialises (and revisions) as before tasks existed.
     task: Task = Field(default=Task.GENERATE, exclude_if=lambda v: v is Task.GENERATE)
+    # LoRA adapters (``kind: Adapter``, each on this deployment's model) its replicas load; a
+    # client names one as its model. Omitted when empty, so a deployment without them serialises
+    # as before they existed. Where an engine loads adapters only at start, they are part of the
+    # revision (``template_revision``): a change rolls those replicas; vLLM loads them at run time.
+    adapters: tuple[Name, ...] = Field(default=(), max_length=32, exclude_if=lambda v: not v)
+
+    @field_validator("adapters")
+    @classmethod
+    def _distinct_adapters(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        dupes = sorted({n for n in v if v.count(n) > 1})
+        if dupes:
+            raise ValueError(f"adapters are listed once each; repeated: {dupes}")
+        return v
 
     @field_validator("replicas")
     @classmethod
@@ -399,6 +412,11 @@ class Deployment(Spec):
         replicas placed before the weights counted carry (``reconcile.lifecycle`` stamps them).
         The task counts where it is not generate: another task starts the engine otherwise."""
         spec = self.model_dump(mode="json", by_alias=True, include={"model", "profiles", "task"})
+        # Adapters an engine loads only at start are part of what its replicas run; one that loads
+        # them at run time starts with them enabled (vLLM's --enable-lora) once there is one.
+        if self.adapters:
+            live = [_loads_adapters_live(p.engine) for p in self.profiles]
+            spec["adapters"] = True if all(live) else list(self.adapters)
         template = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
         return f"{template}.{weights}" if weights else template
 
@@ -406,6 +424,14 @@ class Deployment(Spec):
         """Profiles in the order placement tries them: higher priority first, then as written."""
         order = sorted(enumerate(self.profiles), key=lambda ip: (-ip[1].priority, ip[0]))
         return tuple(p for _, p in order)
+
+
+def _loads_adapters_live(engine: EngineKind) -> bool:
+    """Whether ``engine`` loads and unloads adapters while it runs (its row's ``adapters``)."""
+    from fleetserve.engines.registry import ENGINES  # the engine rows import these documents
+
+    support = ENGINES[engine].adapters
+    return support is not None and support.live
 
 
 def revision_parts(revision: str) -> tuple[str, str]:

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Protocol
 from fleetserve.inventory.base import Inventory
 from fleetserve.protocol import AgentStatus
 from fleetserve.routing import ReplicaEndpoint
+from fleetserve.spec.adapter import Adapter
 from fleetserve.spec.endpoint import Endpoint, EndpointState
 from fleetserve.spec.resources import DeviceClass, Model, Node, Replica
 from fleetserve.spec.status import DecisionRecord, DeploymentStatus
@@ -129,6 +130,8 @@ class Deployments(Protocol):
 
     def list_models(self) -> list[Model]: ...
 
+    def list_adapters(self) -> list[Adapter]: ...
+
     def set_deployment_status(self, name: str, status: DeploymentStatus) -> None: ...
 
     def record_decision(self, deployment: str, explanation: DecisionRecord, now: datetime) -> int: ...
@@ -182,6 +185,8 @@ class AssignmentReads(Protocol):
     def get_deployment(self, name: str) -> StoredDeployment: ...
 
     def get_model(self, name: str) -> Model: ...
+
+    def get_adapter(self, name: str) -> Adapter: ...
 
 
 class NodeCredentials(Protocol):

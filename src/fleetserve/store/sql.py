@@ -9,6 +9,7 @@
     ├── SqlReports   store/reports.py      heartbeats, assignments, agents' status reports
     ├── SqlDeployments store/deployments.py  models, deployments, decisions
     ├── SqlEndpoints store/endpoints.py    endpoints fleetserve did not start, their health
+    ├── SqlAdapters  store/adapters.py     LoRA adapters on base models
     ├── SqlCredentials store/credentials.py  tokens, API keys
     ├── SqlUsage     store/usage.py        the gateways' usage per minute, key and model
     ├── SqlAudit     store/audit.py        the audit log of admin actions
@@ -26,6 +27,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from fleetserve.spec.loader import Documents
+from fleetserve.store.adapters import SqlAdapters
 from fleetserve.store.audit import SqlAudit
 from fleetserve.store.base import doc
 from fleetserve.store.credentials import SqlCredentials
@@ -54,6 +56,7 @@ class SqlStore(
     SqlReports,
     SqlDeployments,
     SqlEndpoints,
+    SqlAdapters,
     SqlCredentials,
     SqlUsage,
     SqlAudit,
@@ -110,6 +113,8 @@ class SqlStore(
                 out.append(("Node", node.name, "created" if reg.created else "configured"))
             for model in docs.models:
                 out.append(("Model", model.name, self._put_model(s, model)))
+            for adapter in docs.adapters:
+                out.append(("Adapter", adapter.name, self._put_adapter(s, adapter)))
             for dep in docs.deployments:
                 out.append(("Deployment", dep.name, self._put_deployment(s, dep)[1]))
             for endpoint in docs.endpoints:

@@ -107,6 +107,15 @@ class ModelRow(Base):
     previous_spec: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
 
+class AdapterRow(Base):
+    """An Adapter (a LoRA adapter on a base model): its spec."""
+
+    __tablename__ = "adapters"
+
+    name: Mapped[str] = mapped_column(NAME, primary_key=True)
+    spec: Mapped[dict[str, Any]]
+
+
 class DeploymentRow(Base):
     __tablename__ = "deployments"
 

@@ -13,6 +13,7 @@ from builders import deployment, gpu_host_32c_256g, safetensors_8gb
 from fleetserve.inventory.memory import InMemoryInventory
 from fleetserve.reconcile.health import HeartbeatPolicy
 from fleetserve.server.reconciler.loop import Reconciler
+from fleetserve.spec.adapter import Adapter
 from fleetserve.spec.resources import DeviceClass, Model, NodeState, ReplicaState
 from fleetserve.spec.status import DecisionRecord, DeploymentStatus
 from fleetserve.store.deployments import StoredDeployment
@@ -42,6 +43,9 @@ class FakeStore(InMemoryInventory):
 
     def list_models(self) -> list[Model]:
         return list(self.models)
+
+    def list_adapters(self) -> list[Adapter]:
+        return []
 
     def set_deployment_status(self, name: str, status: DeploymentStatus) -> None:
         self.statuses[name] = status

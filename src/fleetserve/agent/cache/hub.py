@@ -14,7 +14,8 @@ The endpoint is ``HF_ENDPOINT`` (or the public Hub), the token ``HF_TOKEN`` or t
 and files are SourceErrors that name the repository and the fix.
 
 A whole repository (``hf://ORG/REPO``) is the files an engine needs (``ALLOW_PATTERNS``: weights in
-safetensors, config, generation config, tokenizer files), at the top level of the repository.
+safetensors, config, generation config, tokenizer files, a PEFT adapter's config), at the top level
+of the repository.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ ALLOW_PATTERNS = (
     "vocab.txt",
     "merges.txt",
     "chat_template.jinja",
+    # A PEFT LoRA adapter's (``kind: Adapter``, format peft): beside adapter_model.safetensors.
+    "adapter_config.json",
     "chat_template.json",
 )
 TOKEN_HELP = "set HF_TOKEN in the agent's environment or start it with --hf-token-file FILE"

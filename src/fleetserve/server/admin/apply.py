@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from fleetserve.adminapi.fleet import AppliedDocument, ApplyRequest, ApplyResult
 from fleetserve.errors import ConfigError, Problem
 from fleetserve.fleet import check_documents
-from fleetserve.gguf_facts import model_facts
+from fleetserve.gguf_facts import adapter_facts, model_facts
 from fleetserve.server.admin import audit
 from fleetserve.spec.cluster import Cluster
 from fleetserve.spec.loader import Documents, parse_document
@@ -92,6 +92,7 @@ def check_batch(docs: Documents, store: SqlStore) -> None:
         models=_overlay(store.list_models(), docs.models),
         deployments=_overlay([d.deployment for d in store.list_deployments()], docs.deployments),
         endpoints=_overlay([e.endpoint for e in store.list_endpoints()], docs.endpoints),
+        adapters=_overlay(store.list_adapters(), docs.adapters),
     )
     incoming = {_key(r) for r in docs.all()}
     problems = [p for p in check_documents(merged) if p.location in incoming]
@@ -102,6 +103,11 @@ def check_batch(docs: Documents, store: SqlStore) -> None:
         if key in seen:
             problems.append(Problem(key, "name", "appears twice in this batch"))
         seen.add(key)
+    for adapter in docs.adapters:
+        try:
+            adapter_facts(adapter)
+        except ConfigError as err:
+            problems.extend(err.problems)
     for model in docs.models:
         try:
             model_facts(model)

@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 
 from fastapi import APIRouter
 
+from fleetserve.server.admin.adapters import build_adapters_router
 from fleetserve.server.admin.apply import build_apply_router
 from fleetserve.server.admin.catalog import build_catalog_router
 from fleetserve.server.admin.credentials import build_credentials_router
@@ -42,6 +43,7 @@ def build_admin_router(
         build_deployments_router(store),
         build_replicas_router(store, engine_values),
         build_endpoints_router(store),
+        build_adapters_router(store),
     ):
         api.include_router(router)
     return api

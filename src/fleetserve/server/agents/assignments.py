@@ -54,6 +54,7 @@ def assignment_entries(store: AssignmentReads, replicas: list[Replica]) -> list[
     keys = store.engine_keys([r.name for r in replicas])
     deployments: dict[str, Deployment | None] = {}
     models: dict[str, Model | None] = {}
+    adapter_docs: dict[str, Model | None] = {}
     out = []
     for replica in replicas:
         if replica.deployment not in deployments:
@@ -91,6 +92,16 @@ def assignment_entries(store: AssignmentReads, replicas: list[Replica]) -> list[
             if found is None:
                 continue  # its draft was deleted: placement reports it; keep what runs
             draft = weights_for(found, profile.engine) or found
+        adapters: list[Model] = []
+        for name in deployment.adapters:
+            if name not in adapter_docs:
+                try:
+                    adapter_docs[name] = store.get_adapter(name).as_model()
+                except NotFound:
+                    adapter_docs[name] = None  # deleted meanwhile: the replica starts without it
+            found_adapter = adapter_docs[name]
+            if found_adapter is not None:
+                adapters.append(found_adapter)
         out.append(
             Assignment(
                 replica=replica,
@@ -106,6 +117,7 @@ def assignment_entries(store: AssignmentReads, replicas: list[Replica]) -> list[
                 engine_key=keys.get(replica.name),
                 task=deployment.task,
                 draft=draft,
+                adapters=adapters,
             )
         )
     return out

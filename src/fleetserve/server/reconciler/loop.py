@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from fleetserve.autoscale import AutoscaleState, DecisionLog, decide_for, render_decision
 from fleetserve.changegate import FULL_READ_SECONDS
 from fleetserve.errors import AllocationConflict, ConfigError, FleetserveError, UnknownReplica
-from fleetserve.gguf_facts import model_facts
+from fleetserve.gguf_facts import adapter_facts, model_facts
 from fleetserve.metrics.exposition import FleetMetrics
 from fleetserve.modelfacts import ModelFacts
 from fleetserve.reconcile.core import Planner
@@ -45,6 +45,7 @@ from fleetserve.reconcile.health import HeartbeatPolicy
 from fleetserve.reconcile.lifecycle import FailureHistory
 from fleetserve.server.reconciler.signals import SignalSource
 from fleetserve.snapshot import ClusterSnapshot
+from fleetserve.spec.adapter import Adapter
 from fleetserve.spec.resources import Deployment, Model, Replica, ReplicaState
 from fleetserve.spec.status import (
     AutoscalerEntry,
@@ -194,6 +195,7 @@ class Reconciler:
         self.clock = clock
         self.holder = holder or holder_name()
         self._facts: dict[str, tuple[Model, ModelFacts]] = {}
+        self._adapters: dict[str, tuple[Adapter, ModelFacts]] = {}
         self._last_recorded: dict[str, Any] = {}
         # The free capacity, kept between cycles and patched from each snapshot.
         self._planner = Planner()
@@ -216,6 +218,21 @@ class Reconciler:
             out[model.name] = cached[1]
         return out
 
+    def _adapter_facts(self, adapters: list[Adapter]) -> dict[str, ModelFacts]:
+        """Each adapter's bytes, as facts under its name (which no model has: apply refuses it)."""
+        out = {}
+        for adapter in adapters:
+            cached = self._adapters.get(adapter.name)
+            if cached is None or cached[0] != adapter:
+                try:
+                    cached = (adapter, adapter_facts(adapter))
+                except ConfigError as err:
+                    log.warning("adapter %s: %s", adapter.name, err)
+                    continue
+                self._adapters[adapter.name] = cached
+            out[adapter.name] = cached[1]
+        return out
+
     def run_once(self) -> CycleResult:
         """One cycle; a follower only renews its bid for the lease."""
         started = time.perf_counter()
@@ -236,7 +253,9 @@ class Reconciler:
             return result
         self._quiet = None
         stored = self.store.list_deployments()
-        snapshot = self.store.snapshot(self._model_facts(self.store.list_models()))
+        snapshot = self.store.snapshot(
+            {**self._model_facts(self.store.list_models()), **self._adapter_facts(self.store.list_adapters())}
+        )
         deployments = [self._scale(d.deployment, snapshot.replicas) for d in stored]
         self._scaled.clear()
         failures = {d.deployment.name: FailureHistory.from_status(d.status.failures.stored()) for d in stored}

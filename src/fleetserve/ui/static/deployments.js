@@ -48,6 +48,15 @@ function profileRows(profiles) {
   ]);
 }
 
+// The deployment's LoRA adapters, as listed: the base model, format and source of each.
+function adapterRows(names, adapters) {
+  const known = new Map(adapters.map((a) => [a.name, a]));
+  return names.map((name) => {
+    const a = known.get(name);
+    return a ? [name, a.base, a.format, a.source] : [name, "—", "not defined", "—"];
+  });
+}
+
 // Endpoints as replicas are shown: name, where, what it serves, weight, health.
 function endpointRows(endpoints) {
   return endpoints.map((e) => [
@@ -221,10 +230,11 @@ function detailPage(main, status, name) {
         body.replaceChildren(errorBox(e));
         return;
       }
-      const [explain, decisions, endpoints] = await Promise.all([
+      const [explain, decisions, endpoints, adapters] = await Promise.all([
         api("GET", `/deployments/${path}/explain`),
         api("GET", `/decisions?deployment=${path}&limit=20`),
         api("GET", "/endpoints"),
+        (dep.adapters || []).length ? api("GET", "/adapters") : [],
       ]);
       const listed = endpoints.filter((e) => (dep.endpoints || []).includes(e.name));
       const replicas = dep.replicas || [];
@@ -249,6 +259,9 @@ function detailPage(main, status, name) {
         section("Profiles", table(["Profile", "Engine", "Runs on", "Context", "Speculative"], profileRows(dep.profiles), { id: "profiles" })),
         section("Replicas", replicas.length ? table(["Replica", "Profile", "Node", "Devices", "Revision", "State"], replicaRows(replicas), { id: "replicas" }) : empty("No replica placed.")),
         listed.length ? section("Endpoints", endpointTable(listed)) : "",
+        (dep.adapters || []).length
+          ? section("Adapters", table(["Adapter", "Base", "Format", "Source"], adapterRows(dep.adapters, adapters), { id: "adapters" }))
+          : "",
         section("Conditions", conditions.length ? table(["Type", "Status", "Reason", "Message"], conditions) : empty("Not reconciled yet.")),
         section("Placement explanation", explanation(explain)),
         section("Rollout", keyValues(st.rollout)),
