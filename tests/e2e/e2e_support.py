@@ -824,15 +824,19 @@ class LiveFleet:
         headers = {"Authorization": f"Bearer {self.key}"}
         return httpx.post(f"{self.server.url}{path}", json=body, headers=headers, timeout=120)
 
-    def engine_argv(self, port: int) -> list[str]:
-        """The command line of the one engine process of this agent listening on ``port``."""
+    def engine(self, port: int) -> Any:
+        """The one engine process of this agent listening on ``port`` (a ``psutil.Process``)."""
         found = [
-            p.cmdline()
+            p
             for p in processes_mentioning(self.agent.cache_dir)
             if "--port" in p.cmdline() and p.cmdline()[p.cmdline().index("--port") + 1] == str(port)
         ]
-        assert len(found) == 1, found
-        return list(found[0])
+        assert len(found) == 1, [p.cmdline() for p in found]
+        return found[0]
+
+    def engine_argv(self, port: int) -> list[str]:
+        """The command line of the one engine process of this agent listening on ``port``."""
+        return list(self.engine(port).cmdline())
 
     def argv(self, deployment: str) -> list[str]:
         """The command line of the engine serving ``deployment``'s Running replica."""

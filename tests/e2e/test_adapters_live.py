@@ -19,23 +19,12 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from e2e_support import (
-    AgentFactory,
-    AgentProcess,
-    ServerFactory,
-    ServerProcess,
-    api_key,
-    processes_mentioning,
-    run_cli,
-    server_and_mirrored_agent,
-    wait_for,
-)
+from e2e_support import LiveFleet, api_key, hf_cache_repo, live_fleet, run_cli, wait_for
 
 from fleetserve.dev.tinylora import write_tiny_gguf_lora, write_tiny_peft_lora
 from fleetserve.dev.tinymodel import write_tiny_model
@@ -97,30 +86,19 @@ def documents(gguf: Path, lora: Path) -> list[dict[str, Any]]:
 def write_mirror(root: Path) -> Path:
     """An offline Hugging Face cache: the tiny safetensors model (written by the CLI) and two PEFT
     adapters for it (drawn from two seeds)."""
-    for repo in (REPO, LORA_REPO, LORA_REPO_2):
-        snapshot = root / f"models--{repo.replace('/', '--')}" / "snapshots" / COMMIT
-        if repo == REPO:
-            out = run_cli("dev", "tiny-model", "--format", "safetensors", str(snapshot))
-            assert out.returncode == 0, out.stderr
-        else:
-            write_tiny_peft_lora(snapshot, seed=1 if repo == LORA_REPO else 2)
-        (snapshot.parents[1] / "refs").mkdir()
-        (snapshot.parents[1] / "refs" / "main").write_text(COMMIT)
+
+    def by_the_cli(snapshot: Path) -> None:
+        out = run_cli("dev", "tiny-model", "--format", "safetensors", str(snapshot))
+        assert out.returncode == 0, out.stderr
+
+    hf_cache_repo(root, REPO, by_the_cli, COMMIT)
+    hf_cache_repo(root, LORA_REPO, lambda snapshot: write_tiny_peft_lora(snapshot, seed=1), COMMIT)
+    hf_cache_repo(root, LORA_REPO_2, lambda snapshot: write_tiny_peft_lora(snapshot, seed=2), COMMIT)
     return root
 
 
-@dataclass
-class Fleet:
-    server: ServerProcess
-    agent: AgentProcess
-    key: str
-
-    def running(self, deployment: str) -> dict[str, Any] | None:
-        with self.server.client(timeout=10) as api:
-            listed = api.get("/replicas", params={"deployment": deployment}).json()
-            rows = [api.get(f"/replicas/{r['name']}").json() for r in listed]
-        ready = [r for r in rows if r["state"] == "Running" and r["status"].get("port")]
-        return ready[0] if ready else None
+class Fleet(LiveFleet):
+    """The live fleet, asked for completions and usage by model name."""
 
     def complete(self, model: str, key: str | None = None) -> httpx.Response:
         return httpx.post(
@@ -137,15 +115,6 @@ class Fleet:
         print(f"request: {json.dumps({'model': model, **ASK})} -> {text!r}")
         return text
 
-    def engine(self, port: int) -> Any:
-        found = [
-            p
-            for p in processes_mentioning(self.agent.cache_dir)
-            if "--port" in p.cmdline() and p.cmdline()[p.cmdline().index("--port") + 1] == str(port)
-        ]
-        assert len(found) == 1, [p.cmdline() for p in found]
-        return found[0]
-
     def usage(self, model: str) -> int:
         with self.server.client(timeout=10) as api:
             report = api.get("/usage", params={"model": model, "step": "minute"}).json()
@@ -157,20 +126,12 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     tmp = tmp_path_factory.mktemp("adapters")
     mirror = write_mirror(tmp / "mirror")
     gguf, lora = write_tiny_model(tmp / "tiny.gguf"), write_tiny_gguf_lora(tmp / "tiny-lora.gguf")
-    servers, agents = ServerFactory(tmp), AgentFactory(tmp)
-    try:
-        server, agent = server_and_mirrored_agent(servers, agents, tmp, NODE, mirror, cores=4)
-        key = api_key(server, "lora", [LLAMA, VLLM, GGUF_LORA, PEFT_LORA, PEFT_LORA_2])
-        fleet = Fleet(server, agent, key)
-        server.apply(documents(gguf, lora))
+    keys = (LLAMA, VLLM, GGUF_LORA, PEFT_LORA, PEFT_LORA_2)
+    with live_fleet(tmp, NODE, mirror, cores=4, key_models=keys) as live:
+        fleet = Fleet(live.server, live.agent, live.key)
+        fleet.server.apply(documents(gguf, lora))
         wait_for(lambda: fleet.running(LLAMA), timeout=120, what="the llama.cpp replica to be Running")
         yield fleet
-    finally:
-        orphans = agents.close()
-        servers.close()
-        leftover = [" ".join(p.cmdline()) for p in processes_mentioning(tmp)]
-    assert not orphans, orphans
-    assert not leftover, f"processes outlived the fleet: {leftover}"
 
 
 def routed(fleet: Fleet, model: str, timeout: float = 30) -> str:
