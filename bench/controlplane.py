@@ -119,7 +119,8 @@ PYTHON = sys.executable
 POSTGRES = os.environ.get("FLEETSERVE_BENCH_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test")
 API = "/api/v1/agent"
 POLL_WAIT = 20.0
-MAX_REPLICAS = 10_000  # a deployment's replica count is at most this (spec/base.py)
+MAX_REPLICAS = 10_000
+MAX_CONNECTIONS = 4096  # the server's --max-connections default (listener.py); raised past it  # a deployment's replica count is at most this (spec/base.py)
 
 
 def free_port() -> int:
@@ -239,7 +240,13 @@ class Server:
 
 
 def start_server(
-    url: str, work: Path, name: str, token_file: Path, src: Path | None, profile: Path | None = None
+    url: str,
+    work: Path,
+    name: str,
+    token_file: Path,
+    src: Path | None,
+    profile: Path | None = None,
+    connections: int = 0,
 ) -> Server:
     port = free_port()
     env = dict(os.environ)
@@ -259,6 +266,8 @@ def start_server(
         "--token-file", str(token_file), "--models-dir", str(work / "models"),
         "--not-ready-after", "60", "--lost-after", "300", "--log-level", "warning",
     ]  # fmt: skip
+    if connections > MAX_CONNECTIONS:  # every agent's held poll and the short requests' pool
+        args += ["--max-connections", str(connections)]
     with log.open("wb") as out:  # the child keeps its own descriptor
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=work, env=env)
     server = Server(proc, port, log, stacks)
@@ -943,7 +952,9 @@ async def run_column(
     profile = None
     if args.profile is not None:
         profile = Path(args.profile).resolve() / "".join(c if c.isalnum() else "-" for c in label)
-    servers = [start_server(url, work, "server-a", token_file, src, profile)]
+    # Every agent holds a poll open beside the short requests' connections.
+    room = args.nodes + args.connections + 64
+    servers = [start_server(url, work, "server-a", token_file, src, profile, room)]
     fleet: Fleet | None = None
     shards = Shards(url)
     try:
@@ -1022,7 +1033,7 @@ async def run_column(
             print(
                 f"  [{label}] a second server, half the agents moved to it ...", file=sys.stderr, flush=True
             )
-            servers.append(start_server(url, work, "server-b", token_file, src, profile))
+            servers.append(start_server(url, work, "server-b", token_file, src, profile, room))
             for i in range(1, len(nodes), 2):
                 fleet.origins[i] = servers[1].origin
             await asyncio.sleep(3)
