@@ -119,8 +119,8 @@ PYTHON = sys.executable
 POSTGRES = os.environ.get("FLEETSERVE_BENCH_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test")
 API = "/api/v1/agent"
 POLL_WAIT = 20.0
-MAX_REPLICAS = 10_000
-MAX_CONNECTIONS = 4096  # the server's --max-connections default (listener.py); raised past it  # a deployment's replica count is at most this (spec/base.py)
+MAX_REPLICAS = 10_000  # a deployment's replica count is at most this (spec/base.py)
+MAX_CONNECTIONS = 4096  # the server's --max-connections default (listener.py); raised past it
 
 
 def free_port() -> int:

@@ -17,9 +17,9 @@ that the calls of one tick share a thread trip and a statement: a batch's cost i
 heartbeats a second, one or two per batch without a tick. Calls that arrive while a batch is in
 flight wait for it to end (they would have waited for the database anyway) and go in the next
 at once; a batch holds at most ``limit`` calls. A heartbeat is judged by when it arrived (the
-door stamps it before it queues), so a tick delays its answer, never its judgement. Each caller gets its own result, in order;
-an error of the batch is each caller's error. A caller that goes away (its task cancelled) takes
-nothing with it: the batch still runs for the others.
+door stamps it before it queues), so a tick delays its answer, never its judgement. Each
+caller gets its own result, in order; an error of the batch is each caller's error. A caller
+that goes away (its task cancelled) takes nothing with it: the batch still runs for the others.
 
 The batch's CPU (its thread's own clock around ``many``) is split evenly over the bills of the
 calls it held (``callcpu``: what each agent call costs, per kind).
