@@ -75,9 +75,9 @@ REGISTER = f"{AGENT_PREFIX}/register"  # FastAPI's route (``routes.py``), timed 
 
 
 # How long the first call of a quiet moment waits for others to share its batch (``batching``):
-# heartbeats have a latency target (p99 50 ms at 5,000 agents), so well under half of it; reports
+# heartbeats have a latency target (p99 50 ms at 5,000 agents), so a fifth of it; reports
 # and polls' judgements have none (a poll is held for seconds anyway), so five times that.
-BEAT_TICK = 0.02
+BEAT_TICK = 0.01
 REPORT_TICKS = 5
 
 
