@@ -63,7 +63,9 @@ reconciler, assignment watch, observer, ...) and per frame.
 about 750 requests a second (500 heartbeats and reports, 250 re-issued long-polls). One server
 process answers them with about a quarter of a core in a settled fleet (heartbeats, reports and
 credential checks gathered into batches, re-issued polls held without FastAPI:
-``server/agents/door.py``; the reconciler in a process of its own). That column runs to the end in
+``server/agents/door.py``; the reconciler in a process of its own). Each server is started
+with ``--max-connections`` past the fleet's held polls and this process's connections when
+they need more than its default 4,096. That column runs to the end in
 about six minutes on the 2-core development machine (enrolment about 85 nodes a second, the
 scale-up about 90 s), this process and PostgreSQL sharing the two cores with the server. The
 default stays at 1,000 agents so that all three columns (the second server and SQLite too) end
