@@ -6,6 +6,7 @@ are served as before.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import socket
@@ -18,7 +19,7 @@ from typing import Any
 import pytest
 import uvicorn
 
-from fleetserve.listener import ListenerLimits, uvicorn_config
+from fleetserve.listener import CORK_BYTES, CorkedTransport, ListenerLimits, uvicorn_config
 
 LIMITS = ListenerLimits(head_bytes=4096, header_count=20, head_timeout=0.6, keep_alive=1, max_connections=8)
 
@@ -318,3 +319,60 @@ def test_a_forwarded_allow_ips_entry_that_is_no_address_names_the_flag() -> None
     with pytest.raises(ValueError, match=r"--forwarded-allow-ips 'proxy\.local'"):
         ListenerLimits(forwarded_allow=("proxy.local",))
     assert "--forwarded-allow-ips=10.0.0.5" in ListenerLimits(forwarded_allow=("10.0.0.5",)).flags()
+
+
+class _Recording(asyncio.Transport):
+    """A transport under a ``CorkedTransport``: what it was asked to write, one entry a write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+        self.closed = self.eof = self.aborted = False
+
+    def write(self, data: Any) -> None:
+        self.writes.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return self.closed or self.aborted
+
+    def close(self) -> None:
+        self.closed = True
+
+    def write_eof(self) -> None:
+        self.eof = True
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+
+def test_what_one_loop_iteration_writes_goes_out_in_one_write_and_closing_writes_it_first() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        under = _Recording()
+        corked = CorkedTransport(under, loop)
+        corked.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n")
+        corked.write(b"{}")
+        assert under.writes == [] and corked.get_write_buffer_size() == 40
+        await asyncio.sleep(0)
+        assert under.writes == [b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}"]
+        # A stream's big chunk is not held back; closing and half-closing write what is pending.
+        corked.write(b"x" * (CORK_BYTES + 1))
+        assert len(under.writes) == 2
+        corked.write(b"last")
+        corked.write_eof()
+        assert under.writes[-1] == b"last" and under.eof
+        corked.write(b"bye")
+        corked.close()
+        assert under.writes[-1] == b"bye" and under.closed
+        # Aborting drops it; anything else is the transport's own.
+        other = _Recording()
+        dropped = CorkedTransport(other, loop)
+        dropped.write(b"never")
+        dropped.abort()
+        await asyncio.sleep(0)
+        assert other.writes == [] and other.aborted and dropped.is_closing()
+
+    asyncio.run(main())

@@ -47,8 +47,10 @@ def test_a_small_run_prints_every_figure_for_both_databases(
         "snapshot p50 / p99 s (mean)",
         "server RSS MiB start/end",
         "server CPU ms per request answered",
-        "CPU ms per heartbeat: charged / +rest",
-        "CPU ms per status report: charged / +rest",
+        "CPU ms per heartbeat: charged / even / prop.",
+        "CPU ms per status report: charged / even / prop.",
+        "heartbeat: whole-process CPU <= 0.3 ms",
+        "status report: whole-process CPU <= 1 ms",
         "server CPU charged to no call",
         "load process loop lag p99 / max ms",
         "database rows",
@@ -61,10 +63,20 @@ def test_a_small_run_prints_every_figure_for_both_databases(
         kinds = {line.split(",")[1] for line in lines[1:]}
         assert "heartbeat" in kinds, lines
     # The servers charged CPU to the steady phase's heartbeats (ms per call, then how many).
-    charged = re.findall(r"([\d.]+) / ([\d.]+) \(([\d,]+)\)", rows["CPU ms per heartbeat: charged / +rest"])
+    # Then with every CPU-second of the server put on some call (evenly, in proportion), each at
+    # least the call's own charge, and the target judged on the larger.
+    charged = re.findall(
+        r"([\d.]+) / ([\d.]+) / ([\d.]+) \(([\d,]+)\)", rows["CPU ms per heartbeat: charged / even / prop."]
+    )
     assert len(charged) == 2, out
-    for ms, with_rest, calls in charged:
-        assert 0 < float(ms) <= float(with_rest) and int(calls.replace(",", "")) > 0, out
+    for ms, even, proportional, calls in charged:
+        assert 0 < float(ms) <= min(float(even), float(proportional)), out
+        assert int(calls.replace(",", "")) > 0, out
+    verdicts = re.findall(r"(met|NOT met) \(([\d.]+) ms\)", rows["heartbeat: whole-process CPU <= 0.3 ms"])
+    assert len(verdicts) == 2, out
+    for (verdict, whole), (_, even, proportional, _) in zip(verdicts, charged, strict=True):
+        assert float(whole) == max(float(even), float(proportional)), out
+        assert (verdict == "met") == (float(whole) <= 0.3), out
     # Every agent enrolled and was heard from; none of their requests failed.
     assert rows["failed requests"].split()[-2:] == ["0", "0"], out
     assert "placed)" in rows["apply 10 -> all assigned s"], out
@@ -94,3 +106,25 @@ def test_a_run_past_its_deadline_prints_the_phases_it_finished_and_exits_1(
     rows = {re.split(r"\s{2,}", line.strip())[0] for line in captured.out.splitlines() if line.strip()}
     assert "enrolment: nodes/s" in rows, captured.out
     assert "heartbeat p50 / p99 ms" not in rows, captured.out  # the steady phase never ended
+
+
+def test_whole_process_puts_every_cpu_second_of_the_server_on_some_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.syspath_prepend(str(BENCH))
+    import controlplane
+
+    # 100 heartbeats charged 0.01 s, 50 reports 0.04 s: 0.05 s charged of the server's 0.1 s.
+    per_call = controlplane.whole_process(
+        {"heartbeat": (0.01, 100), "status": (0.04, 50), "register": (0, 0)}, 0.1
+    )
+    assert set(per_call) == {"heartbeat", "status"}
+    for kind in ("heartbeat", "status"):
+        own, even, proportional = per_call[kind]
+        assert own < even and own < proportional
+    # Evenly: 0.05 s over 150 calls each; in proportion: each call's charge doubled.
+    assert per_call["heartbeat"] == pytest.approx((1e-4, 1e-4 + 0.05 / 150, 2e-4))
+    assert per_call["status"] == pytest.approx((8e-4, 8e-4 + 0.05 / 150, 16e-4))
+    # Either way the server's whole CPU is accounted for.
+    assert sum(per_call[k][1] * c for k, c in (("heartbeat", 100), ("status", 50))) == pytest.approx(0.1)
+    assert sum(per_call[k][2] * c for k, c in (("heartbeat", 100), ("status", 50))) == pytest.approx(0.1)

@@ -109,3 +109,25 @@ def test_a_wrong_number_of_results_is_every_callers_error() -> None:
         assert all(isinstance(r, RuntimeError) and "1 results for a batch of 2" in str(r) for r in results)
 
     asyncio.run(main())
+
+
+def test_with_a_tick_the_first_call_waits_for_the_calls_of_its_tick() -> None:
+    async def main() -> None:
+        many = Doubler()
+        many.release.set()
+        gather: Gather[int, int] = Gather(many, tick=0.05)
+        # Made one after another, each within the first's tick: one batch, the first in it.
+        first = asyncio.create_task(gather(1))
+        await asyncio.sleep(0)
+        rest = [asyncio.create_task(gather(n)) for n in range(2, 5)]
+        assert [await first, *await asyncio.gather(*rest)] == [2, 4, 6, 8]
+        assert many.batches == [[1, 2, 3, 4]]
+        # A batch full before its tick ends is still one batch, at most ``limit`` calls.
+        small: Gather[int, int] = Gather(many, limit=2, tick=0.05)
+        assert await asyncio.gather(*(small(n) for n in (5, 6, 7))) == [10, 12, 14]
+        assert many.batches[1:] == [[5, 6], [7]]
+
+    asyncio.run(main())
+    for tick in (-0.1, 1.5):
+        with pytest.raises(ValueError, match=f"tick={tick}"):
+            Gather(Doubler(), tick=tick)

@@ -200,6 +200,30 @@ BEAT = {"node": "n1", "epoch": 1}
 SAMPLE = {"name": "fleetserve_gpu_utilization_ratio", "value": 1, "labels": {"node": "n1", "device": "0"}}
 
 
+def test_the_heartbeats_of_one_tick_share_one_batch_and_each_is_answered() -> None:
+    store = FakeStore()
+    store.nodes["n2"] = cpu_8c_32g("n2")
+
+    async def go() -> list[Sent | None]:
+        watch = AssignmentWatch(store, tick=0.05)
+        door = AgentDoor(store, watch, tick=0.2)
+        try:
+            return await asyncio.gather(
+                call(door, Call("POST", HEARTBEAT, body=BEAT)),
+                call(door, Call("POST", HEARTBEAT, token="cred-n2", body={"node": "n2", "epoch": 1})),
+                call(door, Call("POST", HEARTBEAT, token="cred-n2", body=BEAT)),  # n2's credential
+            )
+        finally:
+            assert (door.beats.batches, door.beats.calls) == (1, 3)
+            await watch.aclose()
+
+    first, second, third = asyncio.run(go())
+    assert first is not None and (first.status, first.body["node"]) == (200, "n1")
+    assert second is not None and (second.status, second.body["node"]) == (200, "n2")
+    assert third is not None and third.status == PROBLEMS[Reason.ANOTHER_NODE].status
+    assert store.written == [Claim("cred-n1", "n1", 1), Claim("cred-n2", "n2", 1)]
+
+
 @dataclass(frozen=True)
 class Refused:
     """A refusal case: the call, what the store says, and the reason, status and sentence
@@ -392,7 +416,7 @@ def test_a_call_queued_behind_a_slow_batch_is_stamped_when_it_arrived(path: str,
         door = AgentDoor(store, watch)
         try:
             first = asyncio.create_task(call(door, Call("POST", path, body=BEAT)))
-            await asyncio.sleep(0.1)  # the first batch is in the database now
+            await asyncio.sleep(0.3)  # the first batch is in the database now (after its tick)
             arrived = datetime.now(UTC)
             second = await call(door, Call("POST", path, token="cred-n2", body={"node": "n2", "epoch": 1}))
             assert second is not None and second.status == 200, second
