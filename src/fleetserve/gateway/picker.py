@@ -73,6 +73,8 @@ class Endpoint:
     redact: bool = False
     # The tokens its KV cache was sized for (placement's context for its profile); None: unknown.
     kv_tokens: int | None = None
+    # The most prompts its cache holds at once, where that bounds it (an engine caching per slot).
+    kv_prompts: int | None = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.weight) and self.weight > 0):
