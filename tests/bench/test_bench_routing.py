@@ -48,7 +48,9 @@ def test_a_unique_trace_has_the_same_lengths_and_no_shared_prefix(routing):
     shared = routing.make_trace("shared", 60, 1.0, seed=5, system_bytes=300)
     unique = routing.make_trace("unique", 60, 1.0, seed=5, system_bytes=300)
     assert [r.at for r in unique] == [r.at for r in shared]
-    assert [[len(c) for _, c in r.messages] for r in unique] == [[len(c) for _, c in r.messages] for r in shared]
+    assert [[len(c) for _, c in r.messages] for r in unique] == [
+        [len(c) for _, c in r.messages] for r in shared
+    ]
     assert len({r.messages[0][1] for r in unique}) == 60
 
 
@@ -74,14 +76,20 @@ def test_percentiles_interpolate(routing):
 
 
 def result(routing, sent, done, replica, status=200, first=None, **kw):
-    return routing.Result(sent=sent, status=status, done=done, first=first or sent + 0.1, replica=replica, **kw)
+    return routing.Result(
+        sent=sent, status=status, done=done, first=first or sent + 0.1, replica=replica, **kw
+    )
 
 
 def test_a_phase_summarises_into_a_row(routing):
     results = [
-        result(routing, 0.0, 1.0, "a", first=0.5, tokens=8, cached=900, computed=100, expected=200, prompt=250),
+        result(
+            routing, 0.0, 1.0, "a", first=0.5, tokens=8, cached=900, computed=100, expected=200, prompt=250
+        ),
         result(routing, 0.5, 2.5, "b", first=1.5, tokens=8, cached=0, computed=1000, expected=0, prompt=250),
-        result(routing, 1.0, 2.0, "a", first=1.25, tokens=8, cached=1000, computed=0, expected=250, prompt=250),
+        result(
+            routing, 1.0, 2.0, "a", first=1.25, tokens=8, cached=1000, computed=0, expected=250, prompt=250
+        ),
         result(routing, 1.5, None, None, status=429),
         result(routing, 1.6, None, None, status=503),
     ]
@@ -126,4 +134,19 @@ def test_the_table_and_targets_say_met_and_not_met_with_figures(routing):
 
 
 def test_targets_of_phases_not_run_say_so(routing):
-    assert routing.targets([]) == ["(a) shared: not measured", "(b) unique: not measured", "(c) hot: not measured"]
+    assert routing.targets([]) == [
+        "(a) shared: not measured",
+        "(b) unique: not measured",
+        "(c) hot: not measured",
+    ]
+
+
+def test_requests_per_second_equal_within_the_tolerance_is_equal(routing):
+    def shared(rps):
+        return [
+            row(routing, "shared", "least-load", ttft_p50=0.9, ttft_p99=2.0, rps=1.0),
+            row(routing, "shared", "cache-aware", ttft_p50=0.2, ttft_p99=0.8, rps=rps),
+        ]
+
+    assert routing.targets(shared(0.99))[0].endswith(": met")
+    assert routing.targets(shared(0.97))[0].endswith(": not met")

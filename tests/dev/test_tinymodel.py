@@ -71,8 +71,10 @@ def test_impossible_shapes_are_refused(bad):
 
 def test_named_sizes_and_explicit_dimensions_make_shapes():
     assert shape_for() == TINY
-    assert shape_for("prefill-1s") == PREFILL_1S == TinyShape(
-        layers=8, embed=256, heads=4, feed_forward=512, context=4096
+    assert (
+        shape_for("prefill-1s")
+        == PREFILL_1S
+        == TinyShape(layers=8, embed=256, heads=4, feed_forward=512, context=4096)
     )
     # Explicit dimensions replace the size's; a width brings a feed-forward twice it.
     assert shape_for("prefill-1s", context=8192) == TinyShape(8, 256, 4, 512, 8192)
@@ -85,12 +87,16 @@ def test_named_sizes_and_explicit_dimensions_make_shapes():
 
 def test_the_cli_writes_the_size_asked_for(tmp_path):
     runner = CliRunner()
-    out = runner.invoke(app, ["dev", "tiny-model", "--size", "prefill-1s", "--context", "8192", str(tmp_path / "p.gguf")])
+    out = runner.invoke(
+        app, ["dev", "tiny-model", "--size", "prefill-1s", "--context", "8192", str(tmp_path / "p.gguf")]
+    )
     assert out.exit_code == 0, out.output
     assert "8 layers, 256 wide, 4 heads, 512 feed-forward, 8192 tokens of context" in out.output
     assert _fields(tmp_path / "p.gguf") == {"block_count": 8, "embedding_length": 256, "feed_forward_length": 512,
                                             "attention.head_count": 4, "context_length": 8192}  # fmt: skip
-    out = runner.invoke(app, ["dev", "tiny-model", "--layers", "3", "--width", "32", str(tmp_path / "s.gguf")])
+    out = runner.invoke(
+        app, ["dev", "tiny-model", "--layers", "3", "--width", "32", str(tmp_path / "s.gguf")]
+    )
     assert out.exit_code == 0, out.output
     assert _fields(tmp_path / "s.gguf")["block_count"] == 3
     assert _fields(tmp_path / "s.gguf")["feed_forward_length"] == 64

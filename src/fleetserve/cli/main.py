@@ -145,16 +145,21 @@ def tiny_model_command(
             "CPU core, llama-server --threads 1).",
         ),
     ] = "tiny",
-    layers: Annotated[int | None, typer.Option("--layers", min=1, max=256, help="Layers, replacing the size's.")] = None,
+    layers: Annotated[
+        int | None, typer.Option("--layers", min=1, max=256, help="Layers, replacing the size's.")
+    ] = None,
     width: Annotated[
         int | None,
         typer.Option(
-            "--width", min=4, max=16384, help="Width (a multiple of 4, the heads), replacing the size's; "
-            "the feed-forward is twice it.",
+            "--width",
+            min=4,
+            max=16384,
+            help="Width (a multiple of 4, the heads), replacing the size's; the feed-forward is twice it.",
         ),
     ] = None,
     context: Annotated[
-        int | None, typer.Option("--context", min=16, max=1 << 20, help="Tokens of context, replacing the size's.")
+        int | None,
+        typer.Option("--context", min=16, max=1 << 20, help="Tokens of context, replacing the size's."),
     ] = None,
 ) -> None:
     """Write a tiny llama-architecture model that tests and the quickstart serve: a GGUF (about

@@ -65,9 +65,10 @@ TINY = TinyShape()
 LARGER = TinyShape(layers=12, embed=1024, heads=16, feed_forward=4096, context=2048)
 
 PREFILL_1S = TinyShape(layers=8, embed=256, heads=4, feed_forward=512, context=4096)
-"""Prefill of a 2,000-token prompt at llama-server ``--threads 1``: 0.93-1.02 s seen on an x86 CPU
-core (a shared 2-core VM, llama.cpp b-series CPU build; ``bench/routing.py`` prints the figure of
-the machine it runs on)."""
+"""Prefill of a 2,053-token prompt at llama-server ``--threads 1`` (the bundled CPU build): 0.88,
+1.04, 1.05 and 1.24 s, four runs on one core of the 2-core AMD EPYC development VM (2026-12-07,
+shared with other work; 1.4-2.0 s when that work held both cores). ``bench/routing.py`` prints
+the figure of the machine it runs on."""
 
 SIZES: dict[str, TinyShape] = {"tiny": TINY, "prefill-1s": PREFILL_1S}
 """The named sizes ``fleetserve dev tiny-model --size`` writes."""

@@ -226,7 +226,9 @@ class EndpointTable:
             # picker's capacity for it); unknown when left to the model's own.
             kv_tokens = profile_context(profile) if profile is not None else None
             # An engine caching per slot holds at most that many prompts whatever its tokens.
-            kv_prompts = ENGINES[profile.engine].held_prompts(profile.engine_args) if profile is not None else None
+            kv_prompts = (
+                ENGINES[profile.engine].held_prompts(profile.engine_args) if profile is not None else None
+            )
             # Capacity across mixed hardware: a replica on more devices serves more at once.
             weight = float(max(1, sum(len(s.devices) for s in replica.shards)))
             endpoints.setdefault(replica.deployment, []).append(
