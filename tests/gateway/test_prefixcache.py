@@ -144,3 +144,78 @@ def test_cutting_a_2000_token_prompt_costs_well_under_a_millisecond():
     print(f"\nblock hashing + 3 lookups + 1 insert, 2,000-token prompt: {per_request * 1e6:.0f} us/request")
     assert len(keys) == 125
     assert per_request < 2e-3  # a generous bound for a loaded CI machine; measured ~50 us of CPU
+
+
+def _prompt(letter: bytes, blocks: int = 6) -> list[int]:
+    return block_keys(letter * BLOCK_BYTES * blocks)
+
+
+@pytest.mark.parametrize(
+    ("sent", "held"),
+    [
+        # Fewer prompts than places: every one held.
+        (["a", "b"], {"a", "b"}),
+        # One prompt too many: the least recently sent goes, whatever room the tokens leave.
+        (["a", "b", "c"], {"b", "c"}),
+        # Sending a held prompt again keeps it: it is the most recent now.
+        (["a", "b", "a", "c"], {"a", "c"}),
+        # A follow-up of a held prompt takes its place (its slot), not another's: b goes for c
+        # (a's head is held as a+'s).
+        (["a", "b", "a+", "c"], {"a", "a+", "c"}),
+    ],
+)
+def test_an_engine_caching_per_slot_holds_whole_prompts_in_its_places(sent, held):
+    prompts = {
+        "a": _prompt(b"a"),
+        "b": _prompt(b"b"),
+        "c": _prompt(b"c"),
+        "a+": block_keys(b"a" * BLOCK_BYTES * 6 + b"+" * BLOCK_BYTES * 2),
+    }
+    cache = ReplicaCache(capacity=1000, prompts=2)
+    for name in sent:
+        cache.insert(prompts[name])
+    got = {name for name, keys in prompts.items() if cache.matched(keys) == len(keys)}
+    assert got == held
+    assert set(cache.blocks) == {k for name in held for k in prompts[name]}
+
+
+def test_prompts_held_per_slot_still_fit_the_kv_tokens():
+    cache = ReplicaCache(capacity=10, prompts=4)
+    cache.insert(_prompt(b"a"))
+    cache.insert(_prompt(b"b"))  # 12 blocks in 10: the older prompt goes whole
+    assert cache.matched(_prompt(b"a")) == 0 and cache.matched(_prompt(b"b")) == 6
+    with pytest.raises(ValueError):
+        ReplicaCache(capacity=10, prompts=0)
+
+
+def test_a_replica_s_prompt_bound_comes_with_its_sync_and_a_new_one_clears_it():
+    caches = PrefixCaches()
+    caches.sync("a", 4096, 0, kv_prompts=1)
+    caches.learn("a", _prompt(b"x"))
+    caches.learn("a", _prompt(b"y"))
+    assert caches.cached_tokens("a", _prompt(b"x")) == 0
+    assert caches.cached_tokens("a", _prompt(b"y")) == 6 * BLOCK_TOKENS
+    caches.sync("a", 4096, 0, kv_prompts=None)  # the engine's args changed: its cache is new
+    assert caches.cached_tokens("a", _prompt(b"y")) == 0
+    caches.learn("a", _prompt(b"x"))
+    caches.learn("a", _prompt(b"y"))
+    assert caches.cached_tokens("a", _prompt(b"x")) == 6 * BLOCK_TOKENS  # tokens alone bound it
+
+
+@pytest.mark.parametrize(
+    ("args", "held"),
+    [
+        ((), None),
+        (("--cache-ram", "0"), 4),
+        (("--cache-ram=0",), 4),
+        (("-cram", "0"), 4),
+        (("--cache-ram", "0", "--cache-ram", "2048"), None),  # the last one wins
+        (("--cache-ram", "512"), None),
+    ],
+)
+def test_llama_cpp_holds_a_prompt_a_slot_without_its_host_cache(args, held):
+    from fleetserve.engines.llamacpp import DEFAULT_SLOTS, LLAMACPP
+    from fleetserve.engines.vllm import VLLM
+
+    assert LLAMACPP.held_prompts(list(args)) == (None if held is None else DEFAULT_SLOTS)
+    assert VLLM.held_prompts(list(args)) is None

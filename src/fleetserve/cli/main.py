@@ -136,13 +136,48 @@ def tiny_model_command(
             "rerank (a GGUF declaring rank pooling, or a one-label classifier in safetensors).",
         ),
     ] = Task.GENERATE,
+    size: Annotated[
+        str,
+        typer.Option(
+            "--size",
+            help="A named GGUF size: tiny (2 layers, 64 wide, 256 tokens of context) or prefill-1s "
+            "(8 layers, 256 wide, 4,096 of context: about a second to prefill 2,000 tokens on one "
+            "CPU core, llama-server --threads 1).",
+        ),
+    ] = "tiny",
+    layers: Annotated[
+        int | None, typer.Option("--layers", min=1, max=256, help="Layers, replacing the size's.")
+    ] = None,
+    width: Annotated[
+        int | None,
+        typer.Option(
+            "--width",
+            min=4,
+            max=16384,
+            help="Width (a multiple of 4, the heads), replacing the size's; the feed-forward is twice it.",
+        ),
+    ] = None,
+    context: Annotated[
+        int | None,
+        typer.Option("--context", min=16, max=1 << 20, help="Tokens of context, replacing the size's."),
+    ] = None,
 ) -> None:
     """Write a tiny llama-architecture model that tests and the quickstart serve: a GGUF (about
-    0.8 MB) or a safetensors directory (about 0.7 MB). Never downloaded; it speaks gibberish."""
+    0.8 MB at the tiny size) or a safetensors directory (about 0.7 MB; the tiny size only). Never
+    downloaded; it speaks gibberish."""
     from fleetserve.cli.local import tiny_model
+    from fleetserve.dev.tinymodel import shape_for
 
     try:
-        tiny_model(out, Console(), fmt, task)
+        shape = shape_for(size, layers=layers, width=width, context=context)
+    except ValueError as err:
+        raise typer.BadParameter(str(err), param_hint="--size/--layers/--width/--context") from None
+    if shape != shape_for() and (fmt is not ModelFormat.GGUF or task is not Task.GENERATE):
+        raise typer.BadParameter(
+            "a size other than tiny is written for --format gguf --task generate only", param_hint="--size"
+        )
+    try:
+        tiny_model(out, Console(), fmt, task, shape)
     except FleetserveError as err:
         raise fail(err) from None
 

@@ -13,6 +13,12 @@ beside the tiny one, so that a GPU has real work. ``write_tiny_embedding_model``
 ``--embeddings`` and ``--reranking`` serve. ``write_draft_model`` writes a draft for
 speculative decoding: the tiny model's first layer only, with its vocabulary, embeddings and
 output (a layer-skipping draft, about 0.37 MB), so it guesses most of the tiny model's tokens.
+
+Named sizes (``SIZES``, ``fleetserve dev tiny-model --size``): ``tiny`` (the default) and
+``prefill-1s``, 8 layers 256 wide (4 heads, 512 feed-forward, 4,096 tokens of context, about
+6.5 M weights, 26 MB), whose prefill of a 2,000-token prompt takes about a second on one CPU
+core (llama-server ``--threads 1``): shared-prefix effects are then measurable on a CPU
+(``bench/routing.py``). ``shape_for`` makes a shape from a size and explicit dimensions.
 """
 
 from __future__ import annotations
@@ -57,6 +63,39 @@ class TinyShape:
 TINY = TinyShape()
 # 12 layers 1024 wide (16 heads, 4096 feed-forward, 2048 tokens of context): ~200 M F32 weights.
 LARGER = TinyShape(layers=12, embed=1024, heads=16, feed_forward=4096, context=2048)
+
+PREFILL_1S = TinyShape(layers=8, embed=256, heads=4, feed_forward=512, context=4096)
+"""Prefill of a 2,053-token prompt at llama-server ``--threads 1`` (the bundled CPU build): 0.88,
+1.04, 1.05 and 1.24 s, four runs on one core of the 2-core AMD EPYC development VM (2026-12-07,
+shared with other work; 1.4-2.0 s when that work held both cores). ``bench/routing.py`` prints
+the figure of the machine it runs on."""
+
+SIZES: dict[str, TinyShape] = {"tiny": TINY, "prefill-1s": PREFILL_1S}
+"""The named sizes ``fleetserve dev tiny-model --size`` writes."""
+
+
+def shape_for(
+    size: str = "tiny",
+    *,
+    layers: int | None = None,
+    width: int | None = None,
+    context: int | None = None,
+) -> TinyShape:
+    """The named ``size``'s shape with the dimensions given replacing its own. A width given
+    keeps the size's heads and makes the feed-forward twice the width (as both named sizes are);
+    ValueError for an unknown size or an impossible shape."""
+    base = SIZES.get(size)
+    if base is None:
+        raise ValueError(f"unknown model size {size!r}: one of {', '.join(SIZES)}")
+    embed = base.embed if width is None else width
+    return TinyShape(
+        layers=base.layers if layers is None else layers,
+        embed=embed,
+        heads=base.heads,
+        feed_forward=base.feed_forward if width is None else 2 * width,
+        context=base.context if context is None else context,
+    )
+
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"

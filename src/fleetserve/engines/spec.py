@@ -10,7 +10,7 @@ registry (``engines/registry.py``) lists them. Nothing outside ``engines/`` bran
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
@@ -134,6 +134,10 @@ def _none_bundled(_variant: RuntimeVariant) -> str | None:
     return None
 
 
+def _tokens_bound(_engine_args: Sequence[str]) -> int | None:
+    return None
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """One engine: what it serves and refuses, how it is launched, probed, scraped and packaged."""
@@ -184,6 +188,10 @@ class EngineSpec:
     # The engineArgs flag that sets the context it starts with over the profile's ``context``
     # (None: the profile's ``context`` is the only word, as llama.cpp's --ctx-size is fleetserve's).
     context_arg: str | None = None
+    # How many prompts its cache holds at once under a profile's engineArgs, where that and not
+    # its KV's tokens bounds it (llama.cpp without its host-memory prompt cache: one a slot);
+    # None: its KV's tokens alone (the gateway's cache model, ``gateway.prefixcache``).
+    held_prompts: Callable[[Sequence[str]], int | None] = _tokens_bound
     # Every HTTP route its server registers, by (method, path): what it is, how the gateway relays
     # it or why it refuses it (``engines/routes.py``).
     routes: Mapping[tuple[str, str], ApiRoute] = field(default_factory=dict)

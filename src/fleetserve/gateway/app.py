@@ -325,7 +325,7 @@ class Gateway:
             cached: dict[str, int] = {}
             for e in route.endpoints:
                 epoch = self.engine_cache(e.replica)[0] if self.engine_cache is not None else None
-                held = caches.sync(e.replica, e.kv_tokens, epoch).matched(keys)
+                held = caches.sync(e.replica, e.kv_tokens, epoch, e.kv_prompts).matched(keys)
                 cached[e.replica] = held * _BLOCK_TOKENS
             chosen_pick = pick_cache_aware(
                 route.endpoints, loads, cached, steer.tokens, self.rng, exclude=exclude

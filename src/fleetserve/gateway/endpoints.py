@@ -255,6 +255,10 @@ class EndpointTable:
             # The tokens placement sized its KV cache for: its profile's context (the cache-aware
             # picker's capacity for it); unknown when left to the model's own.
             kv_tokens = profile_context(profile) if profile is not None else None
+            # An engine caching per slot holds at most that many prompts whatever its tokens.
+            kv_prompts = (
+                ENGINES[profile.engine].held_prompts(profile.engine_args) if profile is not None else None
+            )
             # Capacity across mixed hardware: a replica on more devices serves more at once.
             weight = float(max(1, sum(len(s.devices) for s in replica.shards)))
             endpoints.setdefault(replica.deployment, []).append(
@@ -269,6 +273,7 @@ class EndpointTable:
                     fields=_fields(
                         profile.engine.value if profile else None, loaded.get(replica.name, ()), None
                     ),
+                    kv_prompts=kv_prompts,
                 )
             )
         declared = {e.endpoint.name: e for e in self.store.list_endpoints()}

@@ -78,6 +78,8 @@ class Endpoint:
     # Body fields the gateway sets in each request sent here: how its engine is told which adapter
     # the request chose, or none (``AdapterSupport.request_fields``). Not part of its hash.
     fields: Mapping[str, Any] | None = field(default=None, hash=False)
+    # The most prompts its cache holds at once, where that bounds it (an engine caching per slot).
+    kv_prompts: int | None = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.weight) and self.weight > 0):

@@ -18,6 +18,16 @@ as ``Endpoint.kv_tokens``, else ``DEFAULT_KV_TOKENS``). A prompt's blocks are to
 first, so the LRU end evicts a prompt's tail before its head, as vLLM frees a finished request's
 blocks in reverse: the shared head of many prompts outlives their suffixes.
 
+An engine that caches per slot holds fewer prompts than its KV's tokens would: llama-server
+without its host-memory prompt cache (``--cache-ram 0``) keeps only what each of its slots last
+computed, one prompt a slot, however large the KV. Its route then carries the most prompts it
+holds (``Endpoint.kv_prompts``, the engine row's ``held_prompts``) and the model keeps whole
+prompts as the engine's slots do (``ReplicaCache.prompts``): a prompt takes the place of the held
+prompt it shares the longest prefix with, where that is at least ``SLOT_SIMILARITY`` of it (as
+llama-server picks the slot for a request), else of the least recently used one once every
+place is taken. Modelled as blocks alone, such a replica looked as if it still held prompts its
+slots had long since overwritten: the picker sent prompts where they had been, not where they were.
+
 ``PrefixCaches`` holds one model per replica, learned only from what this gateway routed: on each
 pick the prompt's blocks are inserted for the chosen replica (``learn``). Several gateways each
 hold their own models, each knowing only the requests it sent; none sees another's. A replica's
@@ -51,6 +61,10 @@ DEFAULT_KV_TOKENS = 4096
 
 MAX_BLOCKS = 1 << 18
 """The most blocks one replica's model holds (4M tokens), so a huge KV cannot make the model huge."""
+
+SLOT_SIMILARITY = 0.1
+"""The share of a prompt a held prompt must share with it to be the one it replaces
+(llama-server's default ``--slot-prompt-similarity``)."""
 
 MAX_PROMPT_BLOCKS = 1024
 """The most blocks cut from one prompt (16,384 tokens): a longer prompt's tail is not modelled, so
@@ -100,14 +114,21 @@ def capacity_blocks(kv_tokens: int | None, block_tokens: int = BLOCK_TOKENS) -> 
 
 @dataclass
 class ReplicaCache:
-    """One replica's cached blocks, least recently used first, at most ``capacity`` of them."""
+    """One replica's cached blocks, least recently used first, at most ``capacity`` of them; with
+    ``prompts``, held as at most that many whole prompts (an engine caching per slot)."""
 
     capacity: int
+    prompts: int | None = None
     blocks: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    # With ``prompts``: the prompts held, least recently used first, and how many hold each block.
+    held: list[tuple[int, ...]] = field(default_factory=list)
+    holders: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.capacity < 1:
             raise ValueError(f"capacity must be at least 1 block, got {self.capacity}")
+        if self.prompts is not None and self.prompts < 1:
+            raise ValueError(f"prompts must be at least 1 or None, got {self.prompts}")
 
     def matched(self, keys: Sequence[int]) -> int:
         """How many of ``keys``' leading blocks are held: the prompt's cached prefix, in blocks."""
@@ -121,6 +142,9 @@ class ReplicaCache:
 
     def insert(self, keys: Sequence[int]) -> None:
         """Hold ``keys`` as most recently used, the head most recent of all; evict past capacity."""
+        if self.prompts is not None:
+            self._hold(tuple(keys[: self.capacity]))
+            return
         blocks = self.blocks
         # Beyond capacity only the head can stay: the engine keeps the latest tokens it computed
         # only while they fit, and a prefix is useful only from its first block.
@@ -132,6 +156,50 @@ class ReplicaCache:
 
     def clear(self) -> None:
         self.blocks.clear()
+        self.held.clear()
+        self.holders.clear()
+
+    def _hold(self, keys: tuple[int, ...]) -> None:
+        """Hold the prompt ``keys`` in the place the engine would give it (see the module's docstring)."""
+        if not keys:
+            return
+        best, shared = -1, 0
+        for i, prompt in enumerate(self.held):
+            n = _common(prompt, keys)
+            if n > shared:
+                best, shared = i, n
+        if best >= 0 and shared >= SLOT_SIMILARITY * len(keys):
+            self._drop(best)
+        elif self.prompts is not None and len(self.held) >= self.prompts:
+            self._drop(0)
+        self.held.append(keys)
+        for key in keys:
+            count = self.holders.get(key, 0)
+            self.holders[key] = count + 1
+            if not count:
+                self.blocks[key] = None
+        # Each slot's tokens take their own room in the KV: past capacity the oldest prompts go.
+        while len(self.held) > 1 and sum(len(p) for p in self.held) > self.capacity:
+            self._drop(0)
+
+    def _drop(self, index: int) -> None:
+        for key in self.held.pop(index):
+            count = self.holders[key] - 1
+            if count:
+                self.holders[key] = count
+            else:
+                del self.holders[key]
+                del self.blocks[key]
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading keys ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 @dataclass
@@ -139,19 +207,23 @@ class PrefixCaches:
     """One gateway's model of every replica's prompt cache, learned from what it routed."""
 
     replicas: dict[str, ReplicaCache] = field(default_factory=dict)
-    # replica → (engine epoch, capacity in blocks) the model was last synced at
-    synced: dict[str, tuple[int | None, int]] = field(default_factory=dict)
+    # replica → (engine epoch, capacity in blocks, prompts held) the model was last synced at
+    synced: dict[str, tuple[int | None, int, int | None]] = field(default_factory=dict)
     # Cache resets by cause, for tests and the curious.
     resets: int = 0
 
-    def sync(self, replica: str, kv_tokens: int | None, epoch: int | None) -> ReplicaCache:
+    def sync(
+        self, replica: str, kv_tokens: int | None, epoch: int | None, kv_prompts: int | None = None
+    ) -> ReplicaCache:
         """``replica``'s model, cleared when its engine's ``epoch`` changed (a restart lost the
-        engine's cache) or its capacity did; created empty for a replica not seen before."""
+        engine's cache) or its capacity did (``kv_tokens``, or ``kv_prompts``: the most prompts it
+        holds, None where only its tokens bound it); created empty for a replica not seen before."""
         capacity = capacity_blocks(kv_tokens)
-        state = (epoch, capacity)
+        prompts = kv_prompts if kv_prompts is not None and kv_prompts > 0 else None
+        state = (epoch, capacity, prompts)
         cache = self.replicas.get(replica)
         if cache is None:
-            cache = self.replicas[replica] = ReplicaCache(capacity)
+            cache = self.replicas[replica] = ReplicaCache(capacity, prompts)
             self.synced[replica] = state
             return cache
         if self.synced.get(replica) != state:
@@ -159,6 +231,7 @@ class PrefixCaches:
                 self.resets += 1
             cache.clear()
             cache.capacity = capacity
+            cache.prompts = prompts
             self.synced[replica] = state
         return cache
 
