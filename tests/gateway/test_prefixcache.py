@@ -4,8 +4,6 @@ what cutting a 2,000-token prompt into blocks costs."""
 
 from __future__ import annotations
 
-import time
-
 import orjson
 import pytest
 
@@ -125,25 +123,17 @@ def test_an_engine_restart_or_a_new_capacity_clears_its_model_and_no_other():
     assert set(caches.replicas) == {"b"} and caches.cached_tokens("a", keys) == 0
 
 
-def test_cutting_a_2000_token_prompt_costs_well_under_a_millisecond():
-    """The figure the README quotes: serialising a chat of about 2,000 tokens (8,000 bytes),
-    cutting it into 125 chained blocks, and looking them up in three replicas' models."""
+def test_a_2000_token_chat_is_125_blocks_and_a_model_holding_it_finds_them_all():
+    """The prompt bench/prefixcache.py times (its cost is a figure there, not a bound here): about
+    2,000 tokens (8,000 bytes) of chat cut into 125 chained blocks, found whole where learned."""
     body = {"messages": [{"role": "system", "content": "w" * 7950}, {"role": "user", "content": "hi"}]}
     caches = PrefixCaches()
     keys = block_keys(prompt_bytes(body))
+    assert len(keys) == 125
     for name in ("a", "b", "c"):
         caches.learn(name, keys)
-    n = 2000
-    began = time.process_time()
-    for _ in range(n):
-        keys = block_keys(prompt_bytes(body))
-        for name in ("a", "b", "c"):
-            caches.cached_tokens(name, keys)
-        caches.learn("a", keys)
-    per_request = (time.process_time() - began) / n  # CPU time: less skewed by a shared machine
-    print(f"\nblock hashing + 3 lookups + 1 insert, 2,000-token prompt: {per_request * 1e6:.0f} us/request")
-    assert len(keys) == 125
-    assert per_request < 2e-3  # a generous bound for a loaded CI machine; measured ~50 us of CPU
+    assert [caches.cached_tokens(name, keys) for name in ("a", "b", "c")] == [125 * BLOCK_TOKENS] * 3
+    assert caches.cached_tokens("d", keys) == 0
 
 
 def _prompt(letter: bytes, blocks: int = 6) -> list[int]:
