@@ -43,7 +43,6 @@ import math
 import os
 import platform
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -55,7 +54,8 @@ from pathlib import Path
 
 import httpx
 import orjson
-import psutil
+
+from gateway import cpu_seconds, free_port, wait_until  # bench/gateway.py: the same process helpers
 
 PYTHON = Path(sys.executable)
 FLEETSERVE = PYTHON.with_name("fleetserve")
@@ -395,42 +395,6 @@ def targets(rows: Sequence[Row]) -> list[str]:
 
 
 # --- processes ----------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_until(check: Callable[[], bool], timeout: float, what: str, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}")
-        try:
-            if check():
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{what} not ready in {timeout:.0f} s")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process and its descendants."""
-    total = 0.0
-    try:
-        root = psutil.Process(pid)
-        for proc in [root, *root.children(recursive=True)]:
-            try:
-                times = proc.cpu_times()
-                total += times.user + times.system
-            except psutil.NoSuchProcess:
-                continue
-    except psutil.NoSuchProcess:
-        pass
-    return total
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
