@@ -76,7 +76,11 @@ def stored(*hashes: bytes | int, medium: str | None = "GPU") -> BlockStored:
 def test_batches_decode_as_vllm_encodes_them():
     payload = encoded(stored(b"a" * 32, 7), BlockRemoved([b"a" * 32], "GPU"), AllBlocksCleared())
     events = decode_batch(payload)
-    assert events == [Stored((hash(b"a" * 32), hash(7)), 16, "GPU"), Removed((hash(b"a" * 32),), "GPU"), Cleared()]
+    assert events == [
+        Stored((hash(b"a" * 32), hash(7)), 16, "GPU"),
+        Removed((hash(b"a" * 32),), "GPU"),
+        Cleared(),
+    ]
     assert decode_batch(b"\xc1 not msgpack") is None
     assert decode_batch(msgspec.msgpack.encode({"ts": 1})) is None
 
@@ -85,7 +89,9 @@ def test_earlier_vllms_tagged_arrays_are_read_too():
     batch = [1.0, [["BlockStored", [1, 2], None, [0] * 32, 16, None, "GPU"], ["BlockRemoved", [1], "GPU"],
                    ["AllBlocksCleared"]]]  # fmt: skip
     assert decode_batch(msgspec.msgpack.encode(batch)) == [
-        Stored((hash(1), hash(2)), 16, "GPU"), Removed((hash(1),), "GPU"), Cleared()
+        Stored((hash(1), hash(2)), 16, "GPU"),
+        Removed((hash(1),), "GPU"),
+        Cleared(),
     ]
 
 
@@ -123,12 +129,19 @@ S = "BlockStored"
 R = "BlockRemoved"
 TALLIES = [
     ("stored", [[[S, [1, 2, 3], None, [], 16, None, "GPU"]]], dict(blocks=3, stored=3)),
-    ("stored twice counts once", [[[S, [1, 2], None, [], 16, None, None]], [[S, [2], 1, [], 16, None, None]]],
-     dict(blocks=2, stored=2)),
+    (
+        "stored twice counts once",
+        [[[S, [1, 2], None, [], 16, None, None]], [[S, [2], 1, [], 16, None, None]]],
+        dict(blocks=2, stored=2),
+    ),
     ("removed", [[[S, [1, 2, 3], None, [], 16, None, None], [R, [1, 3], None]]], dict(blocks=1, removed=2)),
     ("a removal never seen stored is not counted", [[[R, [9], None]]], dict(blocks=0, removed=0)),
     ("cleared", [[[S, [1, 2], None, [], 16, None, None]], [["AllBlocksCleared"]]], dict(blocks=0, clears=1)),
-    ("an offload tier is not the cache", [[[S, [1, 2], None, [], 16, None, "CPU"]]], dict(blocks=0, stored=0)),
+    (
+        "an offload tier is not the cache",
+        [[[S, [1, 2], None, [], 16, None, "CPU"]]],
+        dict(blocks=0, stored=0),
+    ),
     ("the block size is the engine's", [[[S, [1], None, [], 32, None, None]]], dict(block_tokens=32)),
 ]
 
@@ -186,7 +199,9 @@ def publisher(endpoint: str) -> zmq.Socket[bytes]:
     return pub
 
 
-def publish_until(pub: zmq.Socket[bytes], listener: KvEventsListener, parts: list[bytes], blocks: int) -> None:
+def publish_until(
+    pub: zmq.Socket[bytes], listener: KvEventsListener, parts: list[bytes], blocks: int
+) -> None:
     """Publish until the listener holds ``blocks`` (a PUB drops what it sends before the
     subscription reaches it: ZMQ's slow joiner)."""
     deadline = time.monotonic() + 10

@@ -82,7 +82,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveFleet]:
     gguf = write_tiny_model(tmp / "tiny.gguf")
     with live_fleet(tmp, NODE, mirror, cores=3, agent_env={"VLLM_SERVER_DEV_MODE": "1"}) as fleet:
         fleet.server.apply(documents(gguf))
-        wait_for(lambda: both_running(fleet), timeout=VLLM_START_TIMEOUT, what="both replicas Running", interval=1)
+        wait_for(
+            lambda: both_running(fleet), timeout=VLLM_START_TIMEOUT, what="both replicas Running", interval=1
+        )
         yield fleet
 
 
@@ -118,7 +120,9 @@ def ask(fleet: LiveFleet, user: str) -> tuple[dict[str, str], dict[str, Any]]:
     return reason, answer.json()
 
 
-def test_the_agent_relays_vllms_kv_events_and_a_cleared_cache_clears_the_gateways_model(fleet: LiveFleet) -> None:
+def test_the_agent_relays_vllms_kv_events_and_a_cleared_cache_clears_the_gateways_model(
+    fleet: LiveFleet,
+) -> None:
     vllm = replicas(fleet)[VLLM]
     name, port = vllm["name"], int(vllm["status"]["port"])
     argv = fleet.engine_argv(port)
@@ -129,15 +133,23 @@ def test_the_agent_relays_vllms_kv_events_and_a_cleared_cache_clears_the_gateway
     events_port = int(endpoint.rsplit(":", 1)[1])
     # The events socket is the agent's, bound on loopback; the engine only connects to it.
     agent = psutil.Process(fleet.agent.proc.pid)
-    bound = [c for c in agent.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == events_port]
+    bound = [
+        c
+        for c in agent.net_connections("tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == events_port
+    ]
     assert [c.laddr.ip for c in bound] == ["127.0.0.1"], bound
     engine = fleet.engine(port)
     assert not [
-        c for c in engine.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == events_port
+        c
+        for c in engine.net_connections("tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == events_port
     ]
 
     # Asked until the gateway sends the prompt to vLLM; then it goes there, expected cached.
-    wait_for(lambda: ask(fleet, "first")[0]["replica"] == name, timeout=60, what="a pick of vLLM", interval=0.2)
+    wait_for(
+        lambda: ask(fleet, "first")[0]["replica"] == name, timeout=60, what="a pick of vLLM", interval=0.2
+    )
     reason, answer = ask(fleet, "second")
     assert reason["replica"] == name and int(reason["cached_tokens"]) > 0, reason
     print(f"prompt tokens {answer['usage']['prompt_tokens']}, pick {reason}")
@@ -147,7 +159,9 @@ def test_the_agent_relays_vllms_kv_events_and_a_cleared_cache_clears_the_gateway
             summary: dict[str, Any] = api.get(f"/replicas/{name}").json()["status"].get("kvCache") or {}
             return summary
 
-    held = wait_for(lambda: kv() if kv().get("blocks", 0) > 0 else None, timeout=20, what="blocks reported held")
+    held = wait_for(
+        lambda: kv() if kv().get("blocks", 0) > 0 else None, timeout=20, what="blocks reported held"
+    )
     assert held["stored"] >= held["blocks"] > 0 and held["clears"] == 0
     print(f"vLLM's events as its agent reported them: {held}")
 
@@ -156,7 +170,9 @@ def test_the_agent_relays_vllms_kv_events_and_a_cleared_cache_clears_the_gateway
     reset = httpx.post(f"http://127.0.0.1:{port}/reset_prefix_cache", headers=headers, timeout=30)
     assert reset.status_code == 200, reset.text
     began = time.monotonic()
-    cleared = wait_for(lambda: kv() if kv().get("clears") == 1 else None, timeout=20, what="the clear reported")
+    cleared = wait_for(
+        lambda: kv() if kv().get("clears") == 1 else None, timeout=20, what="the clear reported"
+    )
     assert cleared["blocks"] == 0
     # The gateway learns it: the next picks expect nothing cached (each ask before it knew taught
     # it the prompt again, which the clear drops too).

@@ -32,7 +32,9 @@ def vllm_argv(variant: RuntimeVariant, endpoint: str | None) -> tuple[str, ...]:
     ctx = LaunchContext(
         replica=replica,
         shard_index=0,
-        profile=Profile(name="p", engine=EngineKind.VLLM, runtime=variant, device_class=None if on_cpu else "gpu"),
+        profile=Profile(
+            name="p", engine=EngineKind.VLLM, runtime=variant, device_class=None if on_cpu else "gpu"
+        ),
         variant=variant,
         driver=ENGINES[EngineKind.VLLM].variants[variant],
         model_path=Path("/models/m"),

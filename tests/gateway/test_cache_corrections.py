@@ -16,7 +16,9 @@ def prompt(tag: int, blocks: int = 4) -> list[int]:
     return [tag * 1000 + i for i in range(blocks)]
 
 
-def slot(id: int, task: int | None, tokens: int = 100, processing: bool = False, n_ctx: int = 4096) -> SlotState:
+def slot(
+    id: int, task: int | None, tokens: int = 100, processing: bool = False, n_ctx: int = 4096
+) -> SlotState:
     return SlotState(id=id, n_ctx=n_ctx, processing=processing, task=task, tokens=tokens)
 
 

@@ -274,7 +274,9 @@ class Agent:
         try:
             listener = KvEventsListener(replica, publishes.topic)
         except ImportError as exc:
-            log.warning("replica %s: its KV events are not read (%s): pip install pyzmq msgspec", replica, exc)
+            log.warning(
+                "replica %s: its KV events are not read (%s): pip install pyzmq msgspec", replica, exc
+            )
             return None
         with self._lock:
             self._kv_events[replica] = listener

@@ -44,11 +44,11 @@ from urllib.parse import parse_qs
 import orjson
 from starlette.concurrency import run_in_threadpool
 
+from fleetserve.cachereport import CacheReport
 from fleetserve.endpointkeys import EndpointKeys
 from fleetserve.engines.routes import ApiRoute, ModelBy, RouteKind, UsageBy, task_refusal
 from fleetserve.engines.spec import EngineKind
 from fleetserve.errors import InternalError
-from fleetserve.cachereport import CacheReport
 from fleetserve.gateway.accounting import (
     Accounting,
     Exchange,

@@ -78,7 +78,9 @@ class Observer:
         self.cache_scraper = Scraper(
             interval=interval,
             timeout=min(2.0, interval * 2),
-            max_body_bytes=max((e.cache_state.max_bytes for e in ENGINES.values() if e.cache_state), default=1),
+            max_body_bytes=max(
+                (e.cache_state.max_bytes for e in ENGINES.values() if e.cache_state), default=1
+            ),
         )
         # Per replica, what its engine last said it holds (see the module's docstring).
         self.reports: dict[str, CacheReport] = {}

@@ -15,6 +15,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from builders import cpu_8c_32g
+from fleetserve.changegate import ChangeGate
 from fleetserve.metrics.exposition import FleetMetrics
 from fleetserve.server.agents.enrolment import EnrolmentPolicy
 from fleetserve.server.app import create_app
@@ -58,13 +59,20 @@ def placed(store: SqlStore) -> Iterator[tuple[TestClient, dict[str, dict[str, st
 
 def report(node: str, replica: str, **kv: Any) -> dict[str, Any]:
     summary = {"blocks": 40, "blockTokens": 16, "stored": 40, "clears": 0, **kv}
-    return {"node": node, "epoch": 1, "replicas": {replica: {"state": "Running", "port": 8001, "kvCache": summary}}}
+    return {
+        "node": node,
+        "epoch": 1,
+        "replicas": {replica: {"state": "Running", "port": 8001, "kvCache": summary}},
+    }
 
 
 def test_a_forged_kv_report_for_another_nodes_replica_is_refused(store: SqlStore, placed) -> None:
     client, nodes, name = placed
-    assert client.post(f"{AGENT}/status", json=report("real", name), headers=nodes["real"]).json() == {"stop": []}
+    assert client.post(f"{AGENT}/status", json=report("real", name), headers=nodes["real"]).json() == {
+        "stop": []
+    }
     observer = Observer(store, FleetMetrics())
+    observer.gate = ChangeGate(full_every=0.0, pace=0.0)  # it reads the fleet at every look
     observer.targets()
     assert observer.epochs.get(name, 0) == 0 and observer.reports[name].held_tokens == 40 * 16
     changes = store.fleet_changes()
@@ -74,7 +82,9 @@ def test_a_forged_kv_report_for_another_nodes_replica_is_refused(store: SqlStore
     answer = client.post(f"{AGENT}/status", json=forged, headers=nodes["evil"])
     assert answer.status_code == 403 and answer.json()["error"]["type"] == "forbidden"
     # Speaking for itself of a replica not its own: not recorded; it is told to stop it.
-    answer = client.post(f"{AGENT}/status", json=report("evil", name, blocks=0, clears=5), headers=nodes["evil"])
+    answer = client.post(
+        f"{AGENT}/status", json=report("evil", name, blocks=0, clears=5), headers=nodes["evil"]
+    )
     assert answer.status_code == 200 and answer.json() == {"stop": [name]}
 
     status = store.replica_status(name)
@@ -84,7 +94,9 @@ def test_a_forged_kv_report_for_another_nodes_replica_is_refused(store: SqlStore
     assert observer.epochs.get(name, 0) == 0 and observer.reports[name].held_tokens == 40 * 16
 
     # The real agent's clear does move the counter, and the observer's epoch.
-    answer = client.post(f"{AGENT}/status", json=report("real", name, blocks=0, clears=1), headers=nodes["real"])
+    answer = client.post(
+        f"{AGENT}/status", json=report("real", name, blocks=0, clears=1), headers=nodes["real"]
+    )
     assert answer.json() == {"stop": []}
     assert store.fleet_changes() > changes
     observer.targets()
@@ -97,7 +109,9 @@ def test_a_forged_kv_report_for_another_nodes_replica_is_refused(store: SqlStore
 )
 def test_an_unbounded_kv_summary_is_refused_naming_its_field(store: SqlStore, placed, field, value) -> None:
     client, nodes, name = placed
-    answer = client.post(f"{AGENT}/status", json=report("real", name, **{field: value}), headers=nodes["real"])
+    answer = client.post(
+        f"{AGENT}/status", json=report("real", name, **{field: value}), headers=nodes["real"]
+    )
     assert answer.status_code == 422, answer.text
     assert field in answer.text
     assert store.replica_status(name).kv_cache is None
