@@ -168,6 +168,14 @@ def test_batches_over_the_rate_are_dropped_as_gaps_and_the_next_second_takes_aga
     assert len(tally.held) == 6
 
 
+def test_bytes_over_the_rate_are_not_decoded():
+    tally = KvTally(max_bytes_per_second=1000)
+    assert tally.admit(600, now=3.0)
+    assert not tally.admit(600, now=3.9)
+    assert tally.gaps == 1
+    assert tally.admit(600, now=4.0)
+
+
 def test_sequence_jumps_are_gaps_and_a_restart_forgets_what_was_held():
     tally = KvTally()
     for seq in (0, 1, 2, 5, 6):

@@ -16,7 +16,8 @@ map tagged by ``type`` (``tag=True``, ``omit_defaults``): ``{"type": "BlockStore
 ``KvTally`` folds the events into what is reported, pure and bounded: the hashes of the blocks
 held (at most ``MAX_TRACKED_BLOCKS``, the oldest forgotten first), the block size, stored and
 removed totals, whole-cache clears, and ``gaps`` (batches missed by sequence, unreadable, or
-dropped over ``MAX_BLOCKS_PER_SECOND``: the counts are approximate after one). A removed block
+dropped over ``MAX_BYTES_PER_SECOND`` or ``MAX_BLOCKS_PER_SECOND``: the counts are approximate
+after one). A removed block
 never seen stored is not counted, so a missed store cannot drive the count below what is held.
 Everything the socket takes is bounded: a message over ``MAX_MESSAGE_BYTES`` makes ZMQ drop the
 peer, at most ``RECEIVE_HWM`` messages queue, and the hashes of one second past the rate are
@@ -39,9 +40,12 @@ log = logging.getLogger("fleetserve.agent")
 
 LOOPBACK = "127.0.0.1"
 MAX_TRACKED_BLOCKS = 1 << 17
-"""The most block hashes held per replica (131,072 blocks: 2M tokens at 16 a block, ~10 MB)."""
+"""The most block hashes held per replica (131,072 blocks: 2M tokens at 16 a block, under 20 MB)."""
 MAX_BLOCKS_PER_SECOND = 50_000
 """The most block hashes (stored and removed) taken per replica per second; past it batches drop."""
+MAX_BYTES_PER_SECOND = 16 << 20
+"""The most message bytes decoded per replica per second; past it messages drop unread, so a
+flood costs the agent a bounded share of a core, whatever it holds."""
 MAX_MESSAGE_BYTES = 4 << 20
 """The largest message the socket takes (ZMQ_MAXMSGSIZE: a larger one drops the peer)."""
 RECEIVE_HWM = 1000
@@ -153,11 +157,27 @@ class KvTally:
     clears: int = 0
     gaps: int = 0
     last_seq: int | None = None
-    # The rate bound: the second it counts, and the block hashes taken in it.
+    # The rate bounds: the second they count, and the block hashes and bytes taken in it.
     second: int = -1
     taken: int = 0
+    read: int = 0
     max_tracked: int = MAX_TRACKED_BLOCKS
     max_per_second: int = MAX_BLOCKS_PER_SECOND
+    max_bytes_per_second: int = MAX_BYTES_PER_SECOND
+
+    def _tick(self, now: float) -> None:
+        second = int(now)
+        if second != self.second:
+            self.second, self.taken, self.read = second, 0, 0
+
+    def admit(self, size: int, now: float) -> bool:
+        """Whether a message of ``size`` bytes may be decoded this second (else a gap)."""
+        self._tick(now)
+        if self.read + size > self.max_bytes_per_second:
+            self.gaps += 1
+            return False
+        self.read += size
+        return True
 
     def sequence(self, seq: int) -> None:
         """A message of sequence number ``seq`` arrived: one after a jump counts a gap."""
@@ -167,9 +187,7 @@ class KvTally:
 
     def take(self, events: Sequence[KvEvent], now: float) -> bool:
         """Fold a batch in, unless it goes over this second's rate (then a gap); whether taken."""
-        second = int(now)
-        if second != self.second:
-            self.second, self.taken = second, 0
+        self._tick(now)
         size = batch_size(events)
         if self.taken + size > self.max_per_second:
             self.gaps += 1
@@ -258,11 +276,16 @@ class KvEventsListener:
             socket.close(0)
 
     def _received(self, parts: list[bytes]) -> None:
-        events = decode_batch(parts[-1]) if len(parts) >= 2 else None
         seq = int.from_bytes(parts[1], "big") if len(parts) == 3 and len(parts[1]) == 8 else None
         with self._lock:
             if seq is not None:
                 self.tally.sequence(seq)
+            if len(parts) < 2 or not self.tally.admit(len(parts[-1]), self.clock()):
+                if len(parts) < 2:
+                    self.tally.gaps += 1
+                return
+        events = decode_batch(parts[-1])  # off the lock: the report never waits on a decode
+        with self._lock:
             if events is None:
                 self.tally.gaps += 1
                 return

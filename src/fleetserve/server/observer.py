@@ -140,11 +140,6 @@ class Observer:
                 self._seq += 1
                 self.reports[replica] = CacheReport(self._seq, held_tokens=held)
 
-    def cache_targets(self) -> list[Target]:
-        """The cache-state URL of every Running replica whose engine answers one (read with the
-        targets, ``targets``)."""
-        return self._cache_targets
-
     def targets(self) -> list[Target]:
         """The metrics URL of every Running replica that reported a port (blocking: reads the
         store's change counter, and the replicas only when it moved or a full read is due)."""
