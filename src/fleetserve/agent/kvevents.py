@@ -34,6 +34,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
+import zmq
+
 from fleetserve.protocol import KvCacheSummary
 
 log = logging.getLogger("fleetserve.agent")
@@ -129,8 +132,6 @@ def read_event(event: object) -> KvEvent | None:
 
 def decode_batch(payload: bytes) -> list[KvEvent] | None:
     """A KVEventBatch's events (those understood), or None when the payload is not a batch."""
-    import msgspec
-
     try:
         batch = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError:
@@ -240,28 +241,24 @@ class KvEventsListener:
     engine is told), read on a thread of its own into a ``KvTally``."""
 
     def __init__(self, replica: str, topic: str, clock: Callable[[], float] = time.monotonic) -> None:
-        import zmq
-
         self.replica = replica
         self.clock = clock
         self.tally = KvTally()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._restarts: int | None = None
-        self._socket = zmq.Context.instance().socket(zmq.SUB)
+        self._socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
         self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._socket.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
-        port = self._socket.bind_to_random_port(f"tcp://{LOOPBACK}")
+        port: int = self._socket.bind_to_random_port(f"tcp://{LOOPBACK}")
         self.endpoint = f"tcp://{LOOPBACK}:{port}"
         self.port = port
         self._thread = threading.Thread(target=self._run, name=f"kv-events-{replica}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        import zmq
-
         socket = self._socket
         try:
             while not self._stop.is_set():

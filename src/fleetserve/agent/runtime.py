@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import zmq
 
 from fleetserve.agent.adapters import AdapterSync
 from fleetserve.agent.cache import CacheState, ModelCache
@@ -265,18 +266,16 @@ class Agent:
 
     def _listen_kv_events(self, replica: str, engine: EngineKind) -> KvEventsListener | None:
         """A loopback socket for the KV events of ``replica``'s engine, where its row publishes
-        them; None where it does not, or ZMQ is missing (the gateways then learn only from what
-        they routed)."""
+        them; None where it does not, or no socket could be bound (the gateways then learn only
+        from what they routed)."""
         publishes = ENGINES[engine].kv_events
         if publishes is None:
             return None
         self._close_kv_events(replica)  # a start again under the same name: a fresh socket
         try:
             listener = KvEventsListener(replica, publishes.topic)
-        except ImportError as exc:
-            log.warning(
-                "replica %s: its KV events are not read (%s): pip install pyzmq msgspec", replica, exc
-            )
+        except zmq.ZMQError as exc:  # no loopback port to bind: it serves, its events unread
+            log.warning("replica %s: its KV events are not read: %s", replica, exc)
             return None
         with self._lock:
             self._kv_events[replica] = listener
