@@ -103,10 +103,10 @@ def both_running(fleet: LiveFleet) -> bool:
     return set(replicas(fleet)) == {LLAMA, VLLM}
 
 
-def ask(fleet: LiveFleet, user: str) -> tuple[dict[str, str], dict[str, Any]]:
+def ask(fleet: LiveFleet, system: str, user: str) -> tuple[dict[str, str], dict[str, Any]]:
     body = {
         "model": DEPLOYMENT,
-        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
         "max_tokens": 2,
     }
     answer = httpx.post(
@@ -144,11 +144,16 @@ def test_the_agent_relays_vllms_kv_events_and_a_cleared_cache_clears_the_gateway
         listening = [c.laddr for c in process.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
         assert all(a.port != events_port for a in listening), listening
 
-    # Asked until the gateway sends the prompt to vLLM; then it goes there, expected cached.
-    wait_for(
-        lambda: ask(fleet, "first")[0]["replica"] == name, timeout=60, what="a pick of vLLM", interval=0.2
-    )
-    reason, answer = ask(fleet, "second")
+    # System prompts no replica holds, until the gateway sends one to vLLM (least load: a coin);
+    # then that one goes there, expected cached.
+    prompts = (f"{i:03d} {SYSTEM}" for i in range(1000))
+
+    def sent_to_vllm() -> str | None:
+        system = next(prompts)
+        return system if ask(fleet, system, "first")[0]["replica"] == name else None
+
+    system = wait_for(sent_to_vllm, timeout=60, what="a pick of vLLM", interval=0.1)
+    reason, answer = ask(fleet, system, "second")
     assert reason["replica"] == name and int(reason["cached_tokens"]) > 0, reason
     print(f"prompt tokens {answer['usage']['prompt_tokens']}, pick {reason}")
 
@@ -175,7 +180,7 @@ def test_the_agent_relays_vllms_kv_events_and_a_cleared_cache_clears_the_gateway
     # The gateway learns it: the next picks expect nothing cached (each ask before it knew taught
     # it the prompt again, which the clear drops too).
     after = wait_for(
-        lambda: (r := ask(fleet, "after the reset")[0]) and r["cached_tokens"] == "0" and r,
+        lambda: (r := ask(fleet, system, "after the reset")[0]) and r["cached_tokens"] == "0" and r,
         timeout=20,
         what="the gateway to expect nothing cached",
         interval=0.3,
