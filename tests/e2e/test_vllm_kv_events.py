@@ -6,7 +6,8 @@ The agent starts vLLM with ``--kv-events-config`` naming a socket the agent boun
 (vLLM connects to it; nothing of the engine listens for events), consumes the events and reports
 the blocks held in its status report; prompts routed to vLLM show as blocks stored there. Then
 vLLM's cache is reset (``POST /reset_prefix_cache``, a development route: the agent runs with
-``VLLM_SERVER_DEV_MODE=1``): vLLM publishes AllBlocksCleared, the agent reports the clear, the
+``VLLM_SERVER_DEV_MODE=1``): vLLM publishes AllBlocksCleared (with its next engine step: a short
+request sent to it directly, not through the gateway), the agent reports the clear, the
 store's change counter moves, the observer moves the replica's epoch, and the gateway's model of
 the replica is cleared: it no longer expects the prompt cached there (its pick's reason says 0
 tokens).
@@ -171,8 +172,15 @@ def test_the_agent_relays_vllms_kv_events_and_a_cleared_cache_clears_the_gateway
     # vLLM drops its whole cache: AllBlocksCleared.
     headers = engine_headers(fleet.server.database_url, name)
     reset = httpx.post(f"http://127.0.0.1:{port}/reset_prefix_cache", headers=headers, timeout=30)
-    assert reset.status_code == 200, reset.text
+    assert reset.status_code == 200 and reset.json() == {"success": True}, reset.text
     began = time.monotonic()
+    # vLLM publishes its events after an engine step (``Scheduler.update_from_output``): the clear
+    # leaves with its next request, here one of the engine's own clients, too short for a block.
+    poke = {"model": DEPLOYMENT, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    direct = httpx.post(
+        f"http://127.0.0.1:{port}/v1/chat/completions", json=poke, headers=headers, timeout=120
+    )
+    assert direct.status_code == 200, direct.text
     cleared = wait_for(
         lambda: kv() if kv().get("clears") == 1 else None, timeout=20, what="the clear reported"
     )
