@@ -25,7 +25,7 @@ def test_the_bench_prints_the_baseline_and_the_cache_aware_cost() -> None:
         "serialise only (baseline)",
         "cut + look up + learn (cache-aware)",
         "over the baseline",
-        "report checked",
+        "report checked, alone",
         "vLLM held blocks",
         "llama.cpp 4 slots applied",
     )
