@@ -10,6 +10,7 @@ prompt afresh). The slots' count (2, not the engine row's 4) is the model's too.
 from __future__ import annotations
 
 import subprocess
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -114,8 +115,10 @@ def test_slots_overwritten_by_requests_the_gateway_did_not_send_drop_its_prompt(
             f"http://127.0.0.1:{port}/v1/chat/completions", json=chat(group, "hi"), timeout=60
         )
         assert direct.status_code == 200, direct.text
+    sent = time.monotonic()
     # The gateway drops the prompt by the next answer of the slots, with no request of its own.
     wait_for(lambda: caches.cached_tokens(home, keys) == 0, timeout=15, what="the model to drop the prompt")
+    print(f"\nthe overwritten slots dropped the prompt {time.monotonic() - sent:.2f} s after the requests")
     assert caches.corrected_prompts == before + 1
     assert sum(caches.mine[home].values()) == 0
 
