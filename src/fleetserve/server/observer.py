@@ -87,6 +87,7 @@ class Observer:
         self._seq = 0
         self._clears: dict[str, int] = {}
         self._cache_seen: dict[str, float] = {}
+        self._unreadable: set[str] = set()
         self._cache_targets: list[Target] = []
         # Told each new report, on the event loop (``collect``): the gateway's correction.
         self.on_report: Callable[[str, CacheReport], None] | None = None
@@ -181,8 +182,11 @@ class Observer:
         live = {e.replica.name for e in endpoints}
         for name in [n for n in self.reports if n not in live]:
             del self.reports[name]
-            self._clears.pop(name, None)
-            self._cache_seen.pop(name, None)
+        for name in [n for n in self._clears if n not in live]:
+            del self._clears[name]
+        for name in [n for n in self._cache_seen if n not in live]:
+            del self._cache_seen[name]
+        self._unreadable &= live
         return out
 
     def collect(self) -> None:
@@ -237,8 +241,11 @@ class Observer:
             self._cache_seen[key] = scrape.fetched_at
             slots = self.cache_scraper.parse_on_demand(key, cache_state.read)
             if slots is None:
-                log.warning("replica %s: unreadable answer from %s", key, cache_state.path)
+                if key not in self._unreadable:  # said once, not every second
+                    self._unreadable.add(key)
+                    log.warning("replica %s: unreadable answer from %s", key, cache_state.path)
                 continue
+            self._unreadable.discard(key)
             self._seq += 1
             capacity = max((s.n_ctx for s in slots), default=0) or None
             self.reports[key] = CacheReport(self._seq, capacity_tokens=capacity, slots=slots)
