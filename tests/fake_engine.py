@@ -152,10 +152,15 @@ class ServedGateway:
         self._thread.join(20)
 
 
-def engines_on(store: SqlStore, ports: list[int], model_path: Path, **fields: object) -> list[str]:
-    """Record llama.cpp replicas of deployment ``tiny`` Running on node c1 (127.0.0.1), one per port."""
+def engines_on(
+    store: SqlStore, ports: list[int], model_path: Path, engine_args: tuple[str, ...] = (), **fields: object
+) -> list[str]:
+    """Record llama.cpp replicas of deployment ``tiny`` Running on node c1 (127.0.0.1), one per port,
+    their profile's engineArgs ``engine_args``."""
     store.put_model(Model.model_validate({"name": "tiny", "source": str(model_path), "format": "gguf"}))
-    profile = {"name": "cpu", "engine": "llama.cpp", "cpu": {"cores": 1}}
+    profile: dict[str, object] = {"name": "cpu", "engine": "llama.cpp", "cpu": {"cores": 1}}
+    if engine_args:
+        profile["engineArgs"] = list(engine_args)
     store.put_deployment(deployment("tiny", len(ports), profile, model="tiny", **fields))
     epoch = store.register(node("c1", 8, "8GiB", address="127.0.0.1")).epoch
     names = [f"tiny-{i}" for i in range(len(ports))]

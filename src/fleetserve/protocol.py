@@ -76,6 +76,27 @@ class HeartbeatReply(BaseModel):
     ok: bool = True
 
 
+MAX_COUNT = 2**63 - 1
+
+
+class KvCacheSummary(BaseModel):
+    """What a replica's engine said of its KV cache through its KV events (vLLM's
+    ``--kv-events-config``, consumed by the agent on the node's loopback, ``agent/kvevents.py``):
+    the blocks it holds now and their size in tokens, how many it stored and removed in all, how
+    often it dropped its whole cache (``clears``: AllBlocksCleared; a change moves the store's
+    change counter, so every gateway's model of the replica is cleared within a route refresh),
+    and how many event batches the agent missed or dropped over its bounds (``gaps``: the counts
+    are then approximate)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    blocks: int = Field(ge=0, le=2**31 - 1)
+    block_tokens: int = Field(ge=1, le=1 << 16, alias="blockTokens")
+    stored: int = Field(default=0, ge=0, le=MAX_COUNT)
+    removed: int = Field(default=0, ge=0, le=MAX_COUNT)
+    clears: int = Field(default=0, ge=0, le=2**31 - 1)
+    gaps: int = Field(default=0, ge=0, le=2**31 - 1)
+
+
 class ReplicaStatus(BaseModel):
     """What the agent last reported about one replica beyond its state; the store keeps it."""
 
@@ -93,6 +114,8 @@ class ReplicaStatus(BaseModel):
     # The LoRA adapters its engine has loaded, in load order (llama.cpp's adapter ids); None for a
     # replica that serves none. The gateway routes an adapter's requests to the replicas listing it.
     adapters: list[ReplicaName] | None = Field(default=None, max_length=64)
+    # What its engine's KV events said (an engine that publishes them: vLLM); None: no events.
+    kv_cache: KvCacheSummary | None = Field(default=None, alias="kvCache")
 
     def stored(self) -> dict[str, object]:
         """The JSON the store keeps: the fields the agent sent (an unreported status is ``{}``)."""
@@ -114,6 +137,7 @@ class ReplicaReport(ReplicaStatus):
             inFlight=self.in_flight,
             inFlightAge=self.in_flight_age,
             adapters=self.adapters,
+            kvCache=self.kv_cache,
         )
 
 

@@ -21,5 +21,13 @@ def test_the_bench_prints_the_baseline_and_the_cache_aware_cost() -> None:
         capture_output=True, text=True, timeout=60, env=env, check=True,
     )  # fmt: skip
     assert "125 blocks" in out.stdout
-    for row in ("serialise only (baseline)", "cut + look up + learn (cache-aware)", "over the baseline"):
+    rows = (
+        "serialise only (baseline)",
+        "cut + look up + learn (cache-aware)",
+        "over the baseline",
+        "report checked, alone",
+        "vLLM held blocks",
+        "llama.cpp 4 slots applied",
+    )
+    for row in rows:
         assert row in out.stdout, out.stdout

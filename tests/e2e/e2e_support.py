@@ -754,10 +754,17 @@ def stop_process(proc: subprocess.Popen[Any], grace: float = 10) -> None:
 
 
 def server_and_mirrored_agent(
-    servers: ServerFactory, agents: AgentFactory, tmp: Path, node: str, mirror: Path, cores: int
+    servers: ServerFactory,
+    agents: AgentFactory,
+    tmp: Path,
+    node: str,
+    mirror: Path,
+    cores: int,
+    agent_env: dict[str, str] | None = None,
 ) -> tuple[ServerProcess, AgentProcess]:
     """A server on SQLite in ``tmp`` (short deadlines) and one agent, ``node``, of ``cores`` CPU
-    cores, fetching from the Hub stand-in at ``mirror``; returned once the node is Ready."""
+    cores, fetching from the Hub stand-in at ``mirror`` (``agent_env``: added to its environment,
+    which its engines start from); returned once the node is Ready."""
     inventory = tmp / "inventory.yaml"
     inventory.write_text(f"kind: Node\ncpu: {{cores: {cores}}}\n")
     server = servers.start(f"sqlite:///{tmp / 'state.db'}", extra_args=short_deadline_args(tmp))
@@ -766,6 +773,7 @@ def server_and_mirrored_agent(
         server.join_token,
         node,
         extra_args=("--hf-mirror", str(mirror), "--inventory-file", str(inventory)),
+        env=agent_env,
     )
 
     def registered() -> bool:
@@ -847,13 +855,21 @@ class LiveFleet:
 
 @contextlib.contextmanager
 def live_fleet(
-    tmp: Path, node: str, mirror: Path, *, cores: int, key_models: tuple[str, ...] = ("*",)
+    tmp: Path,
+    node: str,
+    mirror: Path,
+    *,
+    cores: int,
+    key_models: tuple[str, ...] = ("*",),
+    agent_env: dict[str, str] | None = None,
 ) -> Iterator[LiveFleet]:
     """``server_and_mirrored_agent`` and an API key for ``key_models``; at exit every process is
     stopped, and an engine that outlived its agent, or any process still naming ``tmp``, fails."""
     servers, agents = ServerFactory(tmp), AgentFactory(tmp)
     try:
-        server, agent = server_and_mirrored_agent(servers, agents, tmp, node, mirror, cores=cores)
+        server, agent = server_and_mirrored_agent(
+            servers, agents, tmp, node, mirror, cores=cores, agent_env=agent_env
+        )
         yield LiveFleet(server, agent, api_key(server, node, list(key_models)))
     finally:
         orphans = agents.close()

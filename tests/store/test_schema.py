@@ -23,8 +23,8 @@ from fleetserve.store.tables import Base
 
 # The same migrations in chain order: under the old ids, and under the ids they have now.
 # (None: a migration newer than the old numbering, which no database stamped under it is at.)
-OLD_IDS = ("0001", "0003", "0005", "0002", "0006", "0007", "0008", None, None, None, None)
-NEW_IDS = ("0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009", "0010", "0011")
+OLD_IDS = ("0001", "0003", "0005", "0002", "0006", "0007", "0008", None, None, None, None, None)
+NEW_IDS = ("0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009", "0010", "0011", "0012")
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -161,3 +161,25 @@ def test_a_replicas_reported_adapters_move_the_change_counter(bare: Engine) -> N
     with bare.begin() as conn:
         conn.execute(text('UPDATE replicas SET status = \'{"port": 1, "adapters": ["a"], "inFlight": 3}\''))
     assert store.fleet_changes() == before
+
+
+def test_a_replicas_kv_cache_clears_move_the_change_counter(bare: Engine) -> None:
+    """A vLLM replica's engine dropped its whole cache (its agent's kvCache.clears): every gateway
+    reads it within a refresh; its held block counts, which move with every request, do not (0012)."""
+    migrate(bare)
+    status = '{"port": 1, "kvCache": {"blocks": %d, "blockTokens": 16, "clears": %d}}'
+    with bare.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO replicas (name, deployment, profile, state, spec, status) VALUES "
+                f"('r-0', 'r', 'p', 'Running', '{{}}', '{status % (5, 0)}')"
+            )
+        )
+    store = SqlStore(bare)
+    before = store.fleet_changes()
+    with bare.begin() as conn:
+        conn.execute(text(f"UPDATE replicas SET status = '{status % (9, 0)}'"))
+    assert store.fleet_changes() == before
+    with bare.begin() as conn:
+        conn.execute(text(f"UPDATE replicas SET status = '{status % (0, 1)}'"))
+    assert store.fleet_changes() > before

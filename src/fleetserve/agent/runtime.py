@@ -29,10 +29,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import zmq
 
 from fleetserve.agent.adapters import AdapterSync
 from fleetserve.agent.cache import CacheState, ModelCache
 from fleetserve.agent.client import AgentApiError, AgentClient, EnrolmentPending
+from fleetserve.agent.kvevents import KvEventsListener
 from fleetserve.agent.stopper import Stopper
 from fleetserve.agent.supervisor import Supervisor
 from fleetserve.drivers import RuntimeVariant
@@ -44,7 +46,15 @@ from fleetserve.errors import FleetserveError, InternalError, SourceError, Stale
 from fleetserve.metrics.engine import in_flight
 from fleetserve.metrics.mapping import MetricMapping
 from fleetserve.metrics.promtext import ExpositionError
-from fleetserve.protocol import Assignment, AssignmentSet, Download, GpuSample, ReplicaReport, StatusReport
+from fleetserve.protocol import (
+    Assignment,
+    AssignmentSet,
+    Download,
+    GpuSample,
+    KvCacheSummary,
+    ReplicaReport,
+    StatusReport,
+)
 from fleetserve.routing import engine_auth
 from fleetserve.spec.nodeparts import EngineFingerprint
 from fleetserve.spec.resources import DeviceClass, Model, Node, Replica, ReplicaState
@@ -119,6 +129,8 @@ class Agent:
         self._closing = False  # shutting down: nothing new starts
         # Each replica's LoRA adapters: loaded at start, and where its engine can, at run time.
         self.adapters = AdapterSync(self._fetch_adapter, cache.unpin, settings.engine_host)
+        # replica → its engine's KV events socket, on loopback (``agent/kvevents.py``)
+        self._kv_events: dict[str, KvEventsListener] = {}
 
     def _fetch_adapter(self, adapter: Model) -> Path:
         """An adapter's files in the node's cache, fetched and checked like a model's, pinned."""
@@ -222,6 +234,7 @@ class Agent:
             raise
         self.adapters.started(replica.name, [name for name, _ in adapters])
         shard_index = next(i for i, s in enumerate(replica.shards) if s.node == node.name)
+        events = self._listen_kv_events(replica.name, profile.engine) if shard_index == 0 else None
         ctx = LaunchContext(
             replica=replica,
             shard_index=shard_index,
@@ -238,9 +251,11 @@ class Agent:
             task=entry.task,
             draft_path=draft_path,
             adapters=tuple(adapters),
+            kv_events_endpoint=events.endpoint if events is not None else None,
         )
         with self._lock:
             if replica.name not in self._wanted:
+                self._close_kv_events(replica.name)
                 return  # unassigned while the model was fetched
         spec = ENGINES[profile.engine].adapter.launch(ctx)
         if spec.metrics_url is not None:
@@ -248,6 +263,34 @@ class Agent:
                 engine = ENGINES[profile.engine]
                 self._metrics_of[replica.name] = (spec.metrics_url, engine.metrics, entry.engine_key)
         self.supervisor.start(replica.name, spec)
+
+    def _listen_kv_events(self, replica: str, engine: EngineKind) -> KvEventsListener | None:
+        """A loopback socket for the KV events of ``replica``'s engine, where its row publishes
+        them; None where it does not, or no socket could be bound (the gateways then learn only
+        from what they routed)."""
+        publishes = ENGINES[engine].kv_events
+        if publishes is None:
+            return None
+        self._close_kv_events(replica)  # a start again under the same name: a fresh socket
+        try:
+            listener = KvEventsListener(replica, publishes.topic)
+        except zmq.ZMQError as exc:  # no loopback port to bind: it serves, its events unread
+            log.warning("replica %s: its KV events are not read: %s", replica, exc)
+            return None
+        with self._lock:
+            self._kv_events[replica] = listener
+        return listener
+
+    def _close_kv_events(self, replica: str) -> None:
+        with self._lock:
+            listener = self._kv_events.pop(replica, None)
+        if listener is not None:
+            listener.close()
+
+    def _kv_summary(self, replica: str, restarts: int) -> KvCacheSummary | None:
+        with self._lock:
+            listener = self._kv_events.get(replica)
+        return None if listener is None else listener.summary(restarts)
 
     def _in_flight(self, name: str) -> int | None:
         """The requests a replica's engine is running or holding now, from its own metrics; None
@@ -304,6 +347,7 @@ class Agent:
                 stderrTail=[line[:2000] for line in s.stderr_tail],
                 port=s.port or None,
                 adapters=self.adapters.loaded(name),
+                kvCache=self._kv_summary(name, s.restarts),
                 **self._in_flight_report(name),
             )
             for name, s in statuses.items()
@@ -399,6 +443,7 @@ class Agent:
             model = self._model_of.pop(name, None)
             draft = self._draft_of.pop(name, None)
             self._metrics_of.pop(name, None)
+        self._close_kv_events(name)
         if model is not None:
             self.cache.unpin(model)
         if draft is not None:
@@ -481,6 +526,8 @@ class Agent:
             self._closing = True
         self.stopper.wait()  # no process left behind: every stop in flight ends first
         self.supervisor.shutdown()
+        for name in list(self._kv_events):
+            self._close_kv_events(name)
 
 
 def served(entry: Assignment) -> Assignment:

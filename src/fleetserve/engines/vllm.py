@@ -49,6 +49,7 @@ from fleetserve.engines.spec import (
     CapFields,
     EngineKind,
     EngineSpec,
+    KvEvents,
     PodFacts,
     Probe,
     Task,
@@ -213,6 +214,25 @@ ADAPTERS = AdapterSupport(
 )
 
 
+def kv_events_args(endpoint: str, topic: str) -> tuple[str, ...]:
+    """vLLM 0.32's ``--kv-events-config`` (``vllm/config/kv_events.py``): publish the KV cache's
+    BlockStored, BlockRemoved and AllBlocksCleared events through ZMQ to ``endpoint`` under
+    ``topic``. Its publisher binds a wildcard or ipc endpoint and connects to any other
+    (``ZmqEventPublisher``): to ``tcp://127.0.0.1:PORT`` it connects, to the agent's socket bound
+    there, so nothing of the engine's listens for events, and no replay socket is opened."""
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": topic}
+    return ("--kv-events-config", json.dumps(config, sort_keys=True))
+
+
+KV_EVENTS = KvEvents(args=kv_events_args)
+
+
+def _kv_events(ctx: LaunchContext) -> list[str]:
+    if ctx.kv_events_endpoint is None:
+        return []
+    return list(KV_EVENTS.args(ctx.kv_events_endpoint, KV_EVENTS.topic))
+
+
 def cpu_launch(ctx: LaunchContext) -> LaunchSpec:
     """One CPU replica: the CPU build's OpenAI server, threads and KV cache from the placement."""
     served = ctx.replica.deployment
@@ -233,6 +253,7 @@ def cpu_launch(ctx: LaunchContext) -> LaunchSpec:
     if ctx.profile.speculative is not None:
         argv += speculative_args(ctx.profile.speculative, ctx)
     argv += lora_args(ctx)
+    argv += _kv_events(ctx)
     argv += list(ctx.profile.engine_args)
     threads = str(max(1, shard.cpu_cores))
     env = {
@@ -293,6 +314,7 @@ class VllmAdapter:
         if ctx.profile.speculative is not None:
             argv += speculative_args(ctx.profile.speculative, ctx)
         argv += lora_args(ctx)
+        argv += _kv_events(ctx)
         argv += list(ctx.profile.engine_args)
         if ctx.adapters:
             env.update(LORA_RUNTIME_ENV)
@@ -564,4 +586,5 @@ VLLM = EngineSpec(
     probe=Probe(queries=_queries, read=read_fingerprint, timeout=30.0),
     tasks=TASKS,
     adapters=ADAPTERS,
+    kv_events=KV_EVENTS,
 )

@@ -44,6 +44,7 @@ from urllib.parse import parse_qs
 import orjson
 from starlette.concurrency import run_in_threadpool
 
+from fleetserve.cachereport import CacheReport
 from fleetserve.endpointkeys import EndpointKeys
 from fleetserve.engines.routes import ApiRoute, ModelBy, RouteKind, UsageBy, task_refusal
 from fleetserve.engines.spec import EngineKind
@@ -156,6 +157,7 @@ class Gateway:
         metrics: FleetMetrics | None = None,
         engine_waiting: Callable[[str], tuple[float, float] | None] | None = None,
         engine_cache: Callable[[str], tuple[int, float | None]] | None = None,
+        engine_report: Callable[[str], CacheReport | None] | None = None,
         windows: Windows | None = None,
         usage: UsageSink | None = None,
         usage_flush_seconds: float = FLUSH_SECONDS,
@@ -179,6 +181,8 @@ class Gateway:
         # replica → (its engine's epoch, its KV usage 0-1 or None): an epoch that moved clears
         # the replica's cache model (``gateway.prefixcache``)
         self.engine_cache = engine_cache
+        # replica → what its engine last said it holds (``cachereport``): corrects its cache model
+        self.engine_report = engine_report
         # What this gateway believes each replica caches, from what it routed (no other's).
         self.caches = PrefixCaches()
         # Per deployment, the next round-robin turn.
@@ -323,10 +327,13 @@ class Gateway:
                 self._prune = False
                 caches.keep_only(e.replica for r in self.table.routes.values() for e in r.endpoints)
             cached: dict[str, int] = {}
+            report = self.engine_report
             for e in route.endpoints:
                 epoch = self.engine_cache(e.replica)[0] if self.engine_cache is not None else None
-                held = caches.sync(e.replica, e.kv_tokens, epoch, e.kv_prompts).matched(keys)
-                cached[e.replica] = held * _BLOCK_TOKENS
+                cache = caches.sync(e.replica, e.kv_tokens, epoch, e.kv_prompts)
+                if report is not None:
+                    caches.correct(e.replica, report(e.replica))
+                cached[e.replica] = cache.matched(keys) * _BLOCK_TOKENS
             chosen_pick = pick_cache_aware(
                 route.endpoints, loads, cached, steer.tokens, self.rng, exclude=exclude
             )

@@ -33,7 +33,27 @@ pick the prompt's blocks are inserted for the chosen replica (``learn``). Severa
 hold their own models, each knowing only the requests it sent; none sees another's. A replica's
 model is corrected where the engine tells cheaply: its engine's epoch (``sync``: bumped by the
 observer when the engine restarted, its prompt-token counter reset or its agent reporting a
-restart) or a new KV capacity clears it, since a restarted engine has lost its cache.
+restart, or its vLLM engine reporting its whole cache dropped) or a new KV capacity clears it,
+since a restarted engine has lost its cache.
+
+And a replica's model is corrected by what its engine says it holds (``correct``, once per
+``cachereport.CacheReport``, never per request):
+
+- **vLLM**'s KV events, through its agent: the blocks it holds now, in its tokens. The engine's
+  blocks are token blocks, chained hashes of token ids, and these are byte blocks: without the
+  engine's tokenizer and chat template in the gateway (a ``/tokenize`` round trip per request)
+  the two cannot be matched block by block, so the model holds at most as many of its blocks as
+  the engine's tokens make (``trim_blocks``), its least recently used going first, as the
+  engine's do. Each gateway models only what it routed, a part of what the engine holds, so this
+  bound only bites when the engine evicted (or was cleared) past what this gateway believed.
+- **llama.cpp**'s slots (``GET /slots``), for a per-slot model: which slots served a request since
+  the last answer (their ``id_task`` moved), and which hold a prompt now. Of the slots that
+  served one, as many as this gateway sent it requests since are taken for its own, the others
+  for another's (another gateway's, or a client of the engine itself), which overwrote what the
+  slot held (``slot_correction``); the model holds no more prompts than the slots holding one of
+  this gateway's (``trim_prompts``), the least recently used going first, as llama-server gives
+  an unrelated prompt its least recently used slot. An emptied slot holds none. The slots'
+  count and context are the model's.
 
 Pure apart from the clock-free state it holds: no I/O, no locks (the gateway's event loop owns it).
 """
@@ -46,6 +66,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+
+from fleetserve.cachereport import CacheReport, SlotState
 
 BYTES_PER_TOKEN = 4
 """The byte-level approximation of a token: 4 bytes of serialised prompt."""
@@ -159,6 +181,33 @@ class ReplicaCache:
         self.held.clear()
         self.holders.clear()
 
+    def trim_blocks(self, limit: int) -> int:
+        """Hold at most ``limit`` blocks, the least recently used going first (per slot: whole
+        prompts, the least recently used first); how many blocks went."""
+        before = len(self.blocks)
+        if self.prompts is not None:
+            while self.held and len(self.blocks) > max(0, limit):
+                self._drop(0)
+        else:
+            blocks = self.blocks
+            while len(blocks) > max(0, limit):
+                blocks.popitem(last=False)
+        return before - len(self.blocks)
+
+    def trim_prompts(self, limit: int) -> int:
+        """Hold at most ``limit`` prompts (per slot), the least recently used going first; how
+        many went."""
+        gone = 0
+        while len(self.held) > max(0, limit):
+            self._drop(0)
+            gone += 1
+        return gone
+
+    def resize(self, capacity: int) -> None:
+        """Hold at most ``capacity`` blocks from now on (the engine said its size)."""
+        self.capacity = max(1, capacity)
+        self.trim_blocks(self.capacity)
+
     def _hold(self, keys: tuple[int, ...]) -> None:
         """Hold the prompt ``keys`` in the place the engine would give it (see the module's docstring)."""
         if not keys:
@@ -202,6 +251,34 @@ def _common(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def slot_correction(
+    previous: Sequence[SlotState] | None,
+    current: Sequence[SlotState],
+    mine: Mapping[int, bool],
+    routed: int,
+) -> tuple[dict[int, bool], int]:
+    """Which of an engine's slots last served a request of this gateway's, from two answers of its
+    slots, which slots were this gateway's after the earlier one (``mine``), and the requests
+    this gateway sent it since then not yet seen served (``routed``): (each slot's id → whether it
+    holds a prompt this gateway sent, this gateway's requests still not seen served, at most one a
+    slot). A slot served a request when the task it last served changed; as many of those as
+    ``routed`` are this gateway's (which ones cannot be told, nor does it matter to a count), the
+    others another's, which overwrote what the slot held. With no earlier answer each slot that
+    holds a prompt is taken for this gateway's: nothing is known to the contrary."""
+    if previous is None:
+        return {s.id: s.holds for s in current}, 0
+    before = {s.id: s.task for s in previous}
+    now: dict[int, bool] = {}
+    ours = routed
+    for s in current:
+        if s.task is not None and s.task != before.get(s.id):
+            now[s.id] = ours > 0 and s.holds
+            ours -= 1
+        else:
+            now[s.id] = mine.get(s.id, False) and s.holds
+    return now, min(len(current), max(0, ours))
+
+
 @dataclass
 class PrefixCaches:
     """One gateway's model of every replica's prompt cache, learned from what it routed."""
@@ -211,6 +288,15 @@ class PrefixCaches:
     synced: dict[str, tuple[int | None, int, int | None]] = field(default_factory=dict)
     # Cache resets by cause, for tests and the curious.
     resets: int = 0
+    # replica → the last engine report applied (its seq), its slots then, which of them hold a
+    # prompt this gateway sent, and its requests to it not yet seen in a slot (``correct``).
+    applied: dict[str, int] = field(default_factory=dict)
+    slots_seen: dict[str, tuple[SlotState, ...]] = field(default_factory=dict)
+    mine: dict[str, dict[int, bool]] = field(default_factory=dict)
+    routed: dict[str, int] = field(default_factory=dict)
+    # Blocks and prompts dropped by engine reports, for tests and the curious.
+    corrected_blocks: int = 0
+    corrected_prompts: int = 0
 
     def sync(
         self, replica: str, kv_tokens: int | None, epoch: int | None, kv_prompts: int | None = None
@@ -246,6 +332,33 @@ class PrefixCaches:
         if cache is None:
             cache = self.sync(replica, None, None)
         cache.insert(keys)
+        if cache.prompts is not None:
+            self.routed[replica] = self.routed.get(replica, 0) + 1
+
+    def correct(self, replica: str, report: CacheReport | None) -> None:
+        """Correct ``replica``'s model by what its engine said (see the module's docstring), once
+        per report: a report already applied, or none, changes nothing."""
+        if report is None or self.applied.get(replica) == report.seq:
+            return
+        cache = self.replicas.get(replica)
+        if cache is None:
+            return
+        self.applied[replica] = report.seq
+        if report.held_tokens is not None:
+            self.corrected_blocks += cache.trim_blocks(report.held_tokens // BLOCK_TOKENS)
+        if report.slots is None or cache.prompts is None:
+            return
+        if report.slots:
+            cache.prompts = len(report.slots)
+        if report.capacity_tokens is not None:
+            cache.resize(capacity_blocks(report.capacity_tokens))
+        previous = self.slots_seen.get(replica)
+        self.slots_seen[replica] = report.slots
+        mine, unseen = slot_correction(
+            previous, report.slots, self.mine.get(replica, {}), self.routed.get(replica, 0)
+        )
+        self.mine[replica], self.routed[replica] = mine, unseen
+        self.corrected_prompts += cache.trim_prompts(sum(mine.values()) + unseen)
 
     def keep_only(self, replicas: Iterable[str]) -> None:
         """Forget the replicas no longer routed (replica names are never reused)."""
@@ -253,3 +366,7 @@ class PrefixCaches:
         for name in [n for n in self.replicas if n not in live]:
             del self.replicas[name]
             self.synced.pop(name, None)
+            self.applied.pop(name, None)
+            self.slots_seen.pop(name, None)
+            self.mine.pop(name, None)
+            self.routed.pop(name, None)

@@ -105,6 +105,7 @@ class Serving:
                 metrics=metrics,
                 engine_waiting=engine_waiting,
                 engine_cache=engine_cache,
+                engine_report=observer.reports.get,
                 windows=windows,
                 usage=store,
                 limits=limits,
@@ -113,6 +114,8 @@ class Serving:
             if gateway
             else None
         )
+        if gw is not None:
+            observer.on_report = gw.caches.correct
         prober = EndpointProber(store, keys) if probe_endpoints else None
         return cls(metrics, observer, gw, cors, prober)
 

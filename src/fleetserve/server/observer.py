@@ -5,7 +5,16 @@ replica's running and waiting requests for the gateway's picking and the autosca
 It also tells each replica's engine epoch (``epochs``), a count that moves when the engine lost
 its caches: its agent reported a restart, or its prompt-token counter went backwards (a counter
 resets only when its process starts again). The gateway's cache model of a replica is cleared
-when its epoch moves (``gateway.prefixcache``).
+when its epoch moves (``gateway.prefixcache``). A vLLM replica's epoch moves too when its agent
+reports its engine dropped its whole KV cache (``kvCache.clears``, from its KV events).
+
+And it tells what each replica's engine says it holds (``reports``, a ``cachereport.CacheReport``
+each, which the gateway corrects its model of the replica by): a llama.cpp replica's slots, read
+beside its metrics from the route its engine row names (``cache_state``: ``GET /slots``), with the
+same key, each answer bounded (``CacheState.max_bytes``) and timed out like a scrape; a vLLM
+replica's blocks held, as its agent reported them from its engine's KV events. Each new answer or
+report is a new ``seq``, handed to ``on_report`` (the gateway's) on the event loop as it comes, so
+the gateway corrects its model between requests, not only at its next pick of the replica.
 """
 
 from __future__ import annotations
@@ -14,10 +23,12 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from starlette.concurrency import run_in_threadpool
 
+from fleetserve.cachereport import CacheReport
 from fleetserve.changegate import ChangeGate
 from fleetserve.engines.registry import ENGINES
 from fleetserve.engines.spec import EngineKind
@@ -27,6 +38,7 @@ from fleetserve.metrics.exposition import ENGINE_METRICS, GPU_METRICS, FleetMetr
 from fleetserve.metrics.promtext import ExpositionError
 from fleetserve.metrics.scraper import Scraper
 from fleetserve.metrics.targets import Target
+from fleetserve.protocol import KvCacheSummary
 from fleetserve.routing import routable
 from fleetserve.server.gpu_exporters import ExporterScrape
 from fleetserve.store.protocols import AgentReports
@@ -62,6 +74,24 @@ class Observer:
         self.metrics = metrics
         self.interval = interval
         self.scraper = Scraper(interval=interval, timeout=min(2.0, interval * 2))
+        # The engines' own word on their caches (llama.cpp's /slots), scraped like their metrics.
+        self.cache_scraper = Scraper(
+            interval=interval,
+            timeout=min(2.0, interval * 2),
+            max_body_bytes=max(
+                (e.cache_state.max_bytes for e in ENGINES.values() if e.cache_state), default=1
+            ),
+        )
+        # Per replica, what its engine last said it holds (see the module's docstring).
+        self.reports: dict[str, CacheReport] = {}
+        self._seq = 0
+        self._clears: dict[str, int] = {}
+        self._cache_seen: dict[str, float] = {}
+        self._unreadable: set[str] = set()
+        self._cache_targets: list[Target] = []
+        # Told each new report, on the event loop (``collect``): the gateway's correction.
+        self.on_report: Callable[[str, CacheReport], None] | None = None
+        self._told: dict[str, int] = {}
         self.loads: dict[str, ReplicaLoad] = {}
         # Per replica, its latest canonical engine samples without labels (the dashboard's view).
         self.engine_values: dict[str, dict[str, float]] = {}
@@ -95,6 +125,22 @@ class Observer:
                 self.epochs[replica] = self.epochs.get(replica, 0) + 1
             self._restarts[replica] = restarts
 
+    def kv_caches(self, reported: list[tuple[str, KvCacheSummary | None]]) -> None:
+        """Take what agents reported of their replicas' KV events: a whole cache dropped since the
+        last look moves the replica's epoch; a new count of blocks held is a new report."""
+        for replica, summary in reported:
+            if summary is None:
+                continue
+            seen = self._clears.get(replica)
+            if seen is not None and summary.clears > seen:
+                self.epochs[replica] = self.epochs.get(replica, 0) + 1
+            self._clears[replica] = summary.clears
+            held = summary.blocks * summary.block_tokens
+            old = self.reports.get(replica)
+            if old is None or old.held_tokens != held:
+                self._seq += 1
+                self.reports[replica] = CacheReport(self._seq, held_tokens=held)
+
     def targets(self) -> list[Target]:
         """The metrics URL of every Running replica that reported a port (blocking: reads the
         store's change counter, and the replicas only when it moved or a full read is due)."""
@@ -109,8 +155,10 @@ class Observer:
     def _read_targets(self) -> list[Target]:
         deployments = {d.deployment.name: d.deployment for d in self.store.list_deployments()}
         out = []
+        cache_targets = []
         endpoints = self.store.replica_endpoints()
         self.restarts([(e.replica.deployment, e.replica.name, e.status.restarts) for e in endpoints])
+        self.kv_caches([(e.replica.name, e.status.kv_cache) for e in endpoints])
         for served in routable(endpoints):
             replica = served.replica
             dep = deployments.get(replica.deployment)
@@ -126,6 +174,19 @@ class Observer:
             }  # fmt: skip
             url = served.url + ENGINES[profile.engine].metrics_path
             out.append(Target(key=replica.name, url=url, labels=labels, bearer=served.engine_key))
+            cache_state = ENGINES[profile.engine].cache_state
+            if cache_state is not None:
+                cache_url = served.url + cache_state.path
+                cache_targets.append(Target(key=replica.name, url=cache_url, bearer=served.engine_key))
+        self._cache_targets = cache_targets
+        live = {e.replica.name for e in endpoints}
+        for name in [n for n in self.reports if n not in live]:
+            del self.reports[name]
+        for name in [n for n in self._clears if n not in live]:
+            del self._clears[name]
+        for name in [n for n in self._cache_seen if n not in live]:
+            del self._cache_seen[name]
+        self._unreadable &= live
         return out
 
     def collect(self) -> None:
@@ -161,10 +222,43 @@ class Observer:
             )
         self.loads = loads
         self.engine_values = values_of
+        self._collect_cache_states()
+        self._tell_reports()
         try:
             self.metrics.set_engine_samples(samples)
         except ValueError as exc:
             log.warning("engine metrics refused: %s", exc)
+
+    def _collect_cache_states(self) -> None:
+        """Each new fresh answer of an engine's cache state, read by its row, is a new report."""
+        for key, scrape in self.cache_scraper.snapshot().items():
+            engine = self._engines.get(key)
+            cache_state = ENGINES[engine].cache_state if engine is not None else None
+            if cache_state is None or scrape.body is None or scrape.stale or scrape.fetched_at is None:
+                continue
+            if self._cache_seen.get(key) == scrape.fetched_at:
+                continue
+            self._cache_seen[key] = scrape.fetched_at
+            slots = self.cache_scraper.parse_on_demand(key, cache_state.read)
+            if slots is None:
+                if key not in self._unreadable:  # said once, not every second
+                    self._unreadable.add(key)
+                    log.warning("replica %s: unreadable answer from %s", key, cache_state.path)
+                continue
+            self._unreadable.discard(key)
+            self._seq += 1
+            capacity = max((s.n_ctx for s in slots), default=0) or None
+            self.reports[key] = CacheReport(self._seq, capacity_tokens=capacity, slots=slots)
+
+    def _tell_reports(self) -> None:
+        if self.on_report is None:
+            return
+        for replica, report in list(self.reports.items()):
+            if self._told.get(replica) != report.seq:
+                self._told[replica] = report.seq
+                self.on_report(replica, report)
+        for name in [n for n in self._told if n not in self.reports]:
+            del self._told[name]
 
     def _count_prompt_tokens(self, replica: str, count: float | None) -> None:
         """A prompt-token counter lower than its last value: the engine started again."""
@@ -178,11 +272,13 @@ class Observer:
     async def run(self, stop: asyncio.Event) -> None:
         """Scrape in the background; refresh targets and the published values every interval."""
         scraping = asyncio.create_task(self.scraper.run(stop))
+        caching = asyncio.create_task(self.cache_scraper.run(stop))
         exporting = None if self.exporters is None else asyncio.create_task(self.exporters.run(stop))
         try:
             while not stop.is_set():
                 try:
                     self.scraper.set_targets(await run_in_threadpool(self.targets))
+                    self.cache_scraper.set_targets(self._cache_targets)
                     gpus = await run_in_threadpool(self.gpu_samples)
                     if self.exporters is not None:  # on the loop: the scraper is the loop's
                         gpus += self.exporters.gpu_samples()
@@ -198,6 +294,8 @@ class Observer:
         finally:
             stop.set()
             await scraping
+            await caching
             if exporting is not None:
                 await exporting
             await self.scraper.aclose()
+            await self.cache_scraper.aclose()
