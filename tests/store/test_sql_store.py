@@ -19,6 +19,7 @@ from builders import cpu_8c_16g as node
 from builders import deployment as build_deployment
 from fleetserve.errors import ConfigError, NotFound, StoreError, UnknownNode, UnknownReplica
 from fleetserve.protocol import ReplicaStatus
+from fleetserve.reconcile.health import Transition
 from fleetserve.spec.loader import Documents
 from fleetserve.spec.resources import Deployment, Model, NodeState, Replica, ReplicaState
 from fleetserve.spec.status import DecisionRecord, DeploymentStatus
@@ -115,6 +116,54 @@ def test_heartbeats(store: SqlStore) -> None:
         store.heartbeat("nope", T0)
     with pytest.raises(ValueError, match="timezone-aware"):
         store.heartbeat("n1", datetime(2025, 6, 1, 12, 0))
+
+
+def test_silent_nodes_are_marked_in_one_go_and_a_node_moved_or_heard_since_is_left_alone(
+    store: SqlStore,
+) -> None:
+    for name in ("n1", "n2", "n3", "n4"):
+        store.register(node(name))
+        store.heartbeat(name, T0)
+    store.set_state("n3", NodeState.NOT_READY)  # moved since the judgement read it Ready
+    store.heartbeat("n4", T0 + timedelta(seconds=5))  # heard after the heartbeat the judgement saw
+    ready, not_ready, lost = NodeState.READY, NodeState.NOT_READY, NodeState.LOST
+    moved = store.mark_silent(
+        [
+            Transition("n1", ready, not_ready, T0),
+            Transition("n3", ready, not_ready, T0),
+            Transition("n2", ready, lost, T0),
+            Transition("n4", ready, not_ready, T0),
+        ]
+    )
+    assert moved == ["n1", "n2"]
+    states = {h.name: h.state for h in store.node_heartbeats()}
+    assert states == {"n1": not_ready, "n2": lost, "n3": not_ready, "n4": ready}
+    assert store.mark_silent([]) == []
+    assert store.mark_silent([Transition("gone", ready, not_ready, T0)]) == []
+
+
+def test_a_node_row_another_transaction_holds_is_skipped_without_waiting(postgres_store: SqlStore) -> None:
+    """A server stopped (SIGSTOP) in the middle of writing a heartbeat holds that node's row: the
+    reconciler's liveness judgement marks every other node and skips that one, rather than waiting
+    on the stopped process until it resumes (PostgreSQL; SQLite has one writer at a time)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    for name in ("n1", "n2"):
+        postgres_store.register(node(name))
+    holder = postgres_store.engine.connect()
+    try:
+        with ThreadPoolExecutor(1) as pool, holder.begin():  # the lock goes before the pool waits
+            holder.execute(text("UPDATE nodes SET state = state WHERE name = 'n1'"))  # the row lock
+            judged = pool.submit(
+                postgres_store.mark_silent,
+                [Transition(n, NodeState.READY, NodeState.NOT_READY) for n in ("n1", "n2")],
+            )
+            # Had it waited on the lock it would wait for as long as the holder's transaction lasts:
+            # the holder stays open until this answer comes (or 30 s pass and the test fails).
+            assert judged.result(timeout=30) == ["n2"]
+    finally:
+        holder.close()
+    assert postgres_store.mark_silent([Transition("n1", NodeState.READY, NodeState.NOT_READY)]) == ["n1"]
 
 
 def test_replica_state_and_placement_epochs(store: SqlStore) -> None:

@@ -141,7 +141,7 @@ def judge(
                 new = NodeState.NOT_READY
         # Silence only ever worsens a state: Ready → NotReady/Lost, NotReady → Lost.
         if SEVERITY[new] > SEVERITY[j.state]:
-            out.append(Transition(j.name, j.state, new))
+            out.append(Transition(j.name, j.state, new, j.heard))
     mode = Disruption(silent=silent, fleet=len(fleet), since=since) if since is not None else None
     return FleetJudgement(
         tuple(sorted(out, key=lambda t: t.node)),
@@ -161,6 +161,7 @@ class _Judged:
     state: NodeState
     by_silence: NodeState
     counted: datetime
+    heard: datetime
 
     @property
     def silent(self) -> bool:
@@ -177,5 +178,5 @@ def _by_silence(
     out = []
     for name, state, last in heard:
         counted = last if grace_from is None or last >= grace_from else grace_from
-        out.append(_Judged(name, state, classify(counted, now, policy), counted))
+        out.append(_Judged(name, state, classify(counted, now, policy), counted, last))
     return out

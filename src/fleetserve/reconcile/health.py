@@ -66,11 +66,13 @@ def least_healthy(states: Iterable[NodeState]) -> NodeState:
 
 @dataclass(frozen=True)
 class Transition:
-    """A node whose state changes in this cycle."""
+    """A node whose state changes in this cycle; ``heard`` the last heartbeat its judgement saw
+    (the store leaves a node heard since as it is: ``mark_silent``); not part of its identity."""
 
     node: str
     old: NodeState
     new: NodeState
+    heard: datetime | None = field(default=None, compare=False)
 
 
 def transitions(
@@ -91,5 +93,5 @@ def transitions(
         new = classify(last, now, policy)
         # Silence only ever worsens a state: Ready → NotReady/Lost, NotReady → Lost.
         if SEVERITY[new] > SEVERITY[state]:
-            out.append(Transition(name, state, new))
+            out.append(Transition(name, state, new, last))
     return out

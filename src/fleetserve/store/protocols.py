@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from fleetserve.inventory.base import Inventory
 from fleetserve.protocol import AgentStatus
+from fleetserve.reconcile.health import Transition
 from fleetserve.routing import ReplicaEndpoint
 from fleetserve.spec.adapter import Adapter
 from fleetserve.spec.endpoint import Endpoint, EndpointState
@@ -141,6 +142,8 @@ class Heartbeats(Protocol):
     """When each node's agent was last heard from."""
 
     def node_heartbeats(self) -> list[NodeHeartbeat]: ...
+
+    def mark_silent(self, changes: Sequence[Transition]) -> list[str]: ...
 
 
 class Lease(Protocol):

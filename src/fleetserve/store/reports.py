@@ -31,7 +31,7 @@ from fleetserve.errors import (
     UnknownReplica,
 )
 from fleetserve.protocol import AgentStatus, ReplicaStatus
-from fleetserve.reconcile.health import least_healthy
+from fleetserve.reconcile.health import Transition, least_healthy
 from fleetserve.routing import ReplicaEndpoint
 from fleetserve.spec.resources import (
     NodeState,
@@ -399,6 +399,39 @@ class SqlReports(SqlBase):
             rows = s.execute(select(NodeRow.name, NodeRow.state, NodeRow.epoch, NodeRow.last_heartbeat))
             out = [NodeHeartbeat(name, NodeState(state), epoch, last) for name, state, epoch, last in rows]
         return sorted(out, key=lambda h: h.name)
+
+    def mark_silent(self, changes: Sequence[Transition]) -> list[str]:
+        """Move each node its silence judged (``old`` to ``new``), in one transaction, and return
+        the nodes moved. A node whose state is no longer ``old``, or that was heard after the
+        heartbeat its judgement saw (``heard``: a heartbeat committed between the reconciler's read
+        and this write), is left as it is; so is one whose row another writer holds locked
+        (PostgreSQL's ``SKIP LOCKED``): a heartbeat being written for it, or a server stopped in the
+        middle of that write. The liveness judgement never waits on another process's transaction;
+        a node skipped is judged again next cycle."""
+        if not changes:
+            return []
+        wanted = {c.node: c for c in changes}
+        moved = []
+        with self._write(f"marking {len(wanted)} silent node(s)") as s:
+            rows = s.scalars(
+                select(NodeRow).where(NodeRow.name.in_(list(wanted))).with_for_update(skip_locked=True)
+            )
+            for row in rows:
+                change = wanted[row.name]
+                heard_since = (
+                    change.heard is not None
+                    and row.last_heartbeat is not None
+                    and row.last_heartbeat > stamp(change.heard)
+                )
+                if row.state != change.old.value or heard_since:
+                    continue
+                row.state = change.new.value
+                status = row.agent_status
+                if change.new is not NodeState.READY and status and status.get("gpuMetrics"):
+                    # A node that left Ready speaks for its GPUs no more: its last samples are dropped.
+                    row.agent_status = {**status, "gpuMetrics": []}
+                moved.append(row.name)
+        return sorted(moved)
 
     def engine_keys(self, replicas: Sequence[str]) -> dict[str, str]:
         """The engine API keys of ``replicas`` (those that have one): for their agents' assignments."""

@@ -11,7 +11,7 @@ from datetime import UTC, datetime, timedelta
 
 from builders import deployment, gpu_host_32c_256g, safetensors_8gb
 from fleetserve.inventory.memory import InMemoryInventory
-from fleetserve.reconcile.health import HeartbeatPolicy
+from fleetserve.reconcile.health import HeartbeatPolicy, Transition
 from fleetserve.server.reconciler.loop import Reconciler
 from fleetserve.spec.adapter import Adapter
 from fleetserve.spec.resources import DeviceClass, Model, NodeState, ReplicaState
@@ -63,6 +63,14 @@ class FakeStore(InMemoryInventory):
         return [
             NodeHeartbeat(n.name, n.state, self.epoch(n.name), self.heard.get(n.name)) for n in self.nodes()
         ]
+
+    def mark_silent(self, changes: Sequence[Transition]) -> list[str]:
+        moved = []
+        for change in changes:  # the fake has no concurrent writer: the state is all it checks
+            if self.get_node(change.node).state is change.old:
+                self.set_state(change.node, change.new)
+                moved.append(change.node)
+        return sorted(moved)
 
     def start_draining(self, names: Sequence[str], now: datetime) -> list[str]:
         out = []

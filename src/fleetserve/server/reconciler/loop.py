@@ -363,10 +363,21 @@ class Reconciler:
             log.warning("disruption mode: %s (nodes are marked NotReady, none judged Lost)", mode.message())
         elif mode is None and before.disrupted_since is not None:
             log.warning("disruption mode ended: heartbeats resumed; deadlines count from now")
+        moved = set(self.store.mark_silent(judged.transitions))
+        skipped = []
         for change in judged.transitions:
-            self.store.set_state(change.node, change.new)
+            if change.node not in moved:
+                skipped.append(change.node)
+                continue
             result.transitions.append((change.node, change.old.value, change.new.value))
             log.info("node %s: %s -> %s", change.node, change.old.value, change.new.value)
+        if skipped:
+            log.info(
+                "%d node(s) not marked this cycle: heard since they were judged, their state moved, "
+                "or their rows are being written (a heartbeat in flight); judged again next cycle: %s",
+                len(skipped),
+                ", ".join(skipped[:10]) + (" …" if len(skipped) > 10 else ""),
+            )
         result.disruption, result.held, result.stalled = mode, judged.held, judged.stalled
 
     def _autoscaler_log(self, deployment: str) -> list[AutoscalerEntry]:
