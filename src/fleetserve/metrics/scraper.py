@@ -23,7 +23,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from types import TracebackType
 from typing import TypeVar
 
@@ -154,9 +154,12 @@ class Scraper:
 
     # -- scraping --
 
-    async def scrape_once(self) -> None:
-        """One cycle: every target not already in flight, at most ``concurrency`` at a time."""
-        pending = deque(s for s in self._states.values() if not s.in_flight)
+    async def scrape_once(self, keys: Collection[str] | None = None) -> None:
+        """One cycle: every target not already in flight (of ``keys`` only, when given), at most
+        ``concurrency`` at a time."""
+        pending = deque(
+            s for key, s in self._states.items() if not s.in_flight and (keys is None or key in keys)
+        )
         for state in pending:
             state.in_flight = True
         start = self._clock()

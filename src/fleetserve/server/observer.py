@@ -10,8 +10,10 @@ reports its engine dropped its whole KV cache (``kvCache.clears``, from its KV e
 
 And it tells what each replica's engine says it holds (``reports``, a ``cachereport.CacheReport``
 each, which the gateway corrects its model of the replica by): a llama.cpp replica's slots, read
-beside its metrics from the route its engine row names (``cache_state``: ``GET /slots``), with the
-same key, each answer bounded (``CacheState.max_bytes``) and timed out like a scrape; a vLLM
+from the route its engine row names (``cache_state``: ``GET /slots``), with the same key, each
+answer bounded (``CacheState.max_bytes``) and timed out like a scrape, but only when the replica's
+metrics show work since the last answer (``cachereport.read_due``: an idle engine is never asked,
+so it may sleep); a vLLM
 replica's blocks held, as its agent reported them from its engine's KV events. Each new answer or
 report is a new ``seq``, handed to ``on_report`` (the gateway's) on the event loop as it comes, so
 the gateway corrects its model between requests, not only at its next pick of the replica.
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 
 from starlette.concurrency import run_in_threadpool
 
-from fleetserve.cachereport import CacheReport
+from fleetserve.cachereport import Activity, CacheReport, read_due
 from fleetserve.changegate import ChangeGate
 from fleetserve.engines.registry import ENGINES
 from fleetserve.engines.spec import EngineKind
@@ -89,6 +91,11 @@ class Observer:
         self._cache_seen: dict[str, float] = {}
         self._unreadable: set[str] = set()
         self._cache_targets: list[Target] = []
+        # Per replica with a cache state to read: its latest metrics' work, and the work and time
+        # (monotonic) when its cache state was last asked for (``read_due``).
+        self._activity: dict[str, Activity] = {}
+        self._cache_asked: dict[str, tuple[Activity, float]] = {}
+        self._cache_reads: set[asyncio.Task[None]] = set()
         # Told each new report, on the event loop (``collect``): the gateway's correction.
         self.on_report: Callable[[str, CacheReport], None] | None = None
         self._told: dict[str, int] = {}
@@ -186,6 +193,8 @@ class Observer:
             del self._clears[name]
         for name in [n for n in self._cache_seen if n not in live]:
             del self._cache_seen[name]
+        for name in [n for n in self._cache_asked if n not in live]:
+            del self._cache_asked[name]
         self._unreadable &= live
         return out
 
@@ -222,12 +231,39 @@ class Observer:
             )
         self.loads = loads
         self.engine_values = values_of
+        self._activity = {
+            key: Activity(
+                prompt_tokens=values_of[key].get("fleetserve_prompt_tokens_total", 0.0),
+                generation_tokens=values_of[key].get("fleetserve_generation_tokens_total", 0.0),
+                running=load.running,
+                waiting=load.waiting,
+            )
+            for key, load in loads.items()
+        }
         self._collect_cache_states()
         self._tell_reports()
         try:
             self.metrics.set_engine_samples(samples)
         except ValueError as exc:
             log.warning("engine metrics refused: %s", exc)
+
+    def cache_reads_due(self, now: float) -> list[str]:
+        """The replicas whose cache state to ask for now (``read_due``), marked as asked."""
+        due = []
+        for target in self._cache_targets:
+            activity = self._activity.get(target.key)
+            if read_due(activity, self._cache_asked.get(target.key), now) and activity is not None:
+                self._cache_asked[target.key] = (activity, now)
+                due.append(target.key)
+        return due
+
+    def _read_cache_states(self) -> None:
+        """Ask the due replicas for their cache state, in the background (collected next tick)."""
+        due = self.cache_reads_due(time.monotonic())
+        if due:
+            task = asyncio.create_task(self.cache_scraper.scrape_once(due))
+            self._cache_reads.add(task)
+            task.add_done_callback(self._cache_reads.discard)
 
     def _collect_cache_states(self) -> None:
         """Each new fresh answer of an engine's cache state, read by its row, is a new report."""
@@ -272,7 +308,6 @@ class Observer:
     async def run(self, stop: asyncio.Event) -> None:
         """Scrape in the background; refresh targets and the published values every interval."""
         scraping = asyncio.create_task(self.scraper.run(stop))
-        caching = asyncio.create_task(self.cache_scraper.run(stop))
         exporting = None if self.exporters is None else asyncio.create_task(self.exporters.run(stop))
         try:
             while not stop.is_set():
@@ -289,12 +324,15 @@ class Observer:
                 except FleetserveError as exc:
                     log.warning("listing the replicas to scrape failed: %s", exc)
                 self.collect()
+                self._read_cache_states()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=self.interval)
         finally:
             stop.set()
             await scraping
-            await caching
+            for task in self._cache_reads:
+                task.cancel()
+            await asyncio.gather(*self._cache_reads, return_exceptions=True)
             if exporting is not None:
                 await exporting
             await self.scraper.aclose()
