@@ -27,7 +27,7 @@ from fleetserve.errors import (
 from fleetserve.protocol import AgentStatus, ReplicaStatus
 from fleetserve.snapshot import ReplicaFacts
 from fleetserve.spec.nodeparts import Cordon
-from fleetserve.spec.resources import Node, Replica
+from fleetserve.spec.resources import Node, NodeState, Replica
 from fleetserve.store.db import autocommit_twin, converted, read_only
 from fleetserve.store.doccache import ParseCache, ReplicaDocs, ReplicaKey
 from fleetserve.store.tables import (
@@ -56,6 +56,15 @@ def node_of(row: NodeRow) -> Node:
 def _node(spec: dict[str, Any], state: str, reason: str | None, by: str | None) -> Node:
     cordon = None if reason is None else Cordon(reason=reason, by=by or "operator")
     return Node.model_validate({**spec, "state": state, "cordon": cordon})
+
+
+def move_node(row: NodeRow, state: NodeState) -> None:
+    """Set a locked node row's state. A node that leaves Ready speaks for its GPUs no more: its
+    last samples are dropped."""
+    row.state = NodeState(state).value
+    status = row.agent_status
+    if row.state != NodeState.READY.value and status and status.get("gpuMetrics"):
+        row.agent_status = {**status, "gpuMetrics": []}
 
 
 def as_text(column: Any) -> Any:

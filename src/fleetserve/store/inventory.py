@@ -23,7 +23,7 @@ from fleetserve.snapshot import ClusterSnapshot
 from fleetserve.spec.nodeparts import Cordon
 from fleetserve.spec.resources import DeviceClass, Fabric, Node, NodeState, Replica, ReplicaState
 from fleetserve.store.allocation import SqlAllocation
-from fleetserve.store.base import as_text, doc, node_of, replica_of
+from fleetserve.store.base import as_text, doc, move_node, node_of, replica_of
 from fleetserve.store.replicas import SqlReplicas
 from fleetserve.store.tables import (
     DeviceClassRow,
@@ -126,10 +126,7 @@ class SqlInventory(SqlAllocation, SqlReplicas):
     def set_state(self, name: str, state: NodeState) -> Node:
         with self._write(f"setting node {name} {state}") as s:
             row = self._locked_node(s, name)
-            row.state = NodeState(state).value
-            if row.state != NodeState.READY.value and row.agent_status and row.agent_status.get("gpuMetrics"):
-                # A node that left Ready speaks for its GPUs no more: its last samples are dropped.
-                row.agent_status = {**row.agent_status, "gpuMetrics": []}
+            move_node(row, state)
             return node_of(row)
 
     def snapshot(self, models: Mapping[str, ModelFacts] | None = None) -> ClusterSnapshot:

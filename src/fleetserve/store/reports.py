@@ -52,7 +52,7 @@ from fleetserve.store.acceptance import (
     locked_nodes,
     one_claim,
 )
-from fleetserve.store.base import IN_CHUNK, SqlBase, as_text, replica_of
+from fleetserve.store.base import IN_CHUNK, SqlBase, as_text, move_node, replica_of
 from fleetserve.store.tables import (
     DeploymentRow,
     DeviceClassRow,
@@ -425,11 +425,7 @@ class SqlReports(SqlBase):
                 )
                 if row.state != change.old.value or heard_since:
                     continue
-                row.state = change.new.value
-                status = row.agent_status
-                if change.new is not NodeState.READY and status and status.get("gpuMetrics"):
-                    # A node that left Ready speaks for its GPUs no more: its last samples are dropped.
-                    row.agent_status = {**status, "gpuMetrics": []}
+                move_node(row, change.new)
                 moved.append(row.name)
         return sorted(moved)
 
